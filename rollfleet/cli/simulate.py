@@ -1,0 +1,147 @@
+"""``rollfleet simulate``: an agentic rollout over a simulated fleet, with weight updates mid-way.
+
+Runs ``--sessions`` multi-turn sessions (each turn appends the model's answer and a "tool" reply
+to the prompt, so later turns share a growing prefix) through ``FullyAsyncLLMServerClient`` on an
+embedded Ray cluster, fires weight updates while they are in flight, and prints throughput, the
+prefix-cache hit rate, the load balance across replicas and how many requests were resumed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from rollfleet.client import FullyAsyncLLMServerClient
+from rollfleet.config import RollfleetConfig
+from rollfleet.manager import LLMServerManager
+
+
+@dataclass
+class SimulateOptions:
+    sessions: int = 300
+    turns: int = 3
+    prompt_tokens: int = 256
+    tool_tokens: int = 48
+    max_tokens_per_turn: int = 256
+    weight_updates: int = 3
+    update_interval_s: float = 1.0
+    seed: int = 0
+
+
+@dataclass
+class SimulateResult:
+    wall_s: float
+    trajectories: int
+    requests: int
+    output_tokens: int
+    resumes: int
+    cache_hit_rate: float
+    per_replica_requests: dict[str, int] = field(default_factory=dict)
+    sticky_kept: float = 0.0
+    weight_updates: list[dict[str, Any]] = field(default_factory=list)
+    max_version_span: int = 0
+
+    @property
+    def imbalance(self) -> float:
+        counts = list(self.per_replica_requests.values())
+        return max(counts) / (sum(counts) / len(counts)) if counts and sum(counts) else 1.0
+
+
+async def _session(client: FullyAsyncLLMServerClient, sid: int, opts: SimulateOptions, vocab: int, rng: random.Random) -> dict:
+    prompt = [rng.randrange(3, vocab) for _ in range(opts.prompt_tokens + rng.randrange(opts.prompt_tokens))]
+    replicas, resumes, out_tokens, versions = [], 0, 0, []
+    for _turn in range(opts.turns):
+        out = await client.generate(
+            f"session-{sid}", prompt_ids=prompt, sampling_params={"temperature": 1.0, "max_tokens": opts.max_tokens_per_turn}
+        )
+        replicas.append(out.extra_fields.get("replica_id"))
+        resumes += out.extra_fields.get("num_resumes", 0)
+        out_tokens += len(out.token_ids)
+        versions.append((out.extra_fields["min_global_steps"], out.extra_fields["max_global_steps"]))
+        tool_reply = [rng.randrange(3, vocab) for _ in range(opts.tool_tokens)]
+        prompt = prompt + out.token_ids + tool_reply
+    client.finish_session(f"session-{sid}")
+    return {"replicas": replicas, "resumes": resumes, "tokens": out_tokens, "versions": versions}
+
+
+async def run_simulation(config: RollfleetConfig, opts: SimulateOptions, console: Optional[Console] = None) -> SimulateResult:
+    console = console or Console()
+    cfg = config.rollout
+    needed = opts.prompt_tokens * 2 + opts.turns * (opts.max_tokens_per_turn + opts.tool_tokens)
+    if cfg.max_model_len < needed:
+        cfg = cfg.model_copy(update={"max_model_len": needed})
+        config = config.model_copy(update={"rollout": cfg})
+    manager = await LLMServerManager.create(config)
+    try:
+        client = manager.get_client(FullyAsyncLLMServerClient)
+        rng = random.Random(opts.seed)
+        before = await manager.replica_stats()
+        updates: list[dict[str, Any]] = []
+        start = time.perf_counter()
+        with Progress(
+            TextColumn("[bold]rollout"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            TextColumn("{task.fields[info]}"), console=console, transient=False,
+        ) as progress:
+            task = progress.add_task("sessions", total=opts.sessions, info="")
+            done: list[dict] = []
+
+            async def tracked(i: int) -> None:
+                done.append(await _session(client, i, opts, cfg.sim.vocab_size, random.Random(rng.random())))
+                progress.update(task, advance=1, info=f"weights v{len(updates)}")
+
+            sessions = asyncio.ensure_future(asyncio.gather(*(tracked(i) for i in range(opts.sessions))))
+            for version in range(1, opts.weight_updates + 1):
+                try:
+                    await asyncio.wait_for(asyncio.shield(sessions), opts.update_interval_s)
+                    break
+                except asyncio.TimeoutError:
+                    updates.append(await manager.update_weights({"step": version}, version))
+            await sessions
+        wall = time.perf_counter() - start
+        after = await manager.replica_stats()
+        per_replica = {rid: after[rid]["requests"] - before.get(rid, {}).get("requests", 0) for rid in after}
+        hit = sum(after[r]["prefix_cache_hit_tokens"] - before.get(r, {}).get("prefix_cache_hit_tokens", 0) for r in after)
+        query = sum(after[r]["prefix_cache_query_tokens"] - before.get(r, {}).get("prefix_cache_query_tokens", 0) for r in after)
+        kept = sum(1 for d in done if len(set(d["replicas"])) == 1)
+        return SimulateResult(
+            wall_s=wall,
+            trajectories=len(done),
+            requests=len(done) * opts.turns,
+            output_tokens=sum(d["tokens"] for d in done),
+            resumes=sum(d["resumes"] for d in done),
+            cache_hit_rate=hit / query if query else 0.0,
+            per_replica_requests=per_replica,
+            sticky_kept=kept / len(done) if done else 0.0,
+            weight_updates=updates,
+            max_version_span=max((v[-1][1] - v[0][0] for v in (d["versions"] for d in done)), default=0),
+        )
+    finally:
+        await manager.shutdown()
+
+
+def render(result: SimulateResult, console: Console) -> None:
+    table = Table(title="rollfleet simulate: summary")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_row("trajectories completed", f"{result.trajectories}")
+    table.add_row("requests (turns)", f"{result.requests}")
+    table.add_row("wall time", f"{result.wall_s:.2f} s")
+    table.add_row("throughput", f"{result.output_tokens / result.wall_s:,.0f} output tokens/s (wall)")
+    table.add_row("requests/s", f"{result.requests / result.wall_s:,.1f}")
+    table.add_row("prefix-cache hit rate", f"{result.cache_hit_rate:.1%}")
+    table.add_row("sessions kept on one replica", f"{result.sticky_kept:.1%}")
+    table.add_row("load balance (max/mean requests)", f"{result.imbalance:.3f}")
+    table.add_row("weight updates during rollout", f"{len(result.weight_updates)}")
+    if result.weight_updates:
+        pauses = [u["total_s"] * 1000 for u in result.weight_updates]
+        table.add_row("weight-update pause (mean)", f"{sum(pauses) / len(pauses):.1f} ms")
+    table.add_row("aborted-and-resumed attempts", f"{result.resumes}")
+    table.add_row("per-replica requests", ", ".join(f"{k}={v}" for k, v in sorted(result.per_replica_requests.items())))
+    console.print(table)

@@ -1,0 +1,123 @@
+"""A client's view of the fleet: membership, health, weight versions and loads.
+
+It keeps the client's :class:`GlobalRequestLoadBalancer` up to date from the fleet controller's
+snapshots, refreshed in the background every ``load_refresh_interval_s`` (off the hot path: a
+request never waits for a refresh). Handles are re-sent only when membership changes. A replica
+that fails a call is quarantined locally at once and reported to the controller, which probes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Optional
+
+from rollfleet.routing import FleetSnapshot, GlobalRequestLoadBalancer
+
+logger = logging.getLogger(__name__)
+
+
+class FleetView:
+    def __init__(
+        self,
+        balancer: GlobalRequestLoadBalancer,
+        controller: Any = None,
+        refresh_interval_s: float = 0.25,
+        quarantine_s: float = 2.0,
+    ) -> None:
+        self.balancer = balancer
+        self.controller = controller
+        self.refresh_interval_s = refresh_interval_s
+        self.quarantine_s = quarantine_s
+        self._epoch = -1
+        self._quarantined: dict[str, float] = {}
+        self._routable: set[str] = set(balancer.get_all_servers())
+        self._task: Optional[asyncio.Task[None]] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self.current_version: Optional[int] = None
+
+    async def ensure_started(self) -> None:
+        """Start the refresher in the running loop (restart it if the loop changed)."""
+        if self.controller is None:
+            return
+        loop = asyncio.get_running_loop()
+        if self._task is not None and self._loop is loop and not self._task.done():
+            return
+        self._loop = loop
+        await self.refresh()
+        self._task = loop.create_task(self._refresh_forever(), name="rollfleet-fleet-view")
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_interval_s)
+            try:
+                await self.refresh()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the controller may be restarting; keep routing on the last view
+                logger.debug("fleet view refresh failed: %r", exc)
+
+    async def refresh(self) -> None:
+        if self.controller is None:
+            return
+        snapshot = await self.controller.snapshot.remote(self._epoch)
+        self.apply(snapshot)
+
+    def apply(self, snapshot: FleetSnapshot) -> None:
+        bal = self.balancer
+        if snapshot.handles is not None:
+            known = bal.get_all_servers()
+            gone = [sid for sid in known if sid not in snapshot.handles]
+            if gone:
+                bal.remove_servers(gone)
+            for sid, handle in snapshot.handles.items():
+                if sid not in known:
+                    bal.add_servers({sid: handle})
+                elif known[sid] is not handle and known[sid] != handle:
+                    bal.set_handle(sid, handle)  # restarted: a new actor behind the same id
+                    self._quarantined.pop(sid, None)
+            self._epoch = snapshot.membership_epoch
+        self.current_version = snapshot.current_version
+        now = time.monotonic()
+        self._routable = set(snapshot.routable_ids())
+        for sid in bal.get_all_servers():
+            until = self._quarantined.get(sid)
+            if until is not None and until <= now:
+                del self._quarantined[sid]
+                until = None
+            bal.set_routable(sid, sid in self._routable and until is None)
+        for report in snapshot.loads.values():
+            bal.report_load(report)
+
+    def expire_quarantine(self) -> None:
+        """Let quarantined replicas back in once their time is up (cheap when none is)."""
+        if not self._quarantined:
+            return
+        now = time.monotonic()
+        for sid, until in list(self._quarantined.items()):
+            if until <= now:
+                del self._quarantined[sid]
+                self.balancer.set_routable(sid, self.controller is None or sid in self._routable)
+
+    def quarantine(self, server_id: str, reason: str = "") -> None:
+        """Stop routing to a replica that just failed a call, and tell the controller."""
+        self._quarantined[server_id] = time.monotonic() + self.quarantine_s
+        self.balancer.set_routable(server_id, False)
+        if self.controller is not None:
+            try:
+                self.controller.report_failure.remote(server_id, reason)
+            except Exception:  # the report is advisory; the controller probes on its own too
+                pass
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._task = None
+
+
+__all__ = ["FleetView"]

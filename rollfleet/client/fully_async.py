@@ -1,0 +1,127 @@
+"""``FullyAsyncLLMServerClient``: makes an abort (weight update, abort_all) invisible.
+
+After an ``aborted`` attempt it resends prompt + tokens so far with the remaining budget, on
+whatever replica routing picks (normally the same one: the request id is sticky), until the
+response stops or the budget is spent. Interruption contract:
+
+* the budget is ``max_tokens`` or ``max_new_tokens`` from the caller, else the configured
+  ``response_length``; the total never exceeds it, and a budget spent by resumes ends ``length``;
+* the caller's ``sampling_params`` dict is never mutated;
+* ``**kwargs`` reach the server on every attempt (verl's first version dropped them);
+* token ids, logprobs, per-token versions and preemptions add up across attempts;
+  ``min_global_steps`` / ``max_global_steps`` are the versions of the first and last token;
+  each attempt's ``extra_fields`` are kept under ``extra_fields["attempts"]`` (verl drops them);
+* waits between resumes follow the bounded retry policy (verl sleeps a fixed second, forever);
+  when attempts run out, the partial output returns with ``stop_reason="aborted"`` and
+  ``extra_fields["resume_exhausted"] = True`` instead of looping.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from rollfleet.client.llm_client import LLMServerClient
+from rollfleet.types import BUDGET_KEYS, SamplingParams, TokenOutput
+
+
+class FullyAsyncLLMServerClient(LLMServerClient):
+    """Same signature as :class:`LLMServerClient`; resumes aborted requests transparently.
+
+    ``partial_rollout=False`` turns resuming off: an aborted request comes back ``aborted`` so
+    the caller regenerates it rather than training on a truncated sample.
+    """
+
+    def __init__(self, *args: Any, partial_rollout: bool = True, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.partial_rollout = partial_rollout
+
+    def _configured_response_length(self) -> Optional[int]:
+        length = self.config.response_length
+        return length if isinstance(length, int) and length > 0 else None
+
+    async def generate(
+        self,
+        request_id: str,
+        *,
+        prompt_ids: list[int],
+        sampling_params: Optional[SamplingParams] = None,
+        **kwargs: Any,
+    ) -> TokenOutput:
+        params: SamplingParams = dict(sampling_params or {})
+        key = next((k for k in BUDGET_KEYS if params.get(k) is not None), None)
+        if key is None:
+            key = "max_tokens"
+            budget = self._configured_response_length()
+            if budget is None:
+                raise ValueError("no token budget: pass max_tokens/max_new_tokens or configure response_length")
+        else:
+            budget = params[key]
+        prompt = list(prompt_ids)
+
+        token_ids: list[int] = []
+        log_probs: Optional[list[float]] = []
+        versions: Optional[list[int]] = []
+        attempts: list[dict[str, Any]] = []
+        num_preempted = 0
+        first_version = last_version = None
+        stop_reason = "aborted"
+        last_extra: dict[str, Any] = {}
+        attempt = 0
+        exhausted = False
+
+        while True:
+            attempt += 1
+            attempt_params = dict(params)
+            attempt_params[key] = budget - len(token_ids)
+            out = await super().generate(
+                request_id, prompt_ids=prompt + token_ids, sampling_params=attempt_params, **kwargs
+            )
+            new = out.token_ids[: budget - len(token_ids)]  # defensive: an engine never gets more
+            token_ids.extend(new)
+            if log_probs is not None and out.log_probs is not None:
+                log_probs.extend(out.log_probs[: len(new)])
+            else:
+                log_probs = None
+            if versions is not None and out.token_versions is not None:
+                versions.extend(out.token_versions[: len(new)])
+            else:
+                versions = None
+            num_preempted += out.num_preempted or 0
+            last_extra = out.extra_fields
+            attempts.append(dict(out.extra_fields))
+            if new:
+                if first_version is None:
+                    first_version = out.extra_fields.get("min_global_steps")
+                last_version = out.extra_fields.get("max_global_steps")
+            stop_reason = out.stop_reason
+            if len(token_ids) >= budget:
+                if stop_reason == "aborted":
+                    stop_reason = "length"
+                break
+            if stop_reason != "aborted" or not self.partial_rollout:
+                break
+            if attempt >= self.retry.max_attempts:
+                exhausted = True
+                break
+            await self.retry.wait(attempt)
+
+        extra = dict(last_extra)
+        final_version = last_extra.get("global_steps")
+        extra["global_steps"] = final_version
+        extra["min_global_steps"] = first_version if first_version is not None else final_version
+        extra["max_global_steps"] = last_version if last_version is not None else final_version
+        extra["num_resumes"] = attempt - 1
+        extra["attempts"] = attempts
+        if exhausted:
+            extra["resume_exhausted"] = True
+        return TokenOutput(
+            token_ids=token_ids,
+            log_probs=log_probs,
+            stop_reason=stop_reason,
+            num_preempted=num_preempted,
+            token_versions=versions if versions is not None and len(versions) == len(token_ids) else None,
+            extra_fields=extra,
+        )
+
+
+__all__ = ["FullyAsyncLLMServerClient"]

@@ -1,0 +1,208 @@
+"""``LLMServerClient``: the one way an agent loop (or the gateway) talks to the fleet.
+
+``generate(request_id, *, prompt_ids, sampling_params, **kwargs) -> TokenOutput``. The
+``request_id`` is the session key: every turn of one trajectory passes the same id and lands on
+the same replica while that replica is healthy and not overloaded.
+
+Compared with verl's client: routing is in-process (no actor round trip), acquire sits inside
+``try`` and release in ``finally`` so cancellation never leaks a count, a caller's cancellation
+also aborts the request on the replica, a replica that fails mid-request is quarantined and the
+request re-routed under a bounded retry policy, and errors come back typed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Optional, Union
+
+from rollfleet.client.fleet_view import FleetView
+from rollfleet.client.retry import RetryPolicy, is_replica_failure, is_retryable, unwrap
+from rollfleet.config import RollfleetConfig, RolloutConfig
+from rollfleet.errors import RetriesExhausted
+from rollfleet.routing import GlobalRequestLoadBalancer
+from rollfleet.types import ReplicaResponse, SamplingParams, TokenOutput
+
+logger = logging.getLogger(__name__)
+
+ConfigLike = Union[RolloutConfig, RollfleetConfig, dict, None]
+
+
+def rollout_config_of(config: ConfigLike) -> RolloutConfig:
+    """Accept the rollout section, the whole tree, a dict of either, or nothing (defaults)."""
+    if config is None:
+        return RolloutConfig()
+    if isinstance(config, RolloutConfig):
+        return config
+    if isinstance(config, RollfleetConfig):
+        return config.rollout
+    if isinstance(config, dict):
+        if "rollout" in config and isinstance(config["rollout"], (dict, RolloutConfig)):
+            return RollfleetConfig.model_validate(config).rollout
+        return RolloutConfig.model_validate(config)
+    raise TypeError(f"config must be a RolloutConfig, RollfleetConfig or dict, got {type(config).__name__}")
+
+
+class LLMServerClient:
+    """Routes generation requests to the fleet's replicas.
+
+    Args:
+        config: the rollout config (or the whole config tree).
+        load_balancer_handle: a Ray actor handle of a shared ``GlobalRequestLoadBalancer`` (verl's
+            deployment). When given, acquire/release go through it (slow, but compatible); when
+            not, the client routes in-process (the default, and the fast path).
+        servers: ``{replica_id: handle}`` to start from (the manager passes the fleet's).
+        controller: the fleet controller's handle; the client refreshes its fleet view from it.
+    """
+
+    def __init__(
+        self,
+        config: ConfigLike = None,
+        load_balancer_handle: Any = None,
+        *,
+        servers: Optional[dict[str, Any]] = None,
+        controller: Any = None,
+        balancer: Optional[GlobalRequestLoadBalancer] = None,
+        retry_policy: Optional[RetryPolicy] = None,
+        **kwargs: Any,
+    ) -> None:
+        self.config = rollout_config_of(config)
+        routing = self.config.routing
+        self._remote_balancer = load_balancer_handle
+        self.balancer = balancer or GlobalRequestLoadBalancer(
+            servers or {},
+            max_cache_size=routing.max_cache_size,
+            full_determinism=self.config.full_determinism,
+            policy=routing.policy,
+            sticky=routing.sticky,
+            sticky_overload_factor=routing.sticky_overload_factor,
+            sticky_overload_slack=routing.sticky_overload_slack,
+            seed=self.config.seed if self.config.full_determinism else None,
+        )
+        health = self.config.health
+        self.fleet = FleetView(
+            self.balancer,
+            controller=controller,
+            refresh_interval_s=routing.load_refresh_interval_s,
+            quarantine_s=health.probe_interval_s * (health.failures_to_dead + 1),
+        )
+        self.retry = retry_policy or RetryPolicy(self.config.retry)
+        self.extra_options = kwargs
+
+    # ------------------------------------------------------------------ public API
+    async def generate(
+        self,
+        request_id: str,
+        *,
+        prompt_ids: list[int],
+        sampling_params: Optional[SamplingParams] = None,
+        **kwargs: Any,
+    ) -> TokenOutput:
+        """One attempt's worth of generation (re-routed on replica failure, never on bad input)."""
+        await self.fleet.ensure_started()
+        prompt_len = len(prompt_ids)
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                response = await self._generate_once(request_id, prompt_ids, sampling_params, prompt_len, kwargs)
+            except asyncio.CancelledError:
+                raise
+            except Exception as raw:
+                exc = unwrap(raw)
+                if not is_retryable(exc):
+                    raise exc from (None if exc is raw else raw)
+                if attempt >= self.retry.max_attempts:
+                    raise RetriesExhausted(request_id, attempt, exc) from exc
+                logger.debug("request %s attempt %d failed (%r); retrying", request_id, attempt, exc)
+                await self.retry.wait(attempt)
+                if self.fleet.controller is not None and not any(
+                    self.balancer.is_routable(s) for s in self.balancer.get_all_servers()
+                ):
+                    try:
+                        await self.fleet.refresh()
+                    except Exception:
+                        pass
+                continue
+            output = response.output
+            extra = output.extra_fields
+            extra.setdefault("min_global_steps", extra.get("global_steps"))
+            extra.setdefault("max_global_steps", extra.get("global_steps"))
+            return output
+
+    async def _generate_once(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling_params: Optional[SamplingParams],
+        prompt_len: int,
+        kwargs: dict[str, Any],
+    ) -> ReplicaResponse:
+        server_id: Optional[str] = None
+        try:
+            server_id, handle = await self._acquire(request_id, prompt_len)
+            ref = handle.generate_with_load.remote(request_id, prompt_ids, sampling_params, **kwargs)
+            timeout = self.config.retry.request_timeout_s
+            try:
+                if timeout is None:
+                    response = await ref
+                else:
+                    response = await asyncio.wait_for(_await(ref), timeout)
+            except asyncio.CancelledError:
+                _cancel(ref)  # free the replica's slot too, not only ours
+                raise
+            except Exception as raw:
+                exc = unwrap(raw)
+                if is_replica_failure(exc):
+                    self.fleet.quarantine(server_id, repr(exc))
+                    self.balancer.finish_session(request_id)  # re-route the session
+                    if isinstance(exc, asyncio.TimeoutError):
+                        _cancel(ref)
+                raise
+            self.balancer.report_load(response.load)
+            return response
+        finally:
+            if server_id is not None:
+                await self._release(server_id, prompt_len)
+
+    async def _acquire(self, request_id: str, prompt_len: int) -> tuple[str, Any]:
+        if self._remote_balancer is not None:
+            return await self._remote_balancer.acquire_server.remote(request_id)
+        self.fleet.expire_quarantine()
+        return self.balancer.acquire_server(request_id, prompt_len)
+
+    async def _release(self, server_id: str, prompt_len: int) -> None:
+        if self._remote_balancer is not None:
+            # Awaited, unlike verl's fire-and-forget: counts must not drift.
+            await self._remote_balancer.release_server.remote(server_id)
+            return
+        self.balancer.release_server(server_id, prompt_len)
+
+    def finish_session(self, request_id: str) -> None:
+        """Call when a trajectory is done: frees its sticky entry (the prefix cache stays warm)."""
+        self.balancer.finish_session(request_id)
+
+    def get_status(self) -> dict[str, Any]:
+        return self.balancer.get_status()
+
+    async def close(self) -> None:
+        await self.fleet.close()
+
+
+async def _await(ref: Any) -> Any:
+    return await ref
+
+
+def _cancel(ref: Any) -> None:
+    if isinstance(ref, asyncio.Future):  # an in-process handle (tests, local fleets)
+        ref.cancel()
+        return
+    try:
+        import ray
+
+        ray.cancel(ref)
+    except Exception:  # already finished, or not a Ray ref
+        pass
+
+
+__all__ = ["LLMServerClient", "rollout_config_of"]

@@ -1,0 +1,215 @@
+"""Typed, validated configuration, loadable from YAML.
+
+Keys follow verl's ``actor_rollout_ref.rollout.*`` where verl has one (``name``, ``prompt_length``,
+``response_length``, ``max_model_len``, ``full_determinism``, ...). Each component receives only
+its own section (the sim engine gets ``SimEngineConfig``, the router ``RoutingConfig``), never the
+whole tree. Every field is validated at construction, so a typo or a negative length fails at
+start-up with the field named, not in the middle of a rollout.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class SimEngineConfig(_Section):
+    """Parameters of the simulated engine.
+
+    Defaults resemble a 7B dense model (Qwen2.5-7B class, bf16) on one H100-80GB under vLLM:
+    a decode step of ~7 ms plus ~0.06 ms per running sequence (so ~22 ms at 256 sequences, i.e.
+    ~11k output tokens/s), prefill at ~25k tokens/s (0.04 ms per uncached prompt token),
+    ~110k tokens of KV cache (0.5 MB per token in bf16 with GQA off, ~55 GB left after weights),
+    16-token KV blocks and at most 256 running sequences.
+    """
+
+    vocab_size: int = Field(32000, ge=16, description="Token ids are drawn from [0, vocab_size).")
+    eos_token_id: int = Field(2, ge=0, description="Token that ends a response with stop_reason 'stop'.")
+    max_model_len: int = Field(32768, ge=16, description="Context length: prompt + response tokens.")
+    step_base_ms: float = Field(7.0, ge=0, description="Fixed cost of one engine step (ms).")
+    step_per_seq_ms: float = Field(0.06, ge=0, description="Decode cost per running sequence per step (ms).")
+    prefill_per_token_ms: float = Field(0.04, ge=0, description="Cost per uncached prompt token (ms).")
+    kv_capacity_tokens: int = Field(110_000, ge=16, description="KV-cache capacity in tokens.")
+    block_size: int = Field(16, ge=1, description="Tokens per KV block (unit of prefix caching).")
+    prefix_cache_blocks: int = Field(
+        4096, ge=0, description="Bound of the prefix cache (LRU over token blocks); 0 disables it."
+    )
+    max_num_seqs: int = Field(256, ge=1, description="Most sequences in one running batch.")
+    mean_response_tokens: float = Field(
+        400.0, gt=0, description="Mean of the long-tailed (log-normal) natural response length."
+    )
+    response_sigma: float = Field(
+        1.0, ge=0, description="Sigma of the log-normal response length; larger = longer tail."
+    )
+    time_scale: float = Field(
+        1.0, gt=0, description="Simulated seconds per wall second (60 = a GPU minute in a second)."
+    )
+    seed: int = Field(0, description="Seed of the engine's deterministic choices.")
+
+
+class VLLMEngineConfig(_Section):
+    """How a replica launches and talks to a vLLM OpenAI server on loopback."""
+
+    dtype: str = Field("auto", description="'auto' picks float32 on CPU and bfloat16 on GPU.")
+    enforce_eager: bool = Field(True, description="Skip graph capture: much faster start-up on CPU.")
+    kv_cache_space_gib: int = Field(1, ge=1, description="VLLM_CPU_KVCACHE_SPACE for the CPU build.")
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
+    tensor_parallel_size: int = Field(1, ge=1)
+    max_num_seqs: int = Field(256, ge=1)
+    enable_prefix_caching: bool = True
+    omp_threads_bind: Optional[str] = Field(
+        None, description="VLLM_CPU_OMP_THREADS_BIND; None lets rollfleet pick a core range per replica."
+    )
+    startup_timeout_s: float = Field(300.0, gt=0, description="Readiness wait before start-up fails.")
+    request_timeout_s: float = Field(600.0, gt=0)
+    extra_args: list[str] = Field(default_factory=list, description="Extra CLI args for the server.")
+    extra_env: dict[str, str] = Field(default_factory=dict)
+
+
+class SGLangEngineConfig(_Section):
+    """How a replica launches or reaches an SGLang server."""
+
+    base_url: Optional[str] = Field(
+        None, description="An already running SGLang server; when None, rollfleet launches one."
+    )
+    tp_size: int = Field(1, ge=1)
+    mem_fraction_static: float = Field(0.8, gt=0, le=1)
+    startup_timeout_s: float = Field(600.0, gt=0)
+    request_timeout_s: float = Field(600.0, gt=0)
+    extra_args: list[str] = Field(default_factory=list)
+    vocab_size: Optional[int] = Field(
+        None,
+        ge=1,
+        description="Vocabulary size for input validation. SGLang's HTTP API does not report it; when "
+        "None it is read from the model's config.json (local folder or Hugging Face cache).",
+    )
+
+
+class RoutingConfig(_Section):
+    """The routing policy and its knobs."""
+
+    policy: str = Field(
+        "least_tokens",
+        description="least_inflight | least_tokens | power_of_two | rendezvous (see rollfleet.routing).",
+    )
+    max_cache_size: int = Field(10_000, ge=1, description="Sticky sessions remembered per client (LRU).")
+    sticky: bool = Field(True, description="Keep all turns of a request_id on one replica.")
+    sticky_overload_factor: float = Field(
+        1.5, ge=1.0, description="A sticky replica gives way when its load exceeds factor x mean load ..."
+    )
+    sticky_overload_slack: int = Field(
+        8, ge=0, description="... and also exceeds mean + slack in-flight requests (both must hold)."
+    )
+    load_refresh_interval_s: float = Field(
+        0.25, gt=0, description="How often a client refreshes fleet membership, health and loads."
+    )
+
+
+class RetryConfig(_Section):
+    """Bounded retry with exponential backoff, for replica failures and abort-resume."""
+
+    max_attempts: int = Field(16, ge=1, description="Attempts per request (failures plus resumes).")
+    initial_backoff_s: float = Field(0.01, ge=0, description="First wait before a retry.")
+    max_backoff_s: float = Field(1.0, ge=0, description="Cap of the exponential backoff.")
+    multiplier: float = Field(2.0, ge=1.0)
+    jitter: float = Field(0.1, ge=0, le=1, description="Random +- fraction added to each wait.")
+    request_timeout_s: Optional[float] = Field(
+        None, gt=0, description="Wall limit of one attempt; None waits as long as the replica works."
+    )
+
+
+class HealthConfig(_Section):
+    """Health probing of replicas (healthy -> suspect -> dead -> restarting -> syncing -> healthy)."""
+
+    probe_interval_s: float = Field(0.5, gt=0)
+    probe_timeout_s: float = Field(2.0, gt=0, description="A probe slower than this counts as failed.")
+    failures_to_dead: int = Field(3, ge=1, description="Consecutive failed probes before 'dead'.")
+    auto_restart: bool = Field(True, description="Restart dead replicas and sync them before serving.")
+
+
+class RolloutConfig(_Section):
+    """The fleet: engine, model, replicas, lengths, routing, retries (verl's ``rollout`` section)."""
+
+    name: Literal["sim", "vllm", "sglang"] = Field("sim", description="Engine of every replica.")
+    model: str = Field("tiny", description="Built-in model name or a path to a Hugging Face folder.")
+    num_replicas: int = Field(2, ge=0)
+    prompt_length: int = Field(512, ge=1, description="Prompt padding width and prompt budget.")
+    response_length: int = Field(512, ge=1, description="Response budget of one trajectory.")
+    max_model_len: Optional[int] = Field(
+        None, ge=2, description="Context length; defaults to prompt_length + response_length."
+    )
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1)
+    n: int = Field(1, ge=1, description="Samples per prompt (GRPO group size).")
+    calculate_log_probs: bool = True
+    full_determinism: bool = Field(False, description="Deterministic routing (rendezvous) and seeds.")
+    seed: int = 0
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)
+    retry: RetryConfig = Field(default_factory=RetryConfig)
+    health: HealthConfig = Field(default_factory=HealthConfig)
+    sim: SimEngineConfig = Field(default_factory=SimEngineConfig)
+    vllm: VLLMEngineConfig = Field(default_factory=VLLMEngineConfig)
+    sglang: SGLangEngineConfig = Field(default_factory=SGLangEngineConfig)
+
+    @model_validator(mode="after")
+    def _lengths(self) -> "RolloutConfig":
+        if self.max_model_len is None:
+            object.__setattr__(self, "max_model_len", self.prompt_length + self.response_length)
+        if self.max_model_len < 2:
+            raise ValueError("rollout.max_model_len must be >= 2")
+        return self
+
+
+class RayConfig(_Section):
+    """Where Ray runs. No address: an embedded local cluster is started."""
+
+    address: Optional[str] = Field(None, description="Ray cluster address; None starts a local one.")
+    num_cpus: Optional[int] = Field(None, ge=1)
+    namespace: str = "rollfleet"
+    include_dashboard: bool = False
+
+
+class RollfleetConfig(BaseModel):
+    """The whole tree. Unknown top-level sections are kept (for the layers above)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
+
+
+def load_config(path: str | Path | None = None, overrides: Optional[dict[str, Any]] = None) -> RollfleetConfig:
+    """Load a YAML file (or defaults) and apply nested ``overrides`` (dotted keys allowed)."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    for key, value in (overrides or {}).items():
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return RollfleetConfig.model_validate(data)
+
+
+__all__ = [
+    "SimEngineConfig",
+    "VLLMEngineConfig",
+    "SGLangEngineConfig",
+    "RoutingConfig",
+    "RetryConfig",
+    "HealthConfig",
+    "RolloutConfig",
+    "RayConfig",
+    "RollfleetConfig",
+    "load_config",
+]

@@ -1,0 +1,124 @@
+"""The engine interface: what one inference engine behind one replica must offer.
+
+Every engine (``vllm``, ``sglang``, ``sim``) implements all of it. An op an engine truly cannot
+perform raises :class:`rollfleet.errors.NotSupported` naming the engine and the op, rather than
+silently doing nothing, so callers can decide (e.g. the manager skips ``sleep`` on such engines).
+
+Engines know nothing of weight versions, routing or validation: the replica (``rollfleet.server``)
+stamps versions and checks input before it reaches the engine.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any, ClassVar, Optional
+
+from rollfleet.types import SamplingParams, TokenOutput
+
+
+@dataclass(slots=True)
+class EngineLoad:
+    """An engine's own view of its load."""
+
+    running: int = 0
+    waiting: int = 0
+    inflight_tokens: int = 0
+    kv_usage: float = 0.0
+
+
+@dataclass(slots=True)
+class EngineLimits:
+    """Input limits the replica validates against before a request reaches the engine."""
+
+    vocab_size: int
+    max_model_len: int
+
+
+@dataclass(slots=True)
+class EngineHealth:
+    healthy: bool
+    detail: str = ""
+
+
+class Engine(abc.ABC):
+    """Async interface of one inference engine (one replica's worth of GPUs)."""
+
+    #: Registry name, e.g. ``"vllm"``; used in NotSupported messages.
+    name: ClassVar[str] = "engine"
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Bring the engine up; return when it can serve. Raise with a clear reason otherwise."""
+
+    @abc.abstractmethod
+    async def shutdown(self) -> None:
+        """Stop the engine and every process it owns. Idempotent."""
+
+    @abc.abstractmethod
+    def limits(self) -> EngineLimits:
+        """Vocabulary size and context length, known once ``start`` has returned."""
+
+    def address(self) -> str:
+        """Where the engine can be reached from outside (URL), or a pseudo-address."""
+        return f"{self.name}://local"
+
+    @abc.abstractmethod
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], sampling_params: SamplingParams, **kwargs: Any
+    ) -> TokenOutput:
+        """Generate one response. ``sampling_params`` always holds ``max_tokens``.
+
+        An interrupted request returns ``stop_reason="aborted"`` with the tokens generated so far.
+        ``kwargs`` are per-request extras forwarded by the client (e.g. ``priority``); an engine
+        uses those it understands and ignores ``None`` values.
+        """
+
+    @abc.abstractmethod
+    async def abort(self, request_id: str) -> None:
+        """Abort one request; it returns ``aborted`` with its partial tokens. Unknown ids are ignored."""
+
+    @abc.abstractmethod
+    async def abort_all(self) -> int:
+        """Abort every in-flight request; return how many were aborted."""
+
+    @abc.abstractmethod
+    async def pause(self) -> None:
+        """Abort in-flight requests and hold new ones until :meth:`resume` (partial rollout)."""
+
+    @abc.abstractmethod
+    async def resume(self) -> None:
+        """Serve again after :meth:`pause` or :meth:`wake_up`."""
+
+    @abc.abstractmethod
+    async def sleep(self) -> None:
+        """Free accelerator memory (weights and KV cache) while idle."""
+
+    @abc.abstractmethod
+    async def wake_up(self) -> None:
+        """Re-acquire the memory freed by :meth:`sleep`."""
+
+    @abc.abstractmethod
+    async def update_weights(self, weights: Any) -> None:
+        """Load new weights (a state dict, a path, or an engine-specific spec)."""
+
+    @abc.abstractmethod
+    async def clear_kv_cache(self) -> None:
+        """Drop the prefix cache (after a weight update, cached KV is stale)."""
+
+    @abc.abstractmethod
+    async def start_profile(self, **kwargs: Any) -> None: ...
+
+    @abc.abstractmethod
+    async def stop_profile(self) -> Optional[str]:
+        """Stop profiling; return where the trace was written, if anywhere."""
+
+    @abc.abstractmethod
+    async def health(self) -> EngineHealth: ...
+
+    @abc.abstractmethod
+    async def load(self) -> EngineLoad: ...
+
+    def stats(self) -> dict[str, float]:
+        """Cumulative counters worth reporting (prefix-cache hits, preemptions...); may be empty."""
+        return {}

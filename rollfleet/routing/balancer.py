@@ -1,0 +1,222 @@
+"""``GlobalRequestLoadBalancer``: verl's API, without verl's single-actor bottleneck.
+
+verl runs one balancer as one synchronous Ray actor; every turn of every trajectory pays two round
+trips to it (acquire, then a fire-and-forget release), which caps the whole fleet at roughly a
+thousand routing decisions per second and lets counts drift. Here the same class is a plain,
+in-process object: every client (one per agent-loop worker) holds its own, so a decision costs
+microseconds and release is exact (it runs in the caller's ``finally``).
+
+Where does global load come from, then? From the replicas: every response piggybacks the replica's
+own in-flight counts, and the client's fleet view polls them. The balancer combines a report with
+its own live counts (``others = reported - mine at report time``; ``estimate = others + mine now``),
+so its picture of the fleet is exact for its own traffic and at most one refresh old for others'.
+
+Sticky sessions live here too (all turns of a trajectory run in one worker, so they stay local);
+they give way when the sticky replica is overloaded past a configurable bound, end with
+:meth:`finish_session`, and die with their replica. The verl-compatible methods keep their names
+and return shapes; the class can still be wrapped as a Ray actor for code that expects a handle.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Iterable, Optional, Union
+
+from cachetools import LRUCache
+
+from rollfleet.errors import NoServerAvailable
+from rollfleet.routing.policies import ReplicaView, RoutingPolicy, get_policy
+from rollfleet.types import LoadReport
+
+
+class _ServerState:
+    __slots__ = ("handle", "local", "local_tokens", "others", "others_tokens", "kv_usage", "routable")
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+        self.local = 0
+        self.local_tokens = 0
+        self.others = 0
+        self.others_tokens = 0
+        self.kv_usage = 0.0
+        self.routable = True
+
+
+class GlobalRequestLoadBalancer:
+    """Routes request ids to replicas: sticky, load-aware, health-aware.
+
+    Args:
+        servers: ``{server_id: handle}``.
+        max_cache_size: sticky sessions remembered (LRU); a finished session should call
+            :meth:`finish_session` instead of relying on eviction.
+        full_determinism: route by rendezvous hashing with no spill-over, so a request id lands on
+            the same replica in every process and every run.
+        policy: a policy name (see :mod:`rollfleet.routing.policies`) or instance. verl's default,
+            ``least_inflight``, when not given.
+        sticky_overload_factor, sticky_overload_slack: a sticky replica gives way when its
+            in-flight count exceeds both ``factor * mean`` and ``mean + slack`` over routable ones.
+    """
+
+    def __init__(
+        self,
+        servers: dict[str, Any],
+        max_cache_size: int = 10000,
+        full_determinism: bool = False,
+        *,
+        policy: Union[str, RoutingPolicy, None] = None,
+        sticky: bool = True,
+        sticky_overload_factor: float = 1.5,
+        sticky_overload_slack: int = 8,
+        seed: Optional[int] = None,
+    ) -> None:
+        self.full_determinism = full_determinism
+        if full_determinism:
+            policy = "rendezvous"
+        if policy is None:
+            policy = "least_inflight"
+        self._policy: RoutingPolicy = get_policy(policy, seed=seed) if isinstance(policy, str) else policy
+        self._sticky_enabled = sticky
+        self._spill_allowed = not (full_determinism or self._policy.deterministic)
+        self._factor = sticky_overload_factor
+        self._slack = sticky_overload_slack
+        self._servers: dict[str, _ServerState] = {}
+        self._request_id_to_server: LRUCache[str, str] = LRUCache(maxsize=max_cache_size)
+        self.decisions: Counter[str] = Counter()
+        self.add_servers(servers)
+
+    # ------------------------------------------------------------------ hot path
+    def acquire_server(self, request_id: str, prompt_len: int = 0) -> tuple[str, Any]:
+        """Pick a replica for ``request_id``, count the request on it, return ``(id, handle)``."""
+        servers = self._servers
+        sticky_id = self._request_id_to_server.get(request_id) if self._sticky_enabled else None
+        chosen: Optional[str] = None
+        reason = "least_loaded"
+        if sticky_id is not None:
+            state = servers.get(sticky_id)
+            if state is None or not state.routable:
+                del self._request_id_to_server[request_id]
+                reason = "sticky_invalidated"
+            elif self._spill_allowed and self._overloaded(sticky_id):
+                reason = "spill_over"
+            else:
+                chosen, reason = sticky_id, "sticky"
+        if chosen is None:
+            candidates = [
+                ReplicaView(sid, s.others + s.local, s.others_tokens + s.local_tokens, s.kv_usage)
+                for sid, s in servers.items()
+                if s.routable
+            ]
+            if not candidates:
+                if servers:
+                    raise NoServerAvailable(f"none of {len(servers)} replicas is routable (unhealthy or stale weights)")
+                raise NoServerAvailable()
+            chosen = self._policy.select(candidates, request_id, prompt_len)
+            if self._sticky_enabled:
+                self._request_id_to_server[request_id] = chosen
+        state = servers[chosen]
+        state.local += 1
+        state.local_tokens += prompt_len
+        self.decisions[reason] += 1
+        return chosen, state.handle
+
+    def release_server(self, server_id: str, prompt_len: int = 0) -> None:
+        """Uncount one request; unknown ids and extra releases are ignored (counts floor at 0)."""
+        state = self._servers.get(server_id)
+        if state is None:
+            return
+        if state.local > 0:
+            state.local -= 1
+            state.local_tokens = max(0, state.local_tokens - prompt_len)
+        self._policy.on_request_done(server_id)
+
+    def _overloaded(self, server_id: str) -> bool:
+        routable = [s for s in self._servers.values() if s.routable]
+        if len(routable) < 2:
+            return False
+        mean = sum(s.others + s.local for s in routable) / len(routable)
+        load = self._servers[server_id]
+        load_n = load.others + load.local
+        return load_n > self._factor * mean and load_n > mean + self._slack
+
+    # ------------------------------------------------------------------ load and health
+    def report_load(self, report: LoadReport) -> None:
+        """Fold in a replica's own report (piggybacked on a response, or polled)."""
+        state = self._servers.get(report.replica_id)
+        if state is None:
+            return
+        state.others = max(0, report.inflight - state.local)
+        state.others_tokens = max(0, report.inflight_tokens - state.local_tokens)
+        state.kv_usage = report.kv_usage
+
+    def set_routable(self, server_id: str, routable: bool) -> None:
+        """Include or exclude a replica (dead, suspect, restarting, on stale weights)."""
+        state = self._servers.get(server_id)
+        if state is not None:
+            state.routable = routable
+
+    def is_routable(self, server_id: str) -> bool:
+        state = self._servers.get(server_id)
+        return state is not None and state.routable
+
+    def set_handle(self, server_id: str, handle: Any) -> None:
+        """A restarted replica keeps its id but has a new handle."""
+        state = self._servers.get(server_id)
+        if state is not None:
+            state.handle = handle
+
+    def finish_session(self, request_id: str) -> bool:
+        """Forget a finished trajectory's sticky entry (verl never does; its LRU fills up)."""
+        return self._request_id_to_server.pop(request_id, None) is not None
+
+    def sticky_server(self, request_id: str) -> Optional[str]:
+        return self._request_id_to_server.get(request_id)
+
+    # ------------------------------------------------------------------ verl-compatible membership API
+    def add_servers(self, servers: dict[str, Any]) -> None:
+        """Add (or re-add, with counts reset) replicas."""
+        for server_id, handle in servers.items():
+            self._servers[server_id] = _ServerState(handle)
+        self._policy.on_servers_changed(list(self._servers))
+
+    def remove_servers(self, server_ids: Iterable[str]) -> None:
+        """Remove replicas; their sticky sessions are invalidated (lazily, on the next acquire)."""
+        for server_id in server_ids:
+            self._servers.pop(server_id, None)
+        self._policy.on_servers_changed(list(self._servers))
+
+    def clear_sticky_cache(self) -> dict[str, Any]:
+        cleared = len(self._request_id_to_server)
+        self._request_id_to_server.clear()
+        return {"cleared_entries": cleared, "server_loads": self._loads()}
+
+    def get_inflight_count(self, server_id: str) -> int:
+        state = self._servers.get(server_id)
+        return state.local if state is not None else 0
+
+    def get_all_servers(self) -> dict[str, Any]:
+        return {sid: s.handle for sid, s in self._servers.items()}
+
+    def get_total_inflight(self) -> int:
+        return sum(s.local for s in self._servers.values())
+
+    def _loads(self) -> dict[str, int]:
+        return {sid: s.local for sid, s in self._servers.items()}
+
+    def get_status(self) -> dict[str, Any]:
+        return {
+            "servers": self._loads(),
+            "total_inflight": self.get_total_inflight(),
+            "active_servers": sum(1 for s in self._servers.values() if s.routable),
+            "registered_handles": len(self._servers),
+            "policy": self._policy.name,
+            "sticky_sessions": len(self._request_id_to_server),
+            "estimated_load": {sid: s.others + s.local for sid, s in self._servers.items()},
+            "decisions": dict(self.decisions),
+        }
+
+    @property
+    def policy(self) -> RoutingPolicy:
+        return self._policy
+
+
+__all__ = ["GlobalRequestLoadBalancer"]

@@ -1,0 +1,84 @@
+"""The fleet's health view, shared by the manager and every client.
+
+Each replica moves through ``healthy -> suspect -> dead -> restarting -> syncing -> healthy``.
+The controller (manager layer) probes replicas and drives the transitions; clients receive
+:class:`FleetSnapshot` records and route only to replicas that are healthy *and* on the current
+weight version (a restarted replica serves only after it has the current weights). A client that
+sees a call fail quarantines the replica locally at once, without waiting for the next probe.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from rollfleet.types import LoadReport
+
+
+class HealthState(str, enum.Enum):
+    HEALTHY = "healthy"
+    SUSPECT = "suspect"  # a probe failed; still in the pool until failures reach the bound
+    DEAD = "dead"
+    RESTARTING = "restarting"
+    SYNCING = "syncing"  # up, but waiting for the current weights
+    DRAINING = "draining"  # being removed: finishes in-flight work, takes no new requests
+
+
+#: Transitions the controller may make; anything else is a bug.
+ALLOWED_TRANSITIONS: dict[HealthState, frozenset[HealthState]] = {
+    HealthState.HEALTHY: frozenset({HealthState.SUSPECT, HealthState.DEAD, HealthState.SYNCING, HealthState.DRAINING}),
+    HealthState.SUSPECT: frozenset({HealthState.HEALTHY, HealthState.DEAD, HealthState.DRAINING}),
+    HealthState.DEAD: frozenset({HealthState.RESTARTING, HealthState.DRAINING}),
+    HealthState.RESTARTING: frozenset({HealthState.SYNCING, HealthState.DEAD}),
+    HealthState.SYNCING: frozenset({HealthState.HEALTHY, HealthState.DEAD}),
+    HealthState.DRAINING: frozenset(),
+}
+
+
+def can_transition(old: HealthState, new: HealthState) -> bool:
+    return old == new or new in ALLOWED_TRANSITIONS[old]
+
+
+@dataclass
+class ReplicaRecord:
+    """One replica as the fleet sees it."""
+
+    replica_id: str
+    handle: Any
+    address: str = ""
+    state: HealthState = HealthState.SYNCING
+    weight_version: Optional[int] = None
+    consecutive_failures: int = 0
+    restarts: int = 0
+    load: Optional[LoadReport] = None
+    detail: str = ""
+
+    def routable(self, current_version: Optional[int]) -> bool:
+        return self.state in (HealthState.HEALTHY, HealthState.SUSPECT) and self.weight_version == current_version
+
+
+@dataclass
+class FleetSnapshot:
+    """What a client needs to route: membership (with handles when it changed), states, loads.
+
+    ``membership_epoch`` changes whenever a replica is added, removed or restarted (new handle),
+    so a client asks for handles only then.
+    """
+
+    membership_epoch: int
+    current_version: Optional[int]
+    states: dict[str, str]
+    versions: dict[str, Optional[int]]
+    loads: dict[str, LoadReport] = field(default_factory=dict)
+    handles: Optional[dict[str, Any]] = None
+
+    def routable_ids(self) -> list[str]:
+        return [
+            rid
+            for rid, state in self.states.items()
+            if state in (HealthState.HEALTHY.value, HealthState.SUSPECT.value) and self.versions.get(rid) == self.current_version
+        ]
+
+
+__all__ = ["HealthState", "ALLOWED_TRANSITIONS", "can_transition", "ReplicaRecord", "FleetSnapshot"]

@@ -1,0 +1,41 @@
+"""The routing-policy interface: pick a replica from a snapshot of replica state.
+
+A policy is a small object with one required method, :meth:`RoutingPolicy.select`, and optional
+hooks that default to no-ops. It never does I/O and never blocks: the balancer calls it on the hot
+path of every request, in the caller's process.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import ClassVar, Sequence
+
+
+@dataclass(slots=True)
+class ReplicaView:
+    """What a policy may look at: the router's best estimate of one routable replica's load."""
+
+    replica_id: str
+    #: Requests in flight (others' as last reported by the replica, plus this router's own, live).
+    inflight: float
+    #: Prompt tokens of those requests.
+    inflight_tokens: float
+    kv_usage: float = 0.0
+
+
+class RoutingPolicy(abc.ABC):
+    name: ClassVar[str] = "policy"
+
+    #: True when the choice must be reproducible across processes (no randomness, no load).
+    deterministic: ClassVar[bool] = False
+
+    @abc.abstractmethod
+    def select(self, candidates: Sequence[ReplicaView], request_id: str, prompt_len: int) -> str:
+        """Return the ``replica_id`` of one of ``candidates`` (never empty)."""
+
+    def on_request_done(self, replica_id: str) -> None:  # noqa: B027 - optional hook
+        """Called when a request routed by this policy has finished."""
+
+    def on_servers_changed(self, replica_ids: Sequence[str]) -> None:  # noqa: B027 - optional hook
+        """Called when the set of known replicas changes."""

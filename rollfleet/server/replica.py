@@ -1,0 +1,296 @@
+"""One replica: an engine behind input validation, version stamping and load reporting.
+
+The logic lives in the plain class :class:`Replica` so it can be tested without Ray;
+:data:`ReplicaActor` is the thin Ray actor around it (an asyncio actor, so thousands of requests
+interleave in one process, as the engines expect).
+
+Why the replica and not the engine stamps versions: only the replica sees both the data plane
+and the control plane. It counts weight changes (an epoch) and compares the epoch at the start and
+the end of every attempt, so an output is never labelled with a version it was not produced under,
+even when an engine does not pause cleanly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any, Optional
+
+from rollfleet.config import RolloutConfig
+from rollfleet.engines import Engine, EngineLoad, build_engine
+from rollfleet.errors import NotSupported, ReplicaUnavailable
+from rollfleet.server.validation import validate_prompt, validate_sampling_params
+from rollfleet.types import LoadReport, ReplicaResponse, SamplingParams, TokenOutput
+
+#: States in which requests wait at the replica's gate rather than fail: a pause for a weight
+#: update or a sleep is short, and verl's contract is that requests queue on a paused engine.
+_HOLDING_STATES = ("paused", "sleeping")
+
+
+class Replica:
+    """A single inference replica (engine + validation + versions + load)."""
+
+    def __init__(
+        self,
+        replica_id: str,
+        config: RolloutConfig,
+        replica_index: int = 0,
+        engine: Optional[Engine] = None,
+    ) -> None:
+        self.replica_id = replica_id
+        self.replica_index = replica_index
+        self.config = config
+        self.engine = engine if engine is not None else build_engine(config, replica_index)
+        self._state = "starting"
+        self._version: Optional[int] = None
+        self._epoch = 0
+        self._gate: Optional[asyncio.Event] = None
+        self._inflight = 0
+        self._inflight_tokens = 0
+        self._sessions: dict[str, set[str]] = {}
+        self._engine_load = EngineLoad()
+        self._limits = None
+        self._counters = {"requests": 0, "invalid": 0, "aborted": 0, "errors": 0, "tokens_out": 0}
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self, version: Optional[int] = None) -> dict[str, Any]:
+        """Start the engine. With ``version``, the engine's boot weights are that version and the
+        replica serves at once; without it, it waits for :meth:`update_weights` (state ``syncing``)."""
+        self._gate = asyncio.Event()
+        await self.engine.start()
+        self._limits = self.engine.limits()
+        if version is not None:
+            self._version = version
+            self._set_state("serving")
+        else:
+            self._set_state("syncing")
+        return self.info()
+
+    async def shutdown(self) -> None:
+        self._set_state("stopped")
+        await self.engine.shutdown()
+
+    def info(self) -> dict[str, Any]:
+        limits = self._limits
+        return {
+            "replica_id": self.replica_id,
+            "address": self.engine.address(),
+            "engine": self.engine.name,
+            "state": self._state,
+            "weight_version": self._version,
+            "vocab_size": limits.vocab_size if limits else None,
+            "max_model_len": limits.max_model_len if limits else None,
+        }
+
+    def _set_state(self, state: str) -> None:
+        self._state = state
+        if self._gate is not None:
+            if state == "serving" or state not in _HOLDING_STATES:
+                self._gate.set()  # serving lets requests in; terminal states wake waiters to fail
+            else:
+                self._gate.clear()
+
+    # ------------------------------------------------------------------ data plane
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], sampling_params: Optional[SamplingParams] = None, **kwargs: Any
+    ) -> TokenOutput:
+        """verl-compatible entry point: the output alone."""
+        return (await self.generate_with_load(request_id, prompt_ids, sampling_params, **kwargs)).output
+
+    async def generate_with_load(
+        self, request_id: str, prompt_ids: list[int], sampling_params: Optional[SamplingParams] = None, **kwargs: Any
+    ) -> ReplicaResponse:
+        """Validate, generate, stamp versions; return the output with this replica's load."""
+        self._check_accepting()
+        limits = self._limits
+        assert limits is not None and self._gate is not None
+        try:
+            prompt = validate_prompt(prompt_ids, limits.vocab_size, limits.max_model_len)
+            params = validate_sampling_params(
+                sampling_params,
+                prompt_len=len(prompt),
+                vocab_size=limits.vocab_size,
+                max_model_len=limits.max_model_len,
+                default_max_tokens=self.config.response_length,
+            )
+        except Exception:
+            self._counters["invalid"] += 1
+            raise
+        engine_id = f"{request_id}-{uuid.uuid4().hex[:12]}"
+        ids = self._sessions.setdefault(request_id, set())
+        ids.add(engine_id)
+        tokens = len(prompt)
+        self._inflight += 1
+        self._inflight_tokens += tokens
+        self._counters["requests"] += 1
+        try:
+            while not self._gate.is_set():
+                await self._gate.wait()
+            self._check_accepting()
+            epoch, version = self._epoch, self._version
+            started = time.monotonic()
+            output = await self.engine.generate(engine_id, prompt, params, **kwargs)
+        except asyncio.CancelledError:
+            raise
+        except ReplicaUnavailable:
+            self._counters["errors"] += 1
+            raise
+        finally:
+            self._inflight -= 1
+            self._inflight_tokens -= tokens
+            ids.discard(engine_id)
+            if not ids:
+                self._sessions.pop(request_id, None)
+        self._stamp(output, epoch, version)
+        output.extra_fields.setdefault("replica_id", self.replica_id)
+        output.extra_fields.setdefault("generate_s", time.monotonic() - started)
+        if output.stop_reason == "aborted":
+            self._counters["aborted"] += 1
+        self._counters["tokens_out"] += len(output.token_ids)
+        return ReplicaResponse(output, self._report())
+
+    def _check_accepting(self) -> None:
+        if self._state in ("serving",) + _HOLDING_STATES:
+            return
+        raise ReplicaUnavailable(self.replica_id, f"state is '{self._state}'")
+
+    def _stamp(self, output: TokenOutput, epoch: int, version: Optional[int]) -> None:
+        if epoch == self._epoch or output.stop_reason == "aborted":
+            # No weight change during the attempt (an aborted attempt stopped before any change).
+            first = last = version
+            output.token_versions = [version] * len(output.token_ids) if version is not None else None
+        else:
+            first, last = version, self._version
+            output.token_versions = None  # which tokens came from which weights is unknown
+        output.extra_fields["global_steps"] = last
+        output.extra_fields["min_global_steps"] = first
+        output.extra_fields["max_global_steps"] = last
+
+    def _report(self) -> LoadReport:
+        load = self._engine_load
+        return LoadReport(
+            replica_id=self.replica_id,
+            inflight=self._inflight,
+            inflight_tokens=self._inflight_tokens,
+            running=load.running,
+            waiting=load.waiting,
+            kv_usage=load.kv_usage,
+            weight_version=self._version,
+            state=self._state,
+        )
+
+    async def abort(self, request_id: str) -> int:
+        """Abort every attempt of one session on this replica; return how many."""
+        ids = list(self._sessions.get(request_id, ()))
+        for engine_id in ids:
+            await self.engine.abort(engine_id)
+        return len(ids)
+
+    # ------------------------------------------------------------------ control plane
+    async def abort_all(self) -> int:
+        return await self.engine.abort_all()
+
+    async def pause(self) -> None:
+        """Hold new requests at the gate and abort in-flight ones (they return partial tokens)."""
+        if self._state == "serving":
+            self._set_state("paused")
+        await self.engine.pause()
+
+    async def resume(self) -> None:
+        await self.engine.resume()
+        if self._state in _HOLDING_STATES:
+            self._set_state("serving")
+
+    async def sleep(self) -> None:
+        await self.engine.sleep()  # NotSupported propagates before the state changes
+        if self._state in ("serving", "paused"):
+            self._set_state("sleeping")
+
+    async def wake_up(self) -> None:
+        await self.engine.wake_up()
+        if self._state == "sleeping":
+            self._set_state("paused")
+
+    async def update_weights(self, weights: Any, version: int, *, resume: bool = True) -> None:
+        """pause -> load weights -> clear the prefix cache -> stamp the version [-> resume].
+
+        The engine is resumed in ``finally`` when asked to, so a failed update never leaves the
+        replica paused; the version is stamped only after the weights really loaded.
+        """
+        if self._state == "serving":
+            self._set_state("paused")
+        try:
+            await self.engine.pause()
+            await self.engine.update_weights(weights)
+            await self.engine.clear_kv_cache()
+            self._version = version
+            self._epoch += 1
+            if self._state == "syncing":
+                self._set_state("paused")  # a restarted replica now has the current weights
+        finally:
+            if resume and self._state == "paused":
+                await self.engine.resume()
+                self._set_state("serving")
+
+    async def set_version(self, version: int) -> None:
+        """Stamp a version without loading weights (the weights were placed by other means)."""
+        self._version = version
+        self._epoch += 1
+        if self._state == "syncing":
+            self._set_state("paused")
+
+    async def clear_kv_cache(self) -> None:
+        await self.engine.clear_kv_cache()
+
+    async def start_profile(self, **kwargs: Any) -> None:
+        await self.engine.start_profile(**kwargs)
+
+    async def stop_profile(self) -> Optional[str]:
+        return await self.engine.stop_profile()
+
+    async def health(self) -> dict[str, Any]:
+        health = await self.engine.health()
+        return {"replica_id": self.replica_id, "healthy": health.healthy, "detail": health.detail, "state": self._state}
+
+    async def load(self) -> LoadReport:
+        """Poll the engine (also a liveness probe) and return the full report."""
+        self._engine_load = await self.engine.load()
+        return self._report()
+
+    async def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"replica_id": self.replica_id, "state": self._state, "weight_version": self._version}
+        out.update(self._counters)
+        out.update(self.engine.stats())
+        return out
+
+    async def inject_fault(self, kind: str, factor: float = 10.0) -> None:
+        """Fault injection for tests; only engines that simulate faults support it."""
+        hook = getattr(self.engine, "inject_fault", None)
+        if hook is None:
+            raise NotSupported(self.engine.name, "inject_fault")
+        hook(kind, factor)
+
+    async def script_responses(self, script: Any) -> None:
+        """Scripted responses for tests (sim engine)."""
+        hook = getattr(self.engine, "script_responses", None)
+        if hook is None:
+            raise NotSupported(self.engine.name, "script_responses")
+        hook(script)
+
+    async def ping(self) -> str:
+        return self.replica_id
+
+
+try:  # Ray is a hard dependency, but keep the plain class importable without it for unit tests.
+    import ray
+
+    @ray.remote(max_concurrency=100_000)
+    class ReplicaActor(Replica):
+        """Ray actor around :class:`Replica` (asyncio actor; placement decided by the manager)."""
+
+except ImportError:  # pragma: no cover
+    ReplicaActor = None  # type: ignore[assignment,misc]
+
+
+__all__ = ["Replica", "ReplicaActor"]

@@ -1,0 +1,134 @@
+"""Input validation at the replica, before a request reaches the engine.
+
+A bad request must fail alone, with an error naming the field and the limit, and never take the
+engine down (vLLM's CPU build, for one, dies on some out-of-range inputs). The check is cheap: one
+pass over the prompt ids and a handful of comparisons.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, Optional
+
+from rollfleet.errors import InvalidRequest
+from rollfleet.types import SamplingParams
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def validate_prompt(prompt_ids: Any, vocab_size: int, max_model_len: int) -> list[int]:
+    """Return the prompt as a list of ints, or raise ``InvalidRequest`` naming the bad element."""
+    if prompt_ids is None or isinstance(prompt_ids, (str, bytes)):
+        raise InvalidRequest("prompt_ids", "a list of token ids", prompt_ids)
+    try:
+        ids = list(prompt_ids)
+    except TypeError:
+        raise InvalidRequest("prompt_ids", "a list of token ids", prompt_ids) from None
+    if not ids:
+        raise InvalidRequest("prompt_ids", "at least 1 token", ids)
+    if len(ids) >= max_model_len:
+        raise InvalidRequest(
+            "prompt_ids", f"length < max_model_len ({max_model_len}), leaving room for 1 new token", len(ids)
+        )
+    out = []
+    for i, tok in enumerate(ids):
+        if not _is_int(tok):
+            raise InvalidRequest(f"prompt_ids[{i}]", "an integer token id", tok)
+        tok = int(tok)
+        if tok < 0 or tok >= vocab_size:
+            raise InvalidRequest(f"prompt_ids[{i}]", f"0 <= id < vocab_size ({vocab_size})", tok)
+        out.append(tok)
+    return out
+
+
+def _check_range(params: SamplingParams, key: str, lo: Optional[float], hi: Optional[float], *, lo_open=False, integer=False) -> None:
+    if key not in params or params[key] is None:
+        return
+    value = params[key]
+    if integer and not _is_int(value):
+        raise InvalidRequest(f"sampling_params.{key}", "an integer", value)
+    if not integer and not _is_number(value):
+        raise InvalidRequest(f"sampling_params.{key}", "a number", value)
+    if lo is not None and (value <= lo if lo_open else value < lo):
+        raise InvalidRequest(f"sampling_params.{key}", f"{key} {'>' if lo_open else '>='} {lo}", value)
+    if hi is not None and value > hi:
+        raise InvalidRequest(f"sampling_params.{key}", f"{key} <= {hi}", value)
+
+
+def validate_sampling_params(
+    sampling_params: Optional[SamplingParams],
+    *,
+    prompt_len: int,
+    vocab_size: int,
+    max_model_len: int,
+    default_max_tokens: Optional[int],
+) -> SamplingParams:
+    """Return a normalised copy (``max_tokens`` always set, ``max_new_tokens`` folded in).
+
+    The caller's dict is never modified. Unknown keys pass through for the engine to use.
+    """
+    if sampling_params is None:
+        sampling_params = {}
+    if not isinstance(sampling_params, dict):
+        raise InvalidRequest("sampling_params", "a dict", sampling_params)
+    params = dict(sampling_params)
+    room = max_model_len - prompt_len
+    given = {k: params.pop(k) for k in ("max_tokens", "max_new_tokens") if params.get(k) is not None}
+    for key, value in given.items():
+        if not _is_int(value):
+            raise InvalidRequest(f"sampling_params.{key}", "an integer", value)
+        if value < 1:
+            raise InvalidRequest(f"sampling_params.{key}", f"{key} >= 1", value)
+    if len(given) == 2 and given["max_tokens"] != given["max_new_tokens"]:
+        raise InvalidRequest(
+            "sampling_params.max_new_tokens", "equal to max_tokens when both are given", given["max_new_tokens"]
+        )
+    if given:
+        key, max_tokens = next(iter(given.items()))
+        if prompt_len + max_tokens > max_model_len:
+            raise InvalidRequest(
+                f"sampling_params.{key}",
+                f"len(prompt_ids) + {key} <= max_model_len ({max_model_len}); here {prompt_len} + {max_tokens}",
+                max_tokens,
+            )
+    else:
+        max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+    params["max_tokens"] = int(max_tokens)
+
+    _check_range(params, "temperature", 0.0, None)
+    _check_range(params, "top_p", 0.0, 1.0, lo_open=True)
+    _check_range(params, "min_p", 0.0, 1.0)
+    _check_range(params, "repetition_penalty", 0.0, None, lo_open=True)
+    _check_range(params, "presence_penalty", -2.0, 2.0)
+    _check_range(params, "frequency_penalty", -2.0, 2.0)
+    _check_range(params, "min_tokens", 0, params["max_tokens"], integer=True)
+    _check_range(params, "seed", None, None, integer=True)
+    if params.get("top_k") is not None:
+        top_k = params["top_k"]
+        if not _is_int(top_k) or (top_k < 1 and top_k not in (0, -1)):
+            raise InvalidRequest("sampling_params.top_k", "-1 or 0 (disabled) or an integer >= 1", top_k)
+    n = params.pop("n", 1)
+    if n != 1:
+        raise InvalidRequest("sampling_params.n", "n == 1 (issue one request per sample; groups share a prompt)", n)
+    logprobs = params.get("logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool) and not (_is_int(logprobs) and logprobs >= 0):
+        raise InvalidRequest("sampling_params.logprobs", "a bool or an integer >= 0", logprobs)
+    stops = params.get("stop_token_ids")
+    if stops is not None:
+        if not isinstance(stops, (list, tuple)):
+            raise InvalidRequest("sampling_params.stop_token_ids", "a list of token ids", stops)
+        for i, tok in enumerate(stops):
+            if not _is_int(tok) or not 0 <= tok < vocab_size:
+                raise InvalidRequest(f"sampling_params.stop_token_ids[{i}]", f"0 <= id < vocab_size ({vocab_size})", tok)
+    if "ignore_eos" in params and not isinstance(params["ignore_eos"], bool):
+        raise InvalidRequest("sampling_params.ignore_eos", "a bool", params["ignore_eos"])
+    return params
+
+
+__all__ = ["validate_prompt", "validate_sampling_params"]

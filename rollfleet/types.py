@@ -1,0 +1,97 @@
+"""Records that cross every layer: generation output, replica load, sampling parameters.
+
+This module holds data only, no I/O, so that every layer (engines up to trainers) can import it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+#: The one vocabulary of finish reasons, for every engine.
+#: ``stop``: the model ended the response (EOS or a stop token/string);
+#: ``length``: the token budget (``max_tokens``, or the trajectory budget for resumed requests) ran out;
+#: ``aborted``: the request was interrupted (weight update, abort_all, replica stopping) and may be resumed
+#: from the tokens it returned.
+StopReason = Literal["stop", "length", "aborted"]
+STOP_REASONS: tuple[str, ...] = ("stop", "length", "aborted")
+
+#: Sampling parameters travel as a plain dict (as in verl) so any engine-specific key passes through.
+SamplingParams = dict[str, Any]
+
+#: Keys that name the per-request token budget, in order of precedence.
+BUDGET_KEYS: tuple[str, ...] = ("max_tokens", "max_new_tokens")
+
+
+class TokenOutput(BaseModel):
+    """The result of one generation (one attempt, or a whole resumed request).
+
+    ``extra_fields`` always carries ``global_steps`` (weight version the last attempt finished
+    under), ``min_global_steps`` (version of the first token) and ``max_global_steps`` (version of
+    the last token) once the output has passed through a replica.
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    token_ids: list[int]
+    log_probs: Optional[list[float]] = None
+    routed_experts: Optional[Any] = None
+    stop_reason: StopReason = "stop"
+    num_preempted: int = 0
+    #: Weight version of every token, when the engine can tell (same length as ``token_ids``).
+    token_versions: Optional[list[int]] = None
+    extra_fields: dict[str, Any] = Field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class LoadReport:
+    """What a replica says about itself: piggybacked on every response and polled.
+
+    ``inflight`` and ``inflight_tokens`` are counted by the replica itself (requests inside it and
+    the prompt tokens they carry), the same way a client counts its own, so the router can combine
+    a report with its local counts: ``others = report - mine_at_report``. ``running``, ``waiting``
+    and ``kv_usage`` come from the engine's own view, refreshed when the replica is polled.
+    """
+
+    replica_id: str
+    inflight: int = 0
+    inflight_tokens: int = 0
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    weight_version: Optional[int] = None
+    #: ``serving`` | ``paused`` | ``sleeping`` | ``starting`` | ``stopped``
+    state: str = "serving"
+    timestamp: float = field(default_factory=time.monotonic)
+
+
+@dataclass(slots=True)
+class ReplicaResponse:
+    """A replica's answer on the data plane: the output plus the replica's load at that moment."""
+
+    output: TokenOutput
+    load: LoadReport
+
+
+def budget_of(sampling_params: SamplingParams) -> Optional[int]:
+    """The token budget a request asks for, from the first budget key present, else None."""
+    for key in BUDGET_KEYS:
+        value = sampling_params.get(key)
+        if value is not None:
+            return value
+    return None
+
+
+__all__ = [
+    "StopReason",
+    "STOP_REASONS",
+    "SamplingParams",
+    "BUDGET_KEYS",
+    "TokenOutput",
+    "LoadReport",
+    "ReplicaResponse",
+    "budget_of",
+]

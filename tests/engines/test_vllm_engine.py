@@ -1,0 +1,347 @@
+"""The vLLM engine: unit tests of its pure parts, and (marked ``vllm``) tests against one real
+vLLM server (CPU build) started once for the module. The kill test runs last: it kills that server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import signal
+import time
+
+import pytest
+import pytest_asyncio
+
+from rollfleet.config import RolloutConfig, VLLMEngineConfig
+from rollfleet.engines import get_engine_cls
+from rollfleet.engines.vllm import VLLMEngine, VLLMStartupError, omp_threads_bind, parse_metrics
+from rollfleet.errors import EngineDead, NotSupported, ReplicaUnavailable
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
+MODULE_LOOP = pytest.mark.asyncio(loop_scope="module")
+
+MAX_MODEL_LEN = 2048
+LONG = 1900  # a generation long enough to be interrupted (several seconds with 16 in flight)
+
+
+# ---------------------------------------------------------------------------- pure units
+def test_registered_under_vllm():
+    assert get_engine_cls("vllm") is VLLMEngine
+
+
+def test_omp_threads_bind():
+    cpus = [0, 1]
+    assert omp_threads_bind(None, 0, 2, cpus=cpus) == "0"
+    assert omp_threads_bind(None, 1, 2, cpus=cpus) == "1"
+    assert omp_threads_bind(None, 2, 2, cpus=cpus) == "0"  # wraps around
+    assert omp_threads_bind(None, 0, 1, cpus=cpus) == "0-1"
+    assert omp_threads_bind("all", 1, 2, cpus=cpus) == "0-1"
+    assert omp_threads_bind("auto", 1, 2, cpus=cpus) == "auto"
+    assert omp_threads_bind(None, 1, 2, cpus=list(range(8))) == "4-7"
+    assert omp_threads_bind(None, 0, 1, tp=2, cpus=list(range(8))) == "0-3|4-7"
+    assert omp_threads_bind(None, 0, 4, cpus=[0, 2, 3, 5, 6, 7, 8, 9]) == "0,2"
+
+
+def test_parse_metrics_sums_label_sets():
+    text = (
+        "# HELP vllm:num_requests_running n\n# TYPE vllm:num_requests_running gauge\n"
+        'vllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
+        'vllm:num_requests_running{engine="1",model_name="m"} 2.0\n'
+        "# HELP vllm:kv_cache_usage_perc k\n# TYPE vllm:kv_cache_usage_perc gauge\n"
+        'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n'
+    )
+    m = parse_metrics(text)
+    assert m["vllm:num_requests_running"] == 5.0
+    assert m["vllm:kv_cache_usage_perc"] == 0.25
+
+
+def test_from_config_and_body():
+    cfg = RolloutConfig(name="vllm", model="tiny", num_replicas=2, max_model_len=64, seed=7)
+    eng = VLLMEngine.from_config(cfg, 1)
+    assert eng.max_model_len == 64 and eng.seed == 7 and eng.replica_index == 1
+    body, max_tokens = eng._body([1, 2, 3], {"max_new_tokens": 5, "temperature": 0.0, "top_k": -1,
+                                             "logprobs": True, "n": 4, "stop_token_ids": [2], "seed": None})
+    assert max_tokens == 5 and body["max_tokens"] == 5
+    assert body["n"] == 1 and body["logprobs"] == 0 and body["return_token_ids"] is True
+    assert body["prompt"] == [1, 2, 3] and body["stop_token_ids"] == [2] and "seed" not in body
+    assert "max_new_tokens" not in body
+    with pytest.raises(ReplicaUnavailable):
+        eng.limits()
+
+
+# ---------------------------------------------------------------------------- real vLLM
+def _children(pid: int) -> list[int]:
+    import psutil
+
+    try:
+        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine():
+    cfg = RolloutConfig(
+        name="vllm",
+        model="tiny",
+        num_replicas=2,  # bind this server to one core of two: leave the other to the rest
+        max_model_len=MAX_MODEL_LEN,
+        seed=0,
+        vllm=VLLMEngineConfig(max_num_seqs=64, startup_timeout_s=240),
+    )
+    eng = VLLMEngine.from_config(cfg, replica_index=1)
+    t0 = time.monotonic()
+    await eng.start()
+    print(f"vLLM start-up took {time.monotonic() - t0:.1f}s at {eng.address()}")
+    yield eng
+    await eng.shutdown()
+
+
+def _greedy(n=12, **kw):
+    return {"max_tokens": n, "temperature": 0.0, **kw}
+
+
+PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
+
+
+@needs_vllm
+@pytest.mark.vllm
+@MODULE_LOOP
+async def test_start_health_limits(engine: VLLMEngine):
+    assert engine.address().startswith("http://127.0.0.1:")
+    h = await engine.health()
+    assert h.healthy, h.detail
+    lim = engine.limits()
+    assert lim.max_model_len == MAX_MODEL_LEN
+    assert lim.vocab_size == 1028
+
+
+@needs_vllm
+@pytest.mark.vllm
+@MODULE_LOOP
+async def test_generate_token_ids_and_logprobs(engine: VLLMEngine):
+    out = await engine.generate("g1", PROMPT, _greedy(10, ignore_eos=True))
+    assert out.stop_reason == "length"
+    assert len(out.token_ids) == 10 and len(out.log_probs) == 10
+    assert all(isinstance(t, int) and 0 <= t < 1028 for t in out.token_ids)
+    assert all(lp <= 0.0 for lp in out.log_probs)
+    # Deterministic under greedy decoding.
+    again = await engine.generate("g1", PROMPT, _greedy(10, ignore_eos=True))
+    assert again.token_ids == out.token_ids
+    # A stop token ends the response with "stop".
+    stop_tok = out.token_ids[3]
+    first = out.token_ids.index(stop_tok)
+    stopped = await engine.generate("g2", PROMPT, _greedy(10, stop_token_ids=[stop_tok]))
+    assert stopped.stop_reason == "stop"
+    assert stopped.token_ids[:first] == out.token_ids[:first]
+    assert len(stopped.token_ids) == len(stopped.log_probs) <= first + 1
+    # Sampling parameters pass through (seeded sampling is reproducible).
+    s1 = await engine.generate("s", PROMPT, {"max_tokens": 8, "temperature": 1.0, "top_p": 0.9, "top_k": 50,
+                                             "seed": 123, "repetition_penalty": 1.1, "min_tokens": 2})
+    s2 = await engine.generate("s", PROMPT, {"max_tokens": 8, "temperature": 1.0, "top_p": 0.9, "top_k": 50,
+                                             "seed": 123, "repetition_penalty": 1.1, "min_tokens": 2})
+    assert s1.token_ids == s2.token_ids and len(s1.log_probs) == len(s1.token_ids)
+
+
+async def _long_requests(engine: VLLMEngine, n: int, prefix: str):
+    return [
+        asyncio.create_task(
+            engine.generate(f"{prefix}{i}", PROMPT + [i], {"max_tokens": LONG, "temperature": 1.0,
+                                                           "ignore_eos": True, "seed": i})
+        )
+        for i in range(n)
+    ]
+
+
+@needs_vllm
+@pytest.mark.vllm
+@MODULE_LOOP
+async def test_abort_returns_partial_tokens_and_load(engine: VLLMEngine):
+    tasks = await _long_requests(engine, 8, "ab")
+    await asyncio.sleep(1.0)
+    load = await engine.load()
+    assert load.running + load.waiting >= 1
+    assert load.kv_usage > 0.0
+    assert load.inflight_tokens >= 8 * LONG
+    await engine.abort("ab0")
+    first = await asyncio.wait_for(tasks[0], 10)
+    assert first.stop_reason == "aborted"
+    assert 0 < len(first.token_ids) < LONG
+    assert len(first.log_probs) == len(first.token_ids)
+    n = await engine.abort_all()
+    assert n == 7
+    rest = await asyncio.wait_for(asyncio.gather(*tasks[1:]), 10)
+    for out in rest:
+        assert out.stop_reason == "aborted"
+        assert 0 < len(out.token_ids) < LONG and len(out.log_probs) == len(out.token_ids)
+    assert await engine.abort_all() == 0
+    await engine.abort("unknown-id")  # ignored
+
+
+@needs_vllm
+@pytest.mark.vllm
+@MODULE_LOOP
+async def test_pause_aborts_and_holds_until_resume(engine: VLLMEngine):
+    tasks = await _long_requests(engine, 8, "pa")
+    await asyncio.sleep(1.0)
+    t0 = time.monotonic()
+    await engine.pause()
+    outs = await asyncio.wait_for(asyncio.gather(*tasks), 10)
+    print(f"pause took {time.monotonic() - t0:.2f}s")
+    for out in outs:
+        assert out.stop_reason == "aborted"
+        assert 0 < len(out.token_ids) < LONG and len(out.log_probs) == len(out.token_ids)
+    late = asyncio.create_task(engine.generate("late", PROMPT, _greedy(5, ignore_eos=True)))
+    await asyncio.sleep(1.5)
+    assert not late.done()
+    load = await engine.load()
+    assert load.waiting >= 1
+    await engine.resume()
+    out = await asyncio.wait_for(late, 30)
+    assert out.stop_reason == "length" and len(out.token_ids) == 5
+
+
+@needs_vllm
+@pytest.mark.vllm
+@MODULE_LOOP
+async def test_abort_while_paused_returns_aborted(engine: VLLMEngine):
+    await engine.pause()
+    try:
+        held = asyncio.create_task(engine.generate("held", PROMPT, _greedy(5)))
+        await asyncio.sleep(0.2)
+        assert not held.done()
+        await engine.abort("held")
+        out = await asyncio.wait_for(held, 5)
+        assert out.stop_reason == "aborted" and out.token_ids == []
+    finally:
+        await engine.resume()
+
+
+@needs_vllm
+@pytest.mark.vllm
+@MODULE_LOOP
+async def test_update_weights_changes_greedy_output(engine: VLLMEngine, tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    base = (await engine.generate("w", PROMPT, _greedy(16, ignore_eos=True))).token_ids
+    assert (await engine.generate("w", PROMPT, _greedy(16, ignore_eos=True))).token_ids == base
+
+    original = load_file(os.path.join(engine.model_path, "model.safetensors"))
+    g = torch.Generator().manual_seed(1)
+    perturbed = dict(original)
+    perturbed["lm_head.weight"] = original["lm_head.weight"] + 0.5 * torch.randn(
+        original["lm_head.weight"].shape, generator=g
+    )
+    t0 = time.monotonic()
+    await engine.update_weights(perturbed)  # in-memory state dict
+    print(f"update_weights(state dict) took {time.monotonic() - t0:.3f}s")
+    new = (await engine.generate("w", PROMPT, _greedy(16, ignore_eos=True))).token_ids
+    assert new != base
+
+    await engine.update_weights(engine.model_path)  # a folder: back to the original weights
+    assert (await engine.generate("w", PROMPT, _greedy(16, ignore_eos=True))).token_ids == base
+
+    f = tmp_path / "perturbed.safetensors"
+    save_file({"lm_head.weight": perturbed["lm_head.weight"]}, str(f))  # a file, a subset of names
+    await engine.update_weights(str(f))
+    assert (await engine.generate("w", PROMPT, _greedy(16, ignore_eos=True))).token_ids == new
+
+    await engine.update_weights(original)
+    assert (await engine.generate("w", PROMPT, _greedy(16, ignore_eos=True))).token_ids == base
+
+
+@needs_vllm
+@pytest.mark.vllm
+@MODULE_LOOP
+async def test_clear_kv_cache_and_prefix_metrics(engine: VLLMEngine):
+    prompt = list(range(20, 20 + 300))
+    await engine.generate("p", prompt, _greedy(2))
+    before = await engine.metrics()
+    await engine.generate("p", prompt, _greedy(2))
+    after = await engine.metrics()
+    assert after["vllm:prefix_cache_hits_total"] > before["vllm:prefix_cache_hits_total"]
+    await engine.clear_kv_cache()
+    m1 = await engine.metrics()
+    await engine.generate("p", prompt, _greedy(2))
+    m2 = await engine.metrics()
+    assert m2["vllm:prefix_cache_hits_total"] == m1["vllm:prefix_cache_hits_total"]
+
+
+@needs_vllm
+@pytest.mark.vllm
+@MODULE_LOOP
+async def test_sleep_not_supported_on_cpu(engine: VLLMEngine):
+    if engine.device != "cpu":
+        pytest.skip("GPU: sleep is real")
+    with pytest.raises(NotSupported) as ei:
+        await engine.sleep()
+    assert ei.value.engine == "vllm" and ei.value.op == "sleep"
+    with pytest.raises(NotSupported):
+        await engine.wake_up()
+
+
+@needs_vllm
+@pytest.mark.vllm
+@MODULE_LOOP
+async def test_profile(engine: VLLMEngine):
+    try:
+        await engine.start_profile()
+    except NotSupported:
+        pytest.skip("profiling not supported by this build")
+    await engine.generate("prof", PROMPT, _greedy(4))
+    where = await engine.stop_profile()
+    assert where and os.path.isdir(where)
+
+
+@needs_vllm
+@pytest.mark.vllm
+@MODULE_LOOP
+async def test_killed_server_is_reported_dead_then_shutdown_leaves_no_orphans(engine: VLLMEngine):
+    """Runs last: kills the module's server."""
+    pid = engine.pid
+    family = [pid] + _children(pid)
+    assert len(family) >= 2  # API server + EngineCore (+ worker)
+    running = asyncio.create_task(
+        engine.generate("k", PROMPT, {"max_tokens": LONG, "ignore_eos": True, "temperature": 1.0})
+    )
+    await asyncio.sleep(0.5)
+    t0 = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(EngineDead):
+        await asyncio.wait_for(running, 10)
+    h = await asyncio.wait_for(engine.health(), 10)
+    assert not h.healthy
+    with pytest.raises(EngineDead):
+        await asyncio.wait_for(engine.generate("k2", PROMPT, _greedy(2)), 10)
+    print(f"death reported after {time.monotonic() - t0:.2f}s: {h.detail}")
+    await engine.shutdown()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(_alive(p) for p in family):
+        await asyncio.sleep(0.2)
+    assert not any(_alive(p) for p in family), [p for p in family if _alive(p)]
+    await engine.shutdown()  # idempotent
+
+
+@needs_vllm
+@pytest.mark.vllm
+@pytest.mark.asyncio
+async def test_startup_failure_reports_log_tail(tmp_path):
+    eng = VLLMEngine("tiny", max_model_len=256, extra_args=["--definitely-not-a-vllm-flag"], startup_timeout_s=120)
+    with pytest.raises(VLLMStartupError) as ei:
+        await eng.start()
+    msg = str(ei.value)
+    assert "exited with code" in msg and "definitely-not-a-vllm-flag" in msg
+    assert isinstance(ei.value, EngineDead)
+    await eng.shutdown()

@@ -1,0 +1,209 @@
+"""End to end on Ray with the simulated engine: rollouts through weight updates, faults, control ops."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from rollfleet.client import FullyAsyncLLMServerClient, LLMServerClient
+from rollfleet.config import RollfleetConfig
+from rollfleet.errors import InvalidRequest
+from rollfleet.manager import LLMServerManager
+
+pytestmark = pytest.mark.ray
+
+
+def fleet_config(**rollout) -> RollfleetConfig:
+    base = {
+        "name": "sim",
+        "num_replicas": 4,
+        "prompt_length": 1024,
+        "response_length": 256,
+        "max_model_len": 4096,
+        "routing": {"policy": "least_tokens", "load_refresh_interval_s": 0.1},
+        "retry": {"max_attempts": 50, "initial_backoff_s": 0.01, "max_backoff_s": 0.2},
+        "health": {"probe_interval_s": 0.2, "probe_timeout_s": 0.5, "failures_to_dead": 2},
+        "sim": {"vocab_size": 2000, "time_scale": 20.0, "mean_response_tokens": 120, "response_sigma": 0.8},
+    }
+    base.update(rollout)
+    return RollfleetConfig.model_validate({"rollout": base})
+
+
+@pytest.fixture(scope="module")
+async def manager(ray_session):
+    m = await LLMServerManager.create(fleet_config())
+    yield m
+    await m.shutdown()
+
+
+async def run_trajectory(client, tid: int, turns: int = 3) -> list:
+    prompt = [1 + (tid * 7 + j) % 1900 for j in range(40)]
+    outs = []
+    for t in range(turns):
+        out = await client.generate(f"traj-{tid}", prompt_ids=prompt, sampling_params={"temperature": 1.0, "max_tokens": 200})
+        outs.append(out)
+        prompt = prompt + out.token_ids + [5, 6, 7, 8]  # the "user" replies
+    client.finish_session(f"traj-{tid}")
+    return outs
+
+
+async def wait_until(pred, timeout=20.0):
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while loop.time() < end:
+        if await pred():
+            return True
+        await asyncio.sleep(0.1)
+    return False
+
+
+async def test_rollout_survives_weight_updates(manager):
+    client = manager.get_client(FullyAsyncLLMServerClient)
+    start_version = (await manager.status())["current_version"]
+    rollout = asyncio.ensure_future(asyncio.gather(*(run_trajectory(client, i) for i in range(200))))
+    versions = [start_version]
+    for _ in range(3):
+        await asyncio.sleep(0.4)
+        versions.append(versions[-1] + 1)
+        result = await manager.update_weights({"step": versions[-1]}, versions[-1])
+        assert result["failed"] == []
+    trajectories = await rollout
+    assert len(trajectories) == 200
+    resumed = 0
+    for outs in trajectories:
+        prev_max = start_version
+        for out in outs:
+            assert out.stop_reason in ("stop", "length")
+            assert len(out.token_ids) <= 200
+            lo, hi = out.extra_fields["min_global_steps"], out.extra_fields["max_global_steps"]
+            assert prev_max <= lo <= hi  # monotone within and across turns
+            prev_max = hi
+            resumed += out.extra_fields["num_resumes"]
+    assert resumed > 0, "the updates should have interrupted some requests"
+    assert any(o.extra_fields["min_global_steps"] < o.extra_fields["max_global_steps"] for t in trajectories for o in t)
+    assert client.balancer.get_total_inflight() == 0
+
+    async def replicas_idle():
+        stats = await manager.replica_stats()
+        return all(s.get("state") == "serving" for s in stats.values()) and all(
+            r["inflight"] == 0 for r in (await manager.status())["replicas"].values()
+        )
+
+    assert await wait_until(replicas_idle)
+
+
+async def test_sessions_stick_and_hit_the_prefix_cache(manager):
+    client = manager.get_client()
+    before = await manager.replica_stats()
+    trajectories = await asyncio.gather(*(run_trajectory(client, 1000 + i, turns=4) for i in range(40)))
+    for outs in trajectories:
+        assert len({o.extra_fields["replica_id"] for o in outs}) == 1
+    after = await manager.replica_stats()
+    hits = sum(after[r]["prefix_cache_hit_tokens"] - before[r]["prefix_cache_hit_tokens"] for r in after)
+    queried = sum(after[r]["prefix_cache_query_tokens"] - before[r]["prefix_cache_query_tokens"] for r in after)
+    assert hits / queried > 0.4
+    assert client.get_status()["sticky_sessions"] == 0  # finish_session cleared them
+
+
+async def test_bad_input_is_typed_and_fleet_keeps_serving(manager):
+    client = manager.get_client()
+    good = [client.generate(f"g{i}", prompt_ids=[1, 2, 3], sampling_params={"max_tokens": 8}) for i in range(20)]
+    bad = [
+        client.generate("b1", prompt_ids=[], sampling_params={}),
+        client.generate("b2", prompt_ids=[10**6], sampling_params={}),
+        client.generate("b3", prompt_ids=[1] * 5000, sampling_params={}),
+        client.generate("b4", prompt_ids=[1], sampling_params={"temperature": -1}),
+    ]
+    results = await asyncio.gather(*good, *bad, return_exceptions=True)
+    assert all(not isinstance(r, BaseException) for r in results[:20])
+    fields = [r.field for r in results[20:]]
+    assert all(isinstance(r, InvalidRequest) for r in results[20:])
+    assert fields == ["prompt_ids", "prompt_ids[0]", "prompt_ids", "sampling_params.temperature"]
+    assert client.balancer.get_total_inflight() == 0
+
+
+async def test_cancelled_request_releases_slots_on_both_sides(manager):
+    client = manager.get_client()
+    task = asyncio.ensure_future(
+        client.generate("cancel-me", prompt_ids=[1, 2], sampling_params={"max_tokens": 3000, "ignore_eos": True})
+    )
+    await asyncio.sleep(0.3)
+    assert client.balancer.get_total_inflight() == 1
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert client.balancer.get_total_inflight() == 0
+
+    async def drained():
+        return all(r["inflight"] == 0 for r in (await manager.status())["replicas"].values())
+
+    assert await wait_until(drained)
+
+
+async def test_control_ops_and_membership(manager, tmp_path):
+    replicas = await manager.get_replicas()
+    assert len(replicas) == 4 and all(r["state"] == "healthy" for r in replicas)
+    assert all(a.startswith("sim://") for a in await manager.get_addresses())
+    await manager.clear_kv_cache()
+    await manager.start_profile(trace_dir=str(tmp_path))
+    client = manager.get_client()
+    await client.generate("p", prompt_ids=[1, 2], sampling_params={"max_tokens": 4})
+    traces = await manager.stop_profile()
+    assert len(traces) == 4 and any(p for p in traces.values())
+    await manager.sleep()
+    held = asyncio.ensure_future(client.generate("z", prompt_ids=[1, 2], sampling_params={"max_tokens": 4}))
+    await asyncio.sleep(0.2)
+    assert not held.done()
+    await manager.wake_up()
+    await manager.resume()
+    assert len((await held).token_ids) >= 1
+    # add: the new replica gets the current weights before it serves
+    added = await manager.add_replicas(1)
+    status = await manager.status()
+    assert added[0]["weight_version"] == status["current_version"]
+    new_id = added[0]["replica_id"]
+    await client.fleet.refresh()
+    assert new_id in client.balancer.get_all_servers()
+    removed = await manager.remove_replicas([new_id])
+    assert removed == [new_id]
+    await client.fleet.refresh()
+    assert new_id not in client.balancer.get_all_servers()
+    result = await manager.abort_all()
+    assert result["aborted_count"] == 0
+
+
+async def test_crashed_replica_loses_no_trajectory_and_rejoins_on_current_weights(manager):
+    client = manager.get_client(FullyAsyncLLMServerClient)
+    version = (await manager.status())["current_version"] + 1
+    await manager.update_weights({"step": version}, version)
+    rollout = asyncio.ensure_future(asyncio.gather(*(run_trajectory(client, 5000 + i, turns=2) for i in range(60))))
+    await asyncio.sleep(0.3)
+    await manager.inject_fault("replica-2", "crash")
+    trajectories = await rollout
+    assert all(o.stop_reason in ("stop", "length") for t in trajectories for o in t)
+
+    async def rejoined():
+        r = (await manager.status())["replicas"]["replica-2"]
+        return r["state"] == "healthy" and r["restarts"] >= 1 and r["weight_version"] == version
+
+    assert await wait_until(rejoined)
+    out = await client.generate("after", prompt_ids=[1, 2, 3], sampling_params={"max_tokens": 5})
+    assert out.extra_fields["global_steps"] == version
+
+
+async def test_hung_replica_is_detected_and_bypassed(ray_session):
+    m = await LLMServerManager.create(fleet_config(num_replicas=2))
+    try:
+        client = m.get_client()
+        await m.inject_fault("replica-0", "hang")
+
+        async def dead_or_restarted():
+            r = (await m.status())["replicas"]["replica-0"]
+            return r["restarts"] >= 1 or r["state"] in ("dead", "restarting", "syncing")
+
+        assert await wait_until(dead_or_restarted, timeout=10)
+        outs = await asyncio.gather(*(client.generate(f"h{i}", prompt_ids=[1, 2], sampling_params={"max_tokens": 5}) for i in range(20)))
+        assert len(outs) == 20
+    finally:
+        await m.shutdown()

@@ -1,0 +1,169 @@
+"""FullyAsyncLLMServerClient: budget rules under aborts injected at random points."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rollfleet.client import FullyAsyncLLMServerClient, LLMServerClient
+from rollfleet.config import RetryConfig, RolloutConfig
+from rollfleet.server.local import LocalHandle
+from rollfleet.types import LoadReport, ReplicaResponse, TokenOutput
+
+pytestmark = pytest.mark.unit
+
+
+class FakeServer:
+    """Aborts each attempt after a scripted number of tokens; the weight version rises per attempt."""
+
+    def __init__(self, abort_points: list[int], natural_len: int = 10**9, extra: dict | None = None):
+        self.abort_points = list(abort_points)
+        self.natural_len = natural_len
+        self.calls: list[dict] = []
+        self.version = 0
+        self.extra = extra or {}
+
+    async def generate_with_load(self, request_id, prompt_ids, sampling_params, **kwargs):
+        self.calls.append({"prompt_ids": list(prompt_ids), "params": dict(sampling_params), "kwargs": kwargs})
+        budget = sampling_params.get("max_tokens") or sampling_params.get("max_new_tokens")
+        produced = len(prompt_ids) - len(self.calls[0]["prompt_ids"])
+        remaining_natural = self.natural_len - produced
+        if self.abort_points:
+            n = min(self.abort_points.pop(0), budget)
+            reason = "aborted"
+            if n >= remaining_natural:
+                n, reason = remaining_natural, "stop"
+        else:
+            n = min(budget, remaining_natural)
+            reason = "stop" if n == remaining_natural else "length"
+        toks = [(len(prompt_ids) + i) % 97 for i in range(n)]
+        v = self.version
+        self.version += 1
+        out = TokenOutput(
+            token_ids=toks,
+            log_probs=[-0.5] * n,
+            stop_reason=reason,
+            token_versions=[v] * n,
+            extra_fields={"global_steps": v, "min_global_steps": v, "max_global_steps": v, "attempt_tag": len(self.calls), **self.extra},
+        )
+        return ReplicaResponse(out, LoadReport(replica_id="s0"))
+
+
+def client(server, response_length=64, max_attempts=1000, cls=FullyAsyncLLMServerClient, **kw):
+    cfg = RolloutConfig(response_length=response_length, retry=RetryConfig(max_attempts=max_attempts, initial_backoff_s=0, jitter=0))
+    return cls(cfg, servers={"s0": LocalHandle(server)}, **kw)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    abort_points=st.lists(st.integers(min_value=0, max_value=40), max_size=12),
+    budget=st.integers(min_value=1, max_value=80),
+    key=st.sampled_from(["max_tokens", "max_new_tokens", None]),
+    natural=st.integers(min_value=1, max_value=200),
+)
+def test_budget_never_exceeded_and_caller_dict_untouched(abort_points, budget, key, natural):
+    server = FakeServer(abort_points, natural_len=natural)
+    c = client(server, response_length=budget if key is None else 999)
+    params = {"temperature": 0.7}
+    if key:
+        params[key] = budget
+    before = copy.deepcopy(params)
+    out = asyncio.run(c.generate("req", prompt_ids=[1, 2, 3], sampling_params=params, image_data=None, priority=3))
+    assert params == before  # never mutated
+    assert len(out.token_ids) <= budget
+    assert len(out.log_probs) == len(out.token_ids)
+    for call in server.calls:  # each attempt is granted only what is left, under the caller's key
+        used_key = key or "max_tokens"
+        assert call["params"][used_key] >= 1
+        granted_plus_done = call["params"][used_key] + len(call["prompt_ids"]) - 3
+        assert granted_plus_done == budget
+        assert call["kwargs"] == {"image_data": None, "priority": 3}  # kwargs arrive every attempt
+    if len(out.token_ids) == budget and out.stop_reason != "stop":
+        assert out.stop_reason == "length"
+    assert out.stop_reason in ("stop", "length")
+    # prompt + tokens so far are resent: each attempt's prompt extends the previous one
+    for prev, nxt in zip(server.calls, server.calls[1:]):
+        assert nxt["prompt_ids"][: len(prev["prompt_ids"])] == prev["prompt_ids"]
+    assert out.extra_fields["num_resumes"] == len(server.calls) - 1
+
+
+def test_versions_and_per_attempt_extra_fields_kept():
+    server = FakeServer([5, 5, 0, 5], extra={"spec_num_accepted_tokens": 7})
+    out = asyncio.run(client(server).generate("r", prompt_ids=[1], sampling_params={"max_tokens": 30}))
+    assert len(out.token_ids) == 30 and out.stop_reason == "length"
+    assert out.extra_fields["min_global_steps"] == 0
+    assert out.extra_fields["max_global_steps"] == 4
+    assert out.extra_fields["global_steps"] == 4
+    assert [a["attempt_tag"] for a in out.extra_fields["attempts"]] == [1, 2, 3, 4, 5]
+    assert all(a["spec_num_accepted_tokens"] == 7 for a in out.extra_fields["attempts"])
+    assert out.token_versions == [0] * 5 + [1] * 5 + [3] * 5 + [4] * 15
+
+
+def test_all_aborted_until_budget_spent_ends_length():
+    server = FakeServer([10, 10, 10, 10])
+    out = asyncio.run(client(server).generate("r", prompt_ids=[1], sampling_params={"max_tokens": 40}))
+    assert len(out.token_ids) == 40 and out.stop_reason == "length"
+    assert len(server.calls) == 4
+
+
+def test_bounded_resume_returns_partial_with_flag():
+    server = FakeServer([1] * 100)
+    out = asyncio.run(client(server, max_attempts=5).generate("r", prompt_ids=[1], sampling_params={"max_tokens": 50}))
+    assert len(server.calls) == 5
+    assert out.stop_reason == "aborted" and out.extra_fields["resume_exhausted"] is True
+    assert len(out.token_ids) == 5
+
+
+def test_partial_rollout_off_returns_aborted():
+    server = FakeServer([3])
+    out = asyncio.run(client(server, partial_rollout=False).generate("r", prompt_ids=[1], sampling_params={"max_tokens": 50}))
+    assert out.stop_reason == "aborted" and len(out.token_ids) == 3 and len(server.calls) == 1
+
+
+def test_no_budget_anywhere_is_a_clear_error():
+    server = FakeServer([])
+    c = client(server)
+    c.config.__dict__["response_length"] = 0  # a config stub without a usable response_length
+    with pytest.raises(ValueError, match="budget"):
+        asyncio.run(c.generate("r", prompt_ids=[1], sampling_params={}))
+
+
+def test_same_signature_as_base():
+    import inspect
+
+    base = inspect.signature(LLMServerClient.generate)
+    sub = inspect.signature(FullyAsyncLLMServerClient.generate)
+    assert list(base.parameters) == list(sub.parameters)
+    assert "kwargs" in sub.parameters
+
+
+class SlowServer:
+    def __init__(self):
+        self.started = asyncio.Event()
+        self.cancelled = 0
+
+    async def generate_with_load(self, request_id, prompt_ids, sampling_params, **kwargs):
+        self.started.set()
+        try:
+            await asyncio.sleep(100)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
+
+async def test_cancelled_request_releases_its_slot():
+    server = SlowServer()
+    c = client(server, cls=LLMServerClient)
+    task = asyncio.ensure_future(c.generate("r", prompt_ids=[1], sampling_params={"max_tokens": 5}))
+    await server.started.wait()
+    assert c.balancer.get_total_inflight() == 1
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(0)
+    assert c.balancer.get_total_inflight() == 0
+    assert server.cancelled == 1  # the replica's side was cancelled too

@@ -1,0 +1,135 @@
+"""Bad input fails alone with the field named; the replica keeps serving everyone else."""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+
+import pytest
+
+from rollfleet.config import RolloutConfig, SimEngineConfig
+from rollfleet.errors import InvalidRequest, NoServerAvailable, NotSupported, ReplicaUnavailable
+from rollfleet.server.replica import Replica
+from rollfleet.types import TokenOutput
+
+pytestmark = pytest.mark.unit
+
+
+async def replica(**kw) -> Replica:
+    cfg = RolloutConfig(
+        name="sim", prompt_length=64, response_length=32, max_model_len=128,
+        sim=SimEngineConfig(vocab_size=500, time_scale=1000.0, mean_response_tokens=20), **kw
+    )
+    r = Replica("r0", cfg, 0)
+    await r.start(version=0)
+    return r
+
+
+BAD = [
+    ([], {}, "prompt_ids", "at least 1 token"),
+    ("hello", {}, "prompt_ids", "list of token ids"),
+    ([1, 2, 500], {}, "prompt_ids[2]", "vocab_size (500)"),
+    ([1, -1], {}, "prompt_ids[1]", "0 <= id"),
+    ([1, 2.5], {}, "prompt_ids[1]", "integer"),
+    (list(range(1, 129)), {}, "prompt_ids", "max_model_len (128)"),
+    ([1] * 100, {"max_tokens": 40}, "sampling_params.max_tokens", "max_model_len (128)"),
+    ([1], {"max_tokens": -3}, "sampling_params.max_tokens", ">= 1"),
+    ([1], {"max_tokens": "5"}, "sampling_params.max_tokens", "integer"),
+    ([1], {"max_new_tokens": 0}, "sampling_params.max_new_tokens", ">= 1"),
+    ([1], {"temperature": -0.5}, "sampling_params.temperature", ">= 0"),
+    ([1], {"top_p": 0}, "sampling_params.top_p", "> 0"),
+    ([1], {"top_p": 1.5}, "sampling_params.top_p", "<= 1"),
+    ([1], {"top_k": -5}, "sampling_params.top_k", "-1 or 0"),
+    ([1], {"n": 4}, "sampling_params.n", "n == 1"),
+    ([1], {"stop_token_ids": [9999]}, "sampling_params.stop_token_ids[0]", "vocab_size"),
+    ([1], {"ignore_eos": "yes"}, "sampling_params.ignore_eos", "bool"),
+]
+
+
+@pytest.mark.parametrize("prompt,params,field,limit", BAD)
+async def test_bad_input_names_field_and_limit(prompt, params, field, limit):
+    r = await replica()
+    with pytest.raises(InvalidRequest) as err:
+        await r.generate("bad", prompt, params)
+    assert err.value.field == field
+    assert limit in str(err.value)
+    # the replica keeps serving, and nothing leaked
+    out = await r.generate("good", [1, 2, 3], {"max_tokens": 4, "ignore_eos": True})
+    assert len(out.token_ids) == 4
+    assert (await r.load()).inflight == 0
+    await r.shutdown()
+
+
+async def test_bad_requests_among_good_ones_concurrently():
+    r = await replica()
+    good = [r.generate(f"g{i}", [1, 2, 3], {"max_tokens": 8, "ignore_eos": True}) for i in range(20)]
+    bad = [r.generate(f"b{i}", [10_000], {}) for i in range(20)]
+    results = await asyncio.gather(*good, *bad, return_exceptions=True)
+    assert all(isinstance(x, TokenOutput) and len(x.token_ids) == 8 for x in results[:20])
+    assert all(isinstance(x, InvalidRequest) for x in results[20:])
+    st = await r.stats()
+    assert st["invalid"] == 20 and st["requests"] == 20
+    await r.shutdown()
+
+
+async def test_caller_params_not_mutated_and_default_budget():
+    r = await replica()
+    params = {"max_new_tokens": 5, "ignore_eos": True}
+    out = await r.generate("a", [1, 2], params)
+    assert params == {"max_new_tokens": 5, "ignore_eos": True}
+    assert len(out.token_ids) == 5
+    out = await r.generate("b", [1, 2], {"ignore_eos": True})
+    assert len(out.token_ids) == 32  # response_length
+    await r.shutdown()
+
+
+async def test_version_stamps_and_syncing_replica_refuses():
+    r = await replica()
+    out = await r.generate("a", [1, 2], {"max_tokens": 3})
+    assert out.extra_fields["global_steps"] == 0
+    assert out.extra_fields["min_global_steps"] == out.extra_fields["max_global_steps"] == 0
+    assert out.token_versions == [0] * len(out.token_ids)
+    await r.update_weights({"w": 1}, 1)
+    out = await r.generate("b", [1, 2], {"max_tokens": 3})
+    assert out.extra_fields["global_steps"] == 1
+    fresh = Replica("r1", r.config, 1)
+    await fresh.start()  # no version: waits for the current weights
+    with pytest.raises(ReplicaUnavailable, match="syncing"):
+        await fresh.generate("c", [1], {"max_tokens": 2})
+    await fresh.update_weights({"w": 1}, 1)
+    assert (await fresh.generate("c", [1], {"max_tokens": 2})).extra_fields["global_steps"] == 1
+    await r.shutdown()
+    await fresh.shutdown()
+
+
+async def test_update_weights_aborts_inflight_and_holds_new_requests():
+    cfg = RolloutConfig(name="sim", response_length=5000, max_model_len=6000,
+                        sim=SimEngineConfig(vocab_size=500, time_scale=1.0, step_base_ms=2.0))
+    r = Replica("r0", cfg, 0)
+    await r.start(version=0)
+    inflight = asyncio.ensure_future(r.generate("a", [1, 2], {"max_tokens": 4000, "ignore_eos": True}))
+    await asyncio.sleep(0.1)
+    await r.pause()
+    held = asyncio.ensure_future(r.generate("b", [1, 2], {"max_tokens": 3}))
+    out = await inflight
+    assert out.stop_reason == "aborted" and out.extra_fields["max_global_steps"] == 0
+    await r.update_weights({"w": 2}, 1, resume=False)
+    await asyncio.sleep(0.05)
+    assert not held.done()
+    await r.resume()
+    assert (await held).extra_fields["min_global_steps"] == 1  # generated on the new weights only
+    await r.shutdown()
+
+
+def test_errors_pickle_with_their_fields():
+    for err in (InvalidRequest("prompt_ids", "non-empty", []), NoServerAvailable("x"),
+                ReplicaUnavailable("r0", "dead"), NotSupported("vllm", "sleep", "cpu")):
+        back = pickle.loads(pickle.dumps(err))
+        assert type(back) is type(err) and str(back) == str(err)
+    assert pickle.loads(pickle.dumps(InvalidRequest("f", "l", 3))).field == "f"
+
+
+def test_token_output_stop_reason_is_closed_set():
+    TokenOutput(token_ids=[1], stop_reason="length")
+    with pytest.raises(ValueError):
+        TokenOutput(token_ids=[1], stop_reason="completed")

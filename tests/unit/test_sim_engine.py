@@ -1,0 +1,213 @@
+"""The simulated engine: its model must behave like an engine, or the benchmarks lie."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+
+import pytest
+
+from rollfleet.config import SimEngineConfig
+from rollfleet.engines.sim import SimEngine
+from rollfleet.errors import EngineDead
+
+pytestmark = pytest.mark.unit
+
+
+def cfg(**kw):
+    base = dict(vocab_size=1000, time_scale=1000.0, mean_response_tokens=50)
+    base.update(kw)
+    return SimEngineConfig(**base)
+
+
+async def started(**kw) -> SimEngine:
+    eng = SimEngine(cfg(**kw))
+    await eng.start()
+    return eng
+
+
+async def test_generate_lengths_logprobs_and_stop_reasons():
+    eng = await started()
+    out = await eng.generate("a", list(range(1, 40)), {"max_tokens": 5, "ignore_eos": True})
+    assert len(out.token_ids) == 5 and len(out.log_probs) == 5 and out.stop_reason == "length"
+    out = await eng.generate("b", list(range(1, 40)), {"max_tokens": 10_000})
+    assert out.stop_reason == "stop" and out.token_ids[-1] == eng.config.eos_token_id
+    assert all(0 <= t < 1000 for t in out.token_ids)
+    await eng.shutdown()
+
+
+async def test_prefix_cache_decides_prefill_cost_of_next_turn():
+    eng = await started(block_size=16)
+    turn1 = list(range(1, 200))
+    out = await eng.generate("t1", turn1, {"max_tokens": 20, "ignore_eos": True})
+    st0 = eng.stats()
+    turn2 = turn1 + out.token_ids + list(range(300, 340))
+    await eng.generate("t2", turn2, {"max_tokens": 5})
+    st1 = eng.stats()
+    hits = st1["prefix_cache_hit_tokens"] - st0["prefix_cache_hit_tokens"]
+    assert hits >= (len(turn1) + len(out.token_ids)) // 16 * 16 - 16
+    # a replica that never saw the session pays the full prefill
+    cold = await started(block_size=16)
+    await cold.generate("t2", turn2, {"max_tokens": 5})
+    assert cold.stats()["prefix_cache_hit_tokens"] == 0
+    # the cache is bounded and a weight update clears it
+    await eng.update_weights({"v": 1})
+    before = eng.stats()["prefix_cache_hit_tokens"]
+    await eng.generate("t3", turn2, {"max_tokens": 5})
+    assert eng.stats()["prefix_cache_hit_tokens"] == before
+    await eng.shutdown()
+    await cold.shutdown()
+
+
+async def test_prefix_cache_is_bounded():
+    eng = await started(block_size=16, prefix_cache_blocks=4)
+    await eng.generate("a", list(range(1, 500)), {"max_tokens": 2})
+    assert len(eng._prefix_cache) == 4
+    await eng.shutdown()
+
+
+async def test_cached_prefill_is_faster_in_simulated_time():
+    eng = await started(block_size=16, prefill_per_token_ms=1.0)
+    prompt = list(range(1, 900))
+    await eng.generate("warm", prompt, {"max_tokens": 1})
+    t0 = eng.stats()["sim_clock_s"]
+    await eng.generate("hit", prompt + [5], {"max_tokens": 1})
+    hit_cost = eng.stats()["sim_clock_s"] - t0
+    cold = await started(block_size=16, prefill_per_token_ms=1.0)
+    await cold.generate("miss", prompt + [5], {"max_tokens": 1})
+    assert cold.stats()["sim_clock_s"] > 5 * hit_cost
+    await eng.shutdown()
+    await cold.shutdown()
+
+
+async def test_kv_capacity_preempts_and_requests_still_finish():
+    eng = await started(kv_capacity_tokens=64 * 16, block_size=16, max_num_seqs=64)
+    outs = await asyncio.gather(
+        *(eng.generate(f"r{i}", list(range(1, 60)), {"max_tokens": 120, "ignore_eos": True}) for i in range(24))
+    )
+    assert all(len(o.token_ids) == 120 for o in outs)
+    assert sum(o.num_preempted for o in outs) > 0
+    assert eng.stats()["num_preemptions"] > 0
+    assert (await eng.load()).kv_usage == 0.0
+    await eng.shutdown()
+
+
+async def test_response_lengths_are_long_tailed_and_depend_on_prompt():
+    eng = await started(mean_response_tokens=200, response_sigma=1.0, max_num_seqs=512)
+    outs = await asyncio.gather(
+        *(eng.generate(f"r{i}", [1 + i % 97, 2 + i, 3], {"max_tokens": 20_000}) for i in range(300))
+    )
+    lengths = [len(o.token_ids) for o in outs]
+    assert max(lengths) > 4 * statistics.median(lengths)  # a long tail
+    # the same prompt sampled greedily gives the same length; another prompt differs
+    a = await eng.generate("x1", [5, 6, 7], {"max_tokens": 20_000, "temperature": 0})
+    b = await eng.generate("x2", [5, 6, 7], {"max_tokens": 20_000, "temperature": 0})
+    assert a.token_ids == b.token_ids
+    await eng.shutdown()
+
+
+async def test_tokens_depend_on_weight_version():
+    eng = await started()
+    params = {"max_tokens": 16, "ignore_eos": True, "temperature": 0}
+    a = await eng.generate("a", [1, 2, 3], params)
+    b = await eng.generate("b", [1, 2, 3], params)
+    await eng.update_weights({"layer": 1})
+    c = await eng.generate("c", [1, 2, 3], params)
+    assert a.token_ids == b.token_ids != c.token_ids
+    await eng.shutdown()
+
+
+async def test_time_scale_compresses_simulated_time():
+    slow = await started(time_scale=1.0, step_base_ms=5.0, step_per_seq_ms=0.0)
+    fast = await started(time_scale=50.0, step_base_ms=5.0, step_per_seq_ms=0.0)
+    loop = asyncio.get_running_loop()
+    t = loop.time()
+    await slow.generate("a", [1], {"max_tokens": 40, "ignore_eos": True})
+    slow_wall = loop.time() - t
+    t = loop.time()
+    await fast.generate("a", [1], {"max_tokens": 40, "ignore_eos": True})
+    fast_wall = loop.time() - t
+    assert slow_wall > 0.19 and fast_wall < slow_wall / 5
+    await slow.shutdown()
+    await fast.shutdown()
+
+
+async def test_pause_aborts_with_partial_tokens_and_holds_new_requests():
+    eng = await started(time_scale=1.0, step_base_ms=2.0)
+    long = asyncio.ensure_future(eng.generate("long", [1, 2], {"max_tokens": 10_000, "ignore_eos": True}))
+    await asyncio.sleep(0.1)
+    await eng.pause()
+    out = await long
+    assert out.stop_reason == "aborted" and 0 < len(out.token_ids) < 10_000
+    held = asyncio.ensure_future(eng.generate("held", [1, 2], {"max_tokens": 3, "ignore_eos": True}))
+    await asyncio.sleep(0.1)
+    assert not held.done()
+    await eng.resume()
+    assert len((await held).token_ids) == 3
+    await eng.shutdown()
+
+
+async def test_abort_one_and_abort_all_and_cancellation():
+    eng = await started(time_scale=1.0, step_base_ms=2.0)
+    a = asyncio.ensure_future(eng.generate("a", [1], {"max_tokens": 10_000, "ignore_eos": True}))
+    b = asyncio.ensure_future(eng.generate("b", [1], {"max_tokens": 10_000, "ignore_eos": True}))
+    c = asyncio.ensure_future(eng.generate("c", [1], {"max_tokens": 10_000, "ignore_eos": True}))
+    await asyncio.sleep(0.05)
+    await eng.abort("a")
+    assert (await a).stop_reason == "aborted"
+    c.cancel()
+    await asyncio.sleep(0.01)
+    assert (await eng.load()).running == 1
+    assert await eng.abort_all() == 1
+    assert (await b).stop_reason == "aborted"
+    load = await eng.load()
+    assert load.running == load.waiting == 0 and load.kv_usage == 0
+    await eng.shutdown()
+
+
+async def test_sleep_wake_clear_profile_health(tmp_path):
+    eng = await started()
+    await eng.start_profile(trace_dir=str(tmp_path))
+    await eng.generate("a", [1, 2], {"max_tokens": 4, "ignore_eos": True})
+    path = await eng.stop_profile()
+    assert path and (tmp_path / path.split("/")[-1]).exists()
+    await eng.sleep()
+    held = asyncio.ensure_future(eng.generate("b", [1, 2], {"max_tokens": 2}))
+    await asyncio.sleep(0.05)
+    assert not held.done()
+    await eng.wake_up()
+    await held
+    await eng.clear_kv_cache()
+    assert (await eng.health()).healthy
+    await eng.shutdown()
+
+
+async def test_faults_crash_hang_slow():
+    eng = await started(time_scale=1.0, step_base_ms=2.0)
+    pending = asyncio.ensure_future(eng.generate("a", [1], {"max_tokens": 10_000, "ignore_eos": True}))
+    await asyncio.sleep(0.02)
+    eng.inject_fault("crash")
+    with pytest.raises(EngineDead):
+        await pending
+    with pytest.raises(EngineDead):
+        await eng.generate("b", [1], {"max_tokens": 2})
+    assert not (await eng.health()).healthy
+    hung = await started()
+    hung.inject_fault("hang")
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(hung.health(), 0.1)
+    hung.inject_fault("none")
+    assert (await hung.health()).healthy
+    with pytest.raises(ValueError, match="valid"):
+        hung.inject_fault("explode")
+    await hung.shutdown()
+
+
+async def test_scripted_responses():
+    eng = await started()
+    eng.script_responses(lambda rid, prompt, params: [7, 8, 9])
+    out = await eng.generate("s", [1, 2], {"max_tokens": 10})
+    assert out.token_ids == [7, 8, 9] and out.stop_reason == "stop"
+    out = await eng.generate("s2", [1, 2], {"max_tokens": 2})
+    assert out.token_ids == [7, 8] and out.stop_reason == "length"
+    await eng.shutdown()
