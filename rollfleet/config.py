@@ -177,13 +177,56 @@ class RayConfig(_Section):
     include_dashboard: bool = False
 
 
+class MultiTurnConfig(_Section):
+    """Multi-turn tool calling (verl's ``rollout.multi_turn``)."""
+
+    max_assistant_turns: Optional[int] = Field(None, ge=1, description="None: bounded by the budget only.")
+    max_user_turns: Optional[int] = Field(None, ge=1)
+    max_parallel_calls: int = Field(4, ge=1, description="Tool calls run concurrently per turn.")
+    max_tool_response_length: int = Field(256, ge=1, description="Characters kept of a tool's output.")
+    tool_response_truncate_side: Literal["left", "right", "middle"] = "middle"
+    tool_timeout_s: float = Field(30.0, gt=0)
+    format: str = Field("hermes", description="Tool-call parser: see rollfleet.agent_loop.tool_parser.")
+
+
+class AgentConfig(_Section):
+    """Agent-loop workers (verl's ``rollout.agent``)."""
+
+    num_workers: int = Field(2, ge=1, description="AgentLoopWorker actors; each holds one client.")
+    default_agent_loop: str = "single_turn_agent"
+    agent_loop_config_path: Optional[str] = Field(None, description="YAML naming extra loops by import path.")
+    max_concurrent_trajectories: int = Field(256, ge=1, description="Per worker.")
+    multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)
+
+
+class GatewayConfig(_Section):
+    """The OpenAI-compatible HTTP front door."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535, description="0 picks a free port.")
+    served_model_name: Optional[str] = Field(None, description="Model name in /v1/models; defaults to rollout.model.")
+    admin_token: Optional[str] = Field(None, description="Bearer token for /admin; admin routes are off without one.")
+    request_timeout_s: float = Field(600.0, gt=0)
+    prometheus_file: Optional[str] = Field(None, description="Write a Prometheus scrape config here at start-up.")
+
+
+class TrainerConfig(_Section):
+    """Trainer selection (``trainer_mode``) and the knobs shared by all modes."""
+
+    trainer_mode: str = Field("sync", description="Registered trainer name: sync | colocate_async | separate_async.")
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+
+
 class RollfleetConfig(BaseModel):
-    """The whole tree. Unknown top-level sections are kept (for the layers above)."""
+    """The whole tree. Unknown top-level sections are kept (for tools built on top)."""
 
     model_config = ConfigDict(extra="allow")
 
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
+    agent: AgentConfig = Field(default_factory=AgentConfig)
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
 
 
 def load_config(path: str | Path | None = None, overrides: Optional[dict[str, Any]] = None) -> RollfleetConfig:
@@ -210,6 +253,10 @@ __all__ = [
     "HealthConfig",
     "RolloutConfig",
     "RayConfig",
+    "MultiTurnConfig",
+    "AgentConfig",
+    "GatewayConfig",
+    "TrainerConfig",
     "RollfleetConfig",
     "load_config",
 ]

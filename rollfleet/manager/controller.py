@@ -331,6 +331,10 @@ class FleetController:
         self._raise_first(results, "stop_profile")
         return results
 
+    async def script_responses(self, script: Any) -> None:
+        """Test hook: let ``script`` choose every response's tokens on every replica (sim engine)."""
+        self._raise_first(await self._fan_out("script_responses", script), "script_responses")
+
     async def update_weights(self, weights: Any, version: int) -> dict[str, Any]:
         """pause -> update -> clear cache -> stamp version -> resume, on every live replica."""
         if self._update_lock is None:

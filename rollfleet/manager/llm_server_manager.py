@@ -148,6 +148,12 @@ class LLMServerManager:
         await self.controller.inject_fault.remote(replica_id, kind, factor)
 
     @auto_await
+    async def script_responses(self, script: Any) -> None:
+        """Test hook: ``script(request_id, prompt_ids, sampling_params) -> token ids`` decides every
+        response on every replica (sim engine only; tool-calling tests use it)."""
+        await self.controller.script_responses.remote(script)
+
+    @auto_await
     async def shutdown(self) -> None:
         """Stop every replica and the controller; stop Ray if this manager started it."""
         for client in self._clients:

@@ -1,0 +1,175 @@
+"""The fleet on the real engine: 2 vLLM CPU replicas with the built-in tiny model.
+
+One fleet for the whole module (each vLLM start-up costs ~40 s on 2 cores). The test that kills a
+vLLM process runs last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from rollfleet.client import FullyAsyncLLMServerClient
+from rollfleet.config import RollfleetConfig
+from rollfleet.errors import InvalidRequest
+from rollfleet.manager import LLMServerManager
+
+pytestmark = [pytest.mark.vllm, pytest.mark.ray]
+
+MAX_MODEL_LEN = 1024
+
+
+@pytest.fixture(scope="module")
+async def fleet(ray_session):
+    config = RollfleetConfig.model_validate(
+        {
+            "rollout": {
+                "name": "vllm",
+                "model": "tiny",
+                "num_replicas": 2,
+                "prompt_length": 512,
+                "response_length": 256,
+                "max_model_len": MAX_MODEL_LEN,
+                "routing": {"policy": "least_tokens", "load_refresh_interval_s": 0.2},
+                "health": {"probe_interval_s": 0.5, "probe_timeout_s": 5.0, "failures_to_dead": 2, "auto_restart": False},
+                "retry": {"max_attempts": 40, "initial_backoff_s": 0.05, "max_backoff_s": 0.5},
+                "vllm": {"max_num_seqs": 128},
+            }
+        }
+    )
+    manager = await LLMServerManager.create(config)
+    yield manager
+    await manager.shutdown()
+
+
+async def vllm_metric(address: str, name: str) -> float:
+    async with httpx.AsyncClient(timeout=10) as http:
+        text = (await http.get(f"{address}/metrics")).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def model_state_dict():
+    from safetensors.torch import load_file
+
+    from rollfleet.models import get_model_path
+    import glob
+
+    state = {}
+    for f in glob.glob(f"{get_model_path('tiny')}/*.safetensors"):
+        state.update(load_file(f))
+    return state
+
+
+async def test_serves_200_concurrent_requests(fleet):
+    client = fleet.get_client()
+    outs = await asyncio.gather(
+        *(
+            client.generate(f"c{i}", prompt_ids=[10 + i % 50, 20, 30, 40], sampling_params={"max_tokens": 16, "temperature": 1.0})
+            for i in range(200)
+        )
+    )
+    assert all(1 <= len(o.token_ids) <= 16 and len(o.log_probs) == len(o.token_ids) for o in outs)
+    assert all(o.stop_reason in ("stop", "length") for o in outs)
+    assert {o.extra_fields["replica_id"] for o in outs} == {"replica-0", "replica-1"}
+    assert client.balancer.get_total_inflight() == 0
+
+
+async def test_multi_turn_sessions_stick_and_hit_vllm_prefix_cache(fleet):
+    client = fleet.get_client()
+    addresses = {r["replica_id"]: r["address"] for r in await fleet.get_replicas()}
+    hits_before = {rid: await vllm_metric(a, "vllm:prefix_cache_hits_total") for rid, a in addresses.items()}
+
+    async def session(s: int) -> set[str]:
+        prompt = [(s * 13 + j) % 500 + 5 for j in range(96)]
+        seen = set()
+        for _turn in range(3):
+            out = await client.generate(f"sess-{s}", prompt_ids=prompt, sampling_params={"max_tokens": 24, "temperature": 0.8})
+            seen.add(out.extra_fields["replica_id"])
+            prompt = prompt + out.token_ids + [7, 8, 9, 10]
+        client.finish_session(f"sess-{s}")
+        return seen
+
+    seen = await asyncio.gather(*(session(s) for s in range(16)))
+    assert all(len(s) == 1 for s in seen)
+    hits_after = {rid: await vllm_metric(a, "vllm:prefix_cache_hits_total") for rid, a in addresses.items()}
+    gained = sum(hits_after[r] - hits_before[r] for r in addresses)
+    assert gained >= 16 * 2 * 64  # later turns reuse at least the first 64 prompt tokens
+
+
+async def test_greedy_outputs_change_only_with_a_weight_update(fleet):
+    client = fleet.get_client()
+    prompt = [11, 12, 13, 14, 15, 16]
+    params = {"max_tokens": 24, "temperature": 0.0, "ignore_eos": True}
+    a = await client.generate("g1", prompt_ids=prompt, sampling_params=params)
+    b = await client.generate("g2", prompt_ids=prompt, sampling_params=params)
+    assert a.token_ids == b.token_ids
+    version = (await fleet.status())["current_version"] + 1
+    state = model_state_dict()
+    import torch
+
+    gen = torch.Generator().manual_seed(version)
+    state = {k: v + 0.5 * torch.randn(v.shape, generator=gen) if "embed" in k or "lm_head" in k else v for k, v in state.items()}
+    await fleet.update_weights(state, version)
+    c = await client.generate("g3", prompt_ids=prompt, sampling_params=params)
+    assert c.token_ids != a.token_ids
+    assert c.extra_fields["global_steps"] == version
+
+
+async def test_weight_update_mid_generation_is_resumed_with_exact_budget(fleet):
+    client = fleet.get_client(FullyAsyncLLMServerClient)
+    budget = 600
+    task = asyncio.ensure_future(
+        client.generate("long", prompt_ids=[21, 22, 23], sampling_params={"max_tokens": budget, "ignore_eos": True, "temperature": 1.0})
+    )
+    await asyncio.sleep(1.0)
+    assert not task.done(), "the generation should still be running"
+    version = (await fleet.status())["current_version"] + 1
+    result = await fleet.update_weights(model_state_dict(), version)
+    assert result["failed"] == []
+    out = await task
+    assert len(out.token_ids) == budget and len(out.log_probs) == budget
+    assert out.stop_reason == "length"
+    assert out.extra_fields["num_resumes"] >= 1
+    assert out.extra_fields["min_global_steps"] < out.extra_fields["max_global_steps"] == version
+
+
+async def test_bad_input_is_rejected_and_replicas_keep_serving(fleet):
+    client = fleet.get_client()
+    vocab = (await fleet.get_replicas())[0]
+    with pytest.raises(InvalidRequest) as err:
+        await client.generate("too-long", prompt_ids=[5] * (MAX_MODEL_LEN + 10), sampling_params={"max_tokens": 4})
+    assert err.value.field == "prompt_ids"
+    with pytest.raises(InvalidRequest) as err:
+        await client.generate("oov", prompt_ids=[5, 10**7], sampling_params={"max_tokens": 4})
+    assert err.value.field == "prompt_ids[1]"
+    outs = await asyncio.gather(*(client.generate(f"ok{i}", prompt_ids=[5, 6, 7], sampling_params={"max_tokens": 4}) for i in range(8)))
+    assert all(o.token_ids for o in outs)
+    assert vocab["state"] == "healthy"
+
+
+async def test_killed_vllm_process_is_reported_unavailable_quickly(fleet):
+    import os
+    import signal
+
+    stats = await fleet.replica_stats()
+    pid = stats["replica-1"].get("vllm_pid")
+    assert pid, stats["replica-1"]
+    os.killpg(pid, signal.SIGKILL)
+    started = time.monotonic()
+
+    async def reported():
+        return (await fleet.status())["replicas"]["replica-1"]["state"] in ("suspect", "dead")
+
+    while not await reported():
+        assert time.monotonic() - started < 15, "a killed vLLM must be reported within seconds, not hang"
+        await asyncio.sleep(0.2)
+    client = fleet.get_client()
+    outs = await asyncio.gather(*(client.generate(f"k{i}", prompt_ids=[5, 6, 7], sampling_params={"max_tokens": 4}) for i in range(10)))
+    assert {o.extra_fields["replica_id"] for o in outs} == {"replica-0"}
