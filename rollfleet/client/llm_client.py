@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any, Optional, Union
 
 from rollfleet.client.fleet_view import FleetView
 from rollfleet.client.retry import RetryPolicy, is_replica_failure, is_retryable, unwrap
 from rollfleet.config import RollfleetConfig, RolloutConfig
-from rollfleet.errors import RetriesExhausted
+from rollfleet.errors import NoServerAvailable, RetriesExhausted
 from rollfleet.routing import GlobalRequestLoadBalancer
 from rollfleet.types import ReplicaResponse, SamplingParams, TokenOutput
 
@@ -102,6 +103,7 @@ class LLMServerClient:
         await self.fleet.ensure_started()
         prompt_len = len(prompt_ids)
         attempt = 0
+        no_server_since: Optional[float] = None
         while True:
             attempt += 1
             try:
@@ -112,10 +114,20 @@ class LLMServerClient:
                 exc = unwrap(raw)
                 if not is_retryable(exc):
                     raise exc from (None if exc is raw else raw)
-                if attempt >= self.retry.max_attempts:
+                if isinstance(exc, NoServerAvailable):
+                    # The whole fleet is restarting or syncing: wait for it (bounded by time), and
+                    # do not spend the attempts meant for failures of a replica.
+                    now = time.monotonic()
+                    no_server_since = no_server_since or now
+                    if now - no_server_since > self.config.retry.no_server_wait_s:
+                        raise RetriesExhausted(request_id, attempt, exc) from exc
+                    attempt -= 1
+                elif attempt >= self.retry.max_attempts:
                     raise RetriesExhausted(request_id, attempt, exc) from exc
+                else:
+                    no_server_since = None
                 logger.debug("request %s attempt %d failed (%r); retrying", request_id, attempt, exc)
-                await self.retry.wait(attempt)
+                await self.retry.wait(max(attempt, 1))
                 if self.fleet.controller is not None and not any(
                     self.balancer.is_routable(s) for s in self.balancer.get_all_servers()
                 ):

@@ -5,7 +5,9 @@ Why a subprocess (``python -m vllm.entrypoints.openai.api_server``) and not an i
 
 * process isolation: vLLM's own processes (API server, EngineCore, workers) live in their own
   process group; a crash, an OOM kill or a hang in vLLM cannot take the replica (a Ray actor) down
-  with it, and ``shutdown`` can kill the whole group so that nothing is orphaned;
+  with it, and ``shutdown`` can kill the whole group so that nothing is orphaned (and if the
+  replica itself dies, a guard thread in every server process kills the group: see
+  ``_GUARD_SOURCE``);
 * a kill is survivable and observable: the replica sees the process exit (a watcher task) and the
   HTTP connection drop, reports ``EngineDead`` within a bounded time instead of hanging, and the
   manager can restart it;
@@ -20,8 +22,9 @@ and the script fails to find itself.)
 
 HTTP details this module relies on (verified against vLLM 0.32.0, CPU build):
 
-* ``POST /v1/completions`` with ``prompt`` = list of token ids, ``return_token_ids: true`` and
-  ``logprobs: 0`` answers ``choices[0].token_ids`` (generated ids) and
+* ``POST /v1/completions`` with ``prompt`` = list of token ids, ``return_token_ids: true``,
+  ``logprobs: 0`` (and ``return_tokens_as_token_ids: true``, which spares the server a per-token
+  decode) answers ``choices[0].token_ids`` (generated ids) and
   ``choices[0].logprobs.token_logprobs`` (logprob of each sampled token, same length) and
   ``finish_reason`` in ``stop | length | abort``;
 * the request id is taken from the ``X-Request-Id`` header (else the ``request_id`` body field);
@@ -43,6 +46,7 @@ HTTP details this module relies on (verified against vLLM 0.32.0, CPU build):
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import json
 import os
@@ -56,7 +60,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional
 
 import httpx
 
@@ -70,17 +74,103 @@ _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "aborted", "abor
 #: Keys of the request body that rollfleet sets itself; callers' values for them are ignored.
 _RESERVED_KEYS = frozenset(
     {"prompt", "model", "n", "stream", "stream_options", "echo", "return_token_ids", "logprobs",
-     "request_id", "max_new_tokens", "use_beam_search", "best_of", "prompt_embeds", "suffix"}
+     "request_id", "max_new_tokens", "use_beam_search", "best_of", "prompt_embeds", "suffix",
+     "return_tokens_as_token_ids"}
 )
+
+#: stats() keys (as the sim engine names them) -> vLLM metric.
+_STATS_METRICS = {
+    "prefix_cache_query_tokens": "vllm:prefix_cache_queries_total",
+    "prefix_cache_hit_tokens": "vllm:prefix_cache_hits_total",
+    "prompt_tokens": "vllm:prompt_tokens_total",
+    "generation_tokens": "vllm:generation_tokens_total",
+    "num_preemptions": "vllm:num_preemptions_total",
+}
 
 _LOG_TAIL_LINES = 40
 _METRIC_RUNNING = "vllm:num_requests_running"
 _METRIC_WAITING = "vllm:num_requests_waiting"
 _METRIC_KV = "vllm:kv_cache_usage_perc"
+#: What a load poll parses out of /metrics.
+_LOAD_METRICS = (_METRIC_RUNNING, _METRIC_WAITING, _METRIC_KV, *_STATS_METRICS.values())
 
 
 class VLLMStartupError(EngineDead):
     """The vLLM server did not come up (exited or timed out); the message holds its log tail."""
+
+
+#: Process groups of running servers: killed at interpreter exit if nobody shut them down (the
+#: servers run in their own session, so they would otherwise outlive a crashed replica process;
+#: under Ray, a killed worker's children are also reaped by Ray itself).
+_LIVE_GROUPS: set[int] = set()
+
+
+@atexit.register
+def _kill_live_groups() -> None:
+    for pgid in list(_LIVE_GROUPS):
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    _LIVE_GROUPS.clear()
+
+
+#: Written as ``sitecustomize.py`` into a folder on the server's PYTHONPATH, so that it runs in
+#: every Python process of the server (API server, EngineCore, workers): a daemon thread checks once
+#: a second that the replica process that launched the server is alive and, when it is gone (even
+#: SIGKILLed), kills the server's whole process group. vLLM's EngineCore does not notice its API
+#: server dying, so without this a killed replica leaves EngineCore and workers running forever.
+_GUARD_SOURCE = r'''
+import os as _os
+
+
+def _rollfleet_guard():
+    import signal, threading, time
+
+    pid = int(_os.environ.get("ROLLFLEET_GUARD_PID") or 0)
+    start = _os.environ.get("ROLLFLEET_GUARD_START") or ""
+    if pid <= 0:
+        return
+    use_proc = _os.path.exists("/proc/self/stat")
+
+    def alive():
+        if use_proc:
+            try:
+                with open("/proc/%d/stat" % pid) as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                return False
+            return fields[0] not in ("Z", "X") and (not start or fields[19] == start)
+        try:
+            _os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+        except OSError:
+            return True
+
+    def watch():
+        while alive():
+            time.sleep(1.0)
+        try:
+            _os.killpg(_os.getpgrp(), signal.SIGKILL)
+        finally:
+            _os._exit(1)
+
+    threading.Thread(target=watch, name="rollfleet-parent-guard", daemon=True).start()
+
+
+_rollfleet_guard()
+'''
+
+
+def _proc_start_time(pid: int) -> str:
+    """Field 22 of /proc/<pid>/stat (start time in clock ticks): tells a pid from its reuse."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
 
 
 def _free_port() -> int:
@@ -182,7 +272,7 @@ class VLLMEngine(Engine):
         extra_args: Optional[list[str]] = None,
         extra_env: Optional[Mapping[str, str]] = None,
         control_timeout_s: float = 60.0,
-        health_timeout_s: float = 5.0,
+        health_timeout_s: float = 3.0,
         device: Optional[str] = None,
     ) -> None:
         self.model = model
@@ -223,6 +313,9 @@ class VLLMEngine(Engine):
         self._inflight: dict[str, _Inflight] = {}
         self._seq = itertools.count()
         self._load_cache: Optional[tuple[float, EngineLoad]] = None
+        self._background: set[asyncio.Task] = set()
+        self._last_metrics: dict[str, float] = {}
+        self._counts = {"num_aborted": 0, "num_finished": 0, "num_errors": 0}
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -303,9 +396,17 @@ class VLLMEngine(Engine):
             "--seed", str(self.seed),
             "--max-num-seqs", str(self.max_num_seqs),
             "--tensor-parallel-size", str(self.tensor_parallel_size),
-            "--profiler-config",
-            json.dumps({"profiler": "torch", "torch_profiler_dir": str(self.profile_dir)}),
+            "--disable-uvicorn-access-log",  # one log line per request adds up over an RL run
         ]
+        if not any(a.startswith("--profiler-config") for a in self.extra_args):
+            # Enables /start_profile and /stop_profile (the routes exist only with a profiler
+            # config). Without Python stacks: with them, stopping a trace takes ~25 s on a small
+            # CPU. Pass your own --profiler-config in extra_args to change this.
+            cmd += ["--profiler-config", json.dumps({
+                "profiler": "torch",
+                "torch_profiler_dir": str(self.profile_dir),
+                "torch_profiler_with_stack": False,
+            })]
         cmd.append("--enable-prefix-caching" if self.enable_prefix_caching else "--no-enable-prefix-caching")
         if self.enforce_eager:
             cmd.append("--enforce-eager")
@@ -332,12 +433,21 @@ class VLLMEngine(Engine):
             env["VLLM_CPU_OMP_THREADS_BIND"] = omp_threads_bind(
                 self.omp_threads_bind, self.replica_index, self.num_replicas, self.tensor_parallel_size
             )
+        if self.workdir is not None:  # the parent guard (see _GUARD_SOURCE)
+            site_dir = self.workdir / "site"
+            site_dir.mkdir(exist_ok=True)
+            (site_dir / "sitecustomize.py").write_text(_GUARD_SOURCE)
+            env["PYTHONPATH"] = os.pathsep.join([str(site_dir)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+            env["ROLLFLEET_GUARD_PID"] = str(os.getpid())
+            env["ROLLFLEET_GUARD_START"] = _proc_start_time(os.getpid())
         env.update(self.extra_env)
         return env
 
     async def start(self) -> None:
         if self._started and self.is_alive():
             return
+        if self._proc is not None:  # a restart after a death: clear what is left of the old server
+            await self.shutdown(grace_s=2.0)
         from rollfleet.models import get_model_path
 
         self.model_path = await asyncio.to_thread(get_model_path, self.model)
@@ -362,6 +472,10 @@ class VLLMEngine(Engine):
                 last_error = e
                 if "address already in use" not in self.log_tail(200).lower():
                     break
+            except BaseException:  # cancelled or broken while waiting: leave no server behind
+                if self._proc is not None:
+                    self._signal_group(self._proc.pid, signal.SIGKILL)
+                raise
         if last_error is not None:
             raise last_error
         self._started = True
@@ -376,6 +490,7 @@ class VLLMEngine(Engine):
             )
         finally:
             log.close()
+        _LIVE_GROUPS.add(self._proc.pid)
         if self._client is not None:
             await self._client.aclose()
         self._client = httpx.AsyncClient(
@@ -440,6 +555,11 @@ class VLLMEngine(Engine):
             self._watcher.cancel()
             self._watcher = None
         await self._kill_group(grace_s)
+        if self._proc is not None:
+            _LIVE_GROUPS.discard(self._proc.pid)
+        self._proc = None  # never signal that pid (group) again: it may be reused
+        for task in list(self._background):
+            task.cancel()
         if self._client is not None:
             await self._client.aclose()
             self._client = None
@@ -543,6 +663,10 @@ class VLLMEngine(Engine):
                 "stream": False,
                 "return_token_ids": True,
                 "logprobs": 0,  # the sampled token's logprob only
+                # Token strings in the logprobs as "token_id:N": no per-token decode in vLLM's API
+                # server (with decoding, building a batch of long responses stalls its event loop
+                # for seconds on a small CPU).
+                "return_tokens_as_token_ids": True,
             }
         )
         return body, int(max_tokens)
@@ -552,7 +676,7 @@ class VLLMEngine(Engine):
     ) -> TokenOutput:
         self._check_alive()
         body, max_tokens = self._body(prompt_ids, sampling_params)
-        rec = _Inflight(request_id, f"{request_id}~{next(self._seq)}", len(prompt_ids), max_tokens)
+        rec = _Inflight(request_id, f"{_header_safe(request_id)}~{next(self._seq)}", len(prompt_ids), max_tokens)
         self._inflight[rec.engine_id] = rec
         self._load_cache = None
         try:
@@ -570,6 +694,10 @@ class VLLMEngine(Engine):
             dead = asyncio.ensure_future(self._dead.wait())
             try:
                 await asyncio.wait({post, dead}, return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:
+                # The caller gave up: dropping the connection makes vLLM abort the request.
+                post.cancel()
+                raise
             finally:
                 dead.cancel()
             if not post.done():
@@ -580,14 +708,30 @@ class VLLMEngine(Engine):
             except httpx.TimeoutException as e:
                 raise ReplicaUnavailable(self.replica_label, f"request timed out: {e!r}") from e
             except httpx.HTTPError as e:
-                if self._proc is None or self._proc.poll() is not None or self._is_dead():
+                if await self._exited_after_error():
                     self._mark_dead(f"vLLM server process exited ({e!r})")
                     raise EngineDead(self.replica_label, self._dead_reason) from e
                 raise ReplicaUnavailable(self.replica_label, f"HTTP error talking to vLLM: {e!r}") from e
-            return self._parse_completion(resp, prompt_ids, body)
+            out = self._parse_completion(resp, prompt_ids, body)
+            self._counts["num_aborted" if out.stop_reason == "aborted" else "num_finished"] += 1
+            return out
+        except (ReplicaUnavailable, InvalidRequest):
+            self._counts["num_errors"] += 1
+            raise
         finally:
             self._inflight.pop(rec.engine_id, None)
             self._load_cache = None
+
+    async def _exited_after_error(self, wait_s: float = 2.0) -> bool:
+        """After a connection error: is the server gone? A killed process closes its sockets a
+        moment before it can be reaped, so give it up to ``wait_s`` to show as exited."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            if self._proc is None or self._proc.poll() is not None or self._is_dead():
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
 
     async def _wait_any(self, *aws) -> None:
         assert self._dead is not None
@@ -602,14 +746,25 @@ class VLLMEngine(Engine):
 
     def _parse_completion(self, resp: httpx.Response, prompt_ids: list[int], body: dict) -> TokenOutput:
         if resp.status_code != 200:
+            msg, param = resp.text, None
             try:
                 err = resp.json()
-                msg = (err.get("error") or {}).get("message") if isinstance(err.get("error"), dict) else None
-                msg = msg or err.get("message") or err.get("detail") or resp.text
+                info = err.get("error") if isinstance(err.get("error"), dict) else {}
+                msg = info.get("message") or err.get("message") or err.get("detail") or resp.text
+                param = info.get("param")
             except ValueError:
-                msg = resp.text
+                pass
             if resp.status_code in (400, 422):
-                raise InvalidRequest("request", "accepted by the vLLM server", None, str(msg)[:1000])
+                if param in (None, "") and "token id" in str(msg).lower():
+                    where = "prompt_ids"  # "Token id N is out of vocabulary"
+                elif param in (None, ""):
+                    where = "request"
+                elif param in ("prompt", "prompt_token_ids", "input_ids", "prompt_ids", "input_tokens"):
+                    where = "prompt_ids"
+                else:
+                    where = f"sampling_params.{param}"
+                value = prompt_ids if where == "prompt_ids" else body.get(str(param)) if param else None
+                raise InvalidRequest(where, "accepted by the vLLM server", value, str(msg)[:1000])
             raise ReplicaUnavailable(self.replica_label, f"vLLM answered HTTP {resp.status_code}: {str(msg)[:1000]}")
         data = resp.json()
         choice = data["choices"][0]
@@ -641,7 +796,7 @@ class VLLMEngine(Engine):
         try:
             resp = await self._client.request(method, path, timeout=timeout or self.control_timeout_s, **kw)
         except httpx.HTTPError as e:
-            if self._proc is None or self._proc.poll() is not None:
+            if not isinstance(e, httpx.TimeoutException) and await self._exited_after_error():
                 self._mark_dead(f"vLLM server process exited ({e!r})")
                 raise EngineDead(self.replica_label, self._dead_reason) from e
             raise ReplicaUnavailable(self.replica_label, f"{method} {path} failed: {e!r}") from e
@@ -671,6 +826,19 @@ class VLLMEngine(Engine):
         if ids and self.is_alive():
             resp = await self._control("POST", "/abort_requests", json={"request_ids": ids})
             self._raise_for(resp, "abort")
+            # A request still on the wire is unknown to vLLM, which ignores its abort: try once more.
+            task = asyncio.create_task(self._abort_again_later([r for r in recs if r.sent]))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _abort_again_later(self, recs: list[_Inflight], delay_s: float = 0.2) -> None:
+        await asyncio.sleep(delay_s)
+        still = [r.vllm_id for r in recs if self._inflight.get(r.engine_id) is r]
+        if still and self.is_alive():
+            try:
+                await self._control("POST", "/abort_requests", json={"request_ids": still})
+            except ReplicaUnavailable:
+                pass
 
     async def pause(self) -> None:
         """Hold new requests here and abort running ones (they return ``aborted`` with their
@@ -781,7 +949,8 @@ class VLLMEngine(Engine):
             return EngineLoad(out.running, out.waiting, inflight_tokens, out.kv_usage)
         resp = await self._control("GET", "/metrics", timeout=self.health_timeout_s)
         self._raise_for(resp, "load")
-        metrics = parse_metrics(resp.text)
+        metrics = parse_metrics(resp.text, _LOAD_METRICS)
+        self._last_metrics = metrics
         held = sum(1 for r in self._inflight.values() if not r.sent)  # paused client-side
         out = EngineLoad(
             running=int(metrics.get(_METRIC_RUNNING, 0)),
@@ -792,17 +961,51 @@ class VLLMEngine(Engine):
         self._load_cache = (now, out)
         return out
 
+    def stats(self) -> dict[str, float]:
+        """Cumulative counters, named as the sim engine names them, from the last ``/metrics``
+        scrape (refreshed by :meth:`load` and :meth:`metrics`) plus this engine's own counts."""
+        m = self._last_metrics
+        out = {key: float(m.get(metric, 0.0)) for key, metric in _STATS_METRICS.items()}
+        q = out["prefix_cache_query_tokens"]
+        out["prefix_cache_hit_rate"] = out["prefix_cache_hit_tokens"] / q if q else 0.0
+        out.update({k: float(v) for k, v in self._counts.items()})
+        return out
+
     async def metrics(self) -> dict[str, float]:
         """vLLM's own metrics (sums over label sets), e.g. ``vllm:prefix_cache_hits_total``."""
         resp = await self._control("GET", "/metrics", timeout=self.health_timeout_s)
         self._raise_for(resp, "metrics")
-        return parse_metrics(resp.text)
+        self._last_metrics = parse_metrics(resp.text)
+        return self._last_metrics
 
 
-def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text -> {sample name: value summed over label sets} (histogram buckets skipped)."""
+def _header_safe(request_id: str) -> str:
+    """A request id usable in an HTTP header (the engine-side id; rollfleet keeps the original)."""
+    safe = "".join(c if (c.isascii() and (c.isalnum() or c in "-_.:")) else "_" for c in str(request_id))
+    return safe[:128] or "req"
+
+
+def parse_metrics(text: str, names: Optional[Iterable[str]] = None) -> dict[str, float]:
+    """Prometheus text -> {sample name: value summed over label sets} (histogram buckets skipped).
+
+    With ``names``, only those samples are parsed (vLLM's page is ~1,000 lines of histograms; the
+    load poll needs five of them), which makes a poll several times cheaper.
+    """
     from prometheus_client.parser import text_string_to_metric_families
 
+    if names is not None:
+        wanted = tuple(names)
+        keep = []
+        for line in text.splitlines():
+            if line.startswith("#"):
+                parts = line.split(None, 3)
+                if len(parts) >= 3 and parts[2] in wanted:
+                    keep.append(line)
+            elif line.startswith(wanted):
+                cut = len(line.split("{", 1)[0].split(" ", 1)[0])
+                if line[:cut] in wanted:
+                    keep.append(line)
+        text = "\n".join(keep) + "\n"
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:

@@ -28,6 +28,9 @@ from rollfleet.routing.health import FleetSnapshot, HealthState, ReplicaRecord, 
 
 logger = logging.getLogger(__name__)
 
+#: Grace given to a replica declared dead to stop its engine before its actor is killed.
+STOP_TIMEOUT_DEAD_S = 10.0
+
 #: Builds a replica actor handle: (replica_id, replica_index) -> handle.
 ReplicaFactory = Callable[[str, int], Any]
 
@@ -126,9 +129,9 @@ class FleetController:
             await asyncio.sleep(0.05)
         await self._stop_handle(record.handle)
 
-    async def _stop_handle(self, handle: Any) -> None:
+    async def _stop_handle(self, handle: Any, timeout_s: float = 30.0) -> None:
         try:
-            await asyncio.wait_for(handle.shutdown.remote(), 30)
+            await asyncio.wait_for(handle.shutdown.remote(), timeout_s)
         except Exception:
             pass
         _kill(handle)
@@ -251,7 +254,9 @@ class FleetController:
         record = self._records.get(rid)
         if record is None:
             return
-        _kill(record.handle)
+        # Ask the old replica to stop its engine first: killing the actor outright would orphan
+        # an engine subprocess (vLLM's process group) that still holds memory and cores.
+        await self._stop_handle(record.handle, timeout_s=STOP_TIMEOUT_DEAD_S)
         record.restarts += 1
         self._set_state(record, HealthState.RESTARTING, f"restart #{record.restarts}")
         try:

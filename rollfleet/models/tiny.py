@@ -240,8 +240,12 @@ def _write_json(path: Path, data: Any) -> None:
 
 def recipe() -> dict[str, Any]:
     """Everything that determines the built files (hashed into the cache folder name)."""
+    import hashlib
+
     return {
         "recipe": RECIPE_VERSION,
+        # Any edit of this module gives a new cache folder: a stale build is never reused.
+        "source": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
         "config": MODEL_CONFIG,
         "vocab": VOCAB_SIZE,
         "special": SPECIAL_TOKENS,

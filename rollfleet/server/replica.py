@@ -27,6 +27,11 @@ from rollfleet.types import LoadReport, ReplicaResponse, SamplingParams, TokenOu
 #: update or a sleep is short, and verl's contract is that requests queue on a paused engine.
 _HOLDING_STATES = ("paused", "sleeping")
 
+#: How long a load poll may take before the replica answers with its last known load instead
+#: (the engine's health is then checked): shorter than the prober's timeout, long enough for a
+#: metrics scrape of a busy engine.
+ENGINE_LOAD_TIMEOUT_S = 1.5
+
 
 class Replica:
     """A single inference replica (engine + validation + versions + load)."""
@@ -254,8 +259,18 @@ class Replica:
         return {"replica_id": self.replica_id, "healthy": health.healthy, "detail": health.detail, "state": self._state}
 
     async def load(self) -> LoadReport:
-        """Poll the engine (also a liveness probe) and return the full report."""
-        self._engine_load = await self.engine.load()
+        """Poll the engine and return the full report; this is also the controller's liveness probe.
+
+        A busy engine may be slow to report its load (vLLM on CPU, mid weight reload): then the
+        last known load is returned if the engine still says it is healthy. A dead engine raises,
+        and a hung one never answers, so the prober's timeout decides.
+        """
+        try:
+            self._engine_load = await asyncio.wait_for(self.engine.load(), ENGINE_LOAD_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            health = await self.engine.health()
+            if not health.healthy:
+                raise ReplicaUnavailable(self.replica_id, f"engine unhealthy: {health.detail}") from None
         return self._report()
 
     async def stats(self) -> dict[str, Any]:

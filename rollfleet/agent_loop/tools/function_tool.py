@@ -1,0 +1,163 @@
+"""``FunctionTool``: a tool from a plain Python function (sync or async).
+
+The JSON schema comes from the signature and type hints; the description from the docstring's
+first paragraph and parameter descriptions from a Google-style ``Args:`` section. A sync function
+runs in a thread so a slow one neither blocks the worker's event loop nor escapes the timeout
+(the thread itself cannot be killed: on timeout it finishes in the background, its result dropped).
+
+Arguments are bound with ``inspect.Signature.bind``: a missing or unexpected argument is a tool
+error the model gets to read, not a crash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+import functools
+import inspect
+import json
+import re
+import types
+import typing
+from typing import Any, Callable, Optional
+
+from rollfleet.agent_loop.tools.base import BaseTool, ToolResult
+
+_SIMPLE = {str: "string", int: "integer", float: "number", bool: "boolean", dict: "object", list: "array"}
+
+
+def type_schema(tp: Any) -> dict[str, Any]:
+    """JSON schema of a Python type hint (the common cases; anything else is unconstrained)."""
+    if tp is inspect.Parameter.empty or tp is Any:
+        return {}
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        rest = [a for a in args if a is not type(None)]
+        if len(rest) == 1:
+            return type_schema(rest[0])
+        return {"anyOf": [type_schema(a) for a in rest]}
+    if origin is typing.Literal:
+        schema: dict[str, Any] = {"enum": list(args)}
+        kinds = {_SIMPLE.get(type(a)) for a in args}
+        if len(kinds) == 1 and None not in kinds:
+            schema["type"] = kinds.pop()
+        return schema
+    if origin in (list, tuple, set, frozenset) or tp in (list, tuple, set, frozenset):
+        schema = {"type": "array"}
+        if args and args[0] is not Ellipsis:
+            schema["items"] = type_schema(args[0])
+        return schema
+    if origin is dict or tp is dict:
+        return {"type": "object"}
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return {"enum": [m.value for m in tp]}
+    if isinstance(tp, type) and hasattr(tp, "model_json_schema"):  # a pydantic model
+        return tp.model_json_schema()
+    if tp in _SIMPLE:
+        return {"type": _SIMPLE[tp]}
+    return {}
+
+
+def parse_docstring(doc: Optional[str]) -> tuple[str, dict[str, str]]:
+    """(description, {param: description}) from a Google-style docstring."""
+    if not doc:
+        return "", {}
+    doc = inspect.cleandoc(doc)
+    parts = re.split(r"\n\s*\n", doc, maxsplit=1)
+    description = " ".join(parts[0].split())
+    params: dict[str, str] = {}
+    section = re.search(r"^(?:Args|Arguments|Parameters):\s*\n((?:[ \t]+.*\n?)+)", doc, flags=re.MULTILINE)
+    if section:
+        current = None
+        for line in section.group(1).splitlines():
+            m = re.match(r"^\s+(\*{0,2}\w+)\s*(?:\([^)]*\))?\s*:\s*(.*)$", line)
+            if m:
+                current = m.group(1).lstrip("*")
+                params[current] = m.group(2).strip()
+            elif current and line.strip():
+                params[current] = (params[current] + " " + line.strip()).strip()
+    return description, params
+
+
+def function_schema(fn: Callable[..., Any], name: Optional[str] = None, description: Optional[str] = None) -> dict:
+    """The OpenAI function schema of ``fn``."""
+    sig = inspect.signature(fn)
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception:  # unresolvable forward references: fall back to raw annotations
+        hints = {}
+    doc_description, doc_params = parse_docstring(inspect.getdoc(fn))
+    properties: dict[str, Any] = {}
+    required: list[str] = []
+    for pname, param in sig.parameters.items():
+        if param.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+            continue
+        prop = type_schema(hints.get(pname, param.annotation))
+        if pname in doc_params:
+            prop["description"] = doc_params[pname]
+        if param.default is inspect.Parameter.empty:
+            required.append(pname)
+        elif _jsonable(param.default):
+            prop["default"] = param.default
+        properties[pname] = prop
+    parameters: dict[str, Any] = {"type": "object", "properties": properties}
+    if required:
+        parameters["required"] = required
+    return {
+        "type": "function",
+        "function": {
+            "name": name or fn.__name__,
+            "description": description if description is not None else doc_description,
+            "parameters": parameters,
+        },
+    }
+
+
+def _jsonable(value: Any) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _to_text(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = dataclasses.asdict(value)
+    return json.dumps(value, ensure_ascii=False, default=str)
+
+
+class FunctionTool(BaseTool):
+    """Wrap ``fn`` as a stateless tool (instances are no-ops). Return a :class:`ToolResult` from
+    ``fn`` to report a reward; anything else is sent to the model as text (JSON if not a str)."""
+
+    def __init__(self, fn: Callable[..., Any], *, name: Optional[str] = None, description: Optional[str] = None,
+                 tool_schema: Optional[dict[str, Any]] = None) -> None:
+        super().__init__(tool_schema or function_schema(fn, name, description))
+        self.fn = fn
+        self.signature = inspect.signature(fn)
+        self.is_async = inspect.iscoroutinefunction(fn)
+
+    async def execute(self, instance_id: str, parameters: dict[str, Any]) -> ToolResult | str:
+        bound = self.signature.bind(**parameters)  # TypeError -> reported to the model
+        if self.is_async:
+            value = await self.fn(*bound.args, **bound.kwargs)
+        else:
+            value = await asyncio.to_thread(functools.partial(self.fn, *bound.args, **bound.kwargs))
+        return value if isinstance(value, ToolResult) else _to_text(value)
+
+
+def as_tool(obj: Any) -> BaseTool:
+    """A ``BaseTool`` as is; a plain callable wrapped in :class:`FunctionTool`."""
+    if isinstance(obj, BaseTool):
+        return obj
+    if callable(obj):
+        return FunctionTool(obj)
+    raise TypeError(f"not a tool: {obj!r} (need a BaseTool or a function)")
+
+
+__all__ = ["FunctionTool", "function_schema", "type_schema", "parse_docstring", "as_tool"]

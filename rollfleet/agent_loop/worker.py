@@ -1,0 +1,191 @@
+"""``AgentLoopWorker``: runs agent loops for samples over one client, then scores them.
+
+How a worker gets its client (the decision, and why): a client is not shipped across processes.
+It holds an in-process balancer, sticky sessions and an asyncio refresher task, none of which
+survive pickling meaningfully, and the design wants sticky state to live where the trajectory
+runs. So a Ray worker actor receives the config and the fleet controller's handle
+(``server_manager.controller``) and builds its own client inside the actor (``client_cls``,
+``LLMServerClient`` by default), which fetches the fleet's replicas from the controller on first
+use and keeps them fresh. In-process use (tests, a single-process driver, another framework's
+event loop) passes a ready client instead.
+
+Loops are built once per worker per name and reused (unless a loop class sets
+``per_trajectory``); at most ``agent.max_concurrent_trajectories`` trajectories run at a time.
+The reward of a trajectory is computed here, as soon as it finishes.
+
+Logic lives in the plain class; :data:`AgentLoopWorkerActor` is the thin Ray actor around it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Mapping, Optional, Sequence
+
+# The built-in loops register themselves on import.
+import rollfleet.agent_loop.single_turn  # noqa: F401
+import rollfleet.agent_loop.tool_agent  # noqa: F401
+from rollfleet.agent_loop.base import AgentLoopBase, AgentLoopContext, AgentLoopOutput
+from rollfleet.agent_loop.registry import get_agent_loop, load_agent_loop_config
+from rollfleet.agent_loop.tools import ToolsLike, load_tools
+from rollfleet.client import LLMServerClient
+from rollfleet.config import RollfleetConfig
+from rollfleet.reward import compute_reward
+from rollfleet.types import SamplingParams
+
+
+def load_tokenizer(model: str) -> Any:
+    """The Hugging Face tokenizer of a built-in model name or a model folder."""
+    from transformers import AutoTokenizer
+
+    from rollfleet.models import get_model_path
+
+    return AutoTokenizer.from_pretrained(get_model_path(model))
+
+
+def model_text(output: AgentLoopOutput, tokenizer: Any) -> str:
+    """The model's own text in a trajectory (mask-1 spans, decoded one by one, joined by newlines),
+    so that a number inside a tool result is never taken for the model's answer."""
+    spans: list[list[int]] = []
+    prev = 0
+    for tok, m in zip(output.response_ids, output.response_mask):
+        if m:
+            if not prev:
+                spans.append([])
+            spans[-1].append(tok)
+        prev = m
+    return "\n".join(tokenizer.decode(s, skip_special_tokens=True) for s in spans)
+
+
+def default_sampling_params(config: RollfleetConfig) -> SamplingParams:
+    rollout = config.rollout
+    return {
+        "temperature": rollout.temperature,
+        "top_p": rollout.top_p,
+        "top_k": rollout.top_k,
+        "logprobs": rollout.calculate_log_probs,
+    }
+
+
+class AgentLoopWorker:
+    """Runs samples through registered agent loops on one client.
+
+    Args:
+        config: the whole config tree (the worker reads ``rollout`` and ``agent``).
+        client: a ready client (in-process use); else ``controller`` is required.
+        controller: the fleet controller's Ray handle; the worker builds ``client_cls`` on it.
+        client_cls: client class to build (``FullyAsyncLLMServerClient`` for partial rollouts).
+        tokenizer: defaults to ``rollout.model``'s tokenizer.
+        tools: tools or plain functions for tool-calling loops (plus ``multi_turn.tool_config_path``).
+    """
+
+    def __init__(
+        self,
+        config: RollfleetConfig,
+        *,
+        client: Any = None,
+        controller: Any = None,
+        client_cls: Optional[type] = None,
+        client_kwargs: Optional[Mapping[str, Any]] = None,
+        tokenizer: Any = None,
+        tools: ToolsLike = None,
+    ) -> None:
+        if isinstance(config, dict):
+            config = RollfleetConfig.model_validate(config)
+        self.config = config
+        self._owns_client = client is None
+        if client is None:
+            if controller is None:
+                raise ValueError("AgentLoopWorker needs a client or the fleet controller's handle")
+            cls = client_cls or LLMServerClient
+            client = cls(config.rollout, controller=controller, **dict(client_kwargs or {}))
+        self.client = client
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.rollout.model)
+        load_agent_loop_config(config.agent.agent_loop_config_path)
+        self.context = AgentLoopContext(
+            client=client,
+            tokenizer=self.tokenizer,
+            rollout=config.rollout,
+            agent=config.agent,
+            tools=load_tools(tools, config.agent.multi_turn.tool_config_path),
+        )
+        self.sampling_params = default_sampling_params(config)
+        self._loops: dict[str, AgentLoopBase] = {}
+        self._sem: Optional[asyncio.Semaphore] = None
+        self.num_running = 0
+
+    async def ready(self) -> dict[str, Any]:
+        """Warm up the client's fleet view; returns facts the manager needs (pad id)."""
+        fleet = getattr(self.client, "fleet", None)
+        if fleet is not None:
+            await fleet.ensure_started()
+        pad = self.tokenizer.pad_token_id
+        return {"pad_token_id": pad if pad is not None else (self.tokenizer.eos_token_id or 0)}
+
+    def loop_for(self, name: str) -> AgentLoopBase:
+        loop = self._loops.get(name)
+        if loop is None:
+            spec = get_agent_loop(name)
+            cls = spec.resolve()
+            loop = cls(self.context, **spec.kwargs)
+            if not cls.per_trajectory:
+                self._loops[name] = loop
+        return loop
+
+    async def run_sample(self, sample: Mapping[str, Any]) -> AgentLoopOutput:
+        """Run one sample's loop and score it."""
+        if self._sem is None:
+            self._sem = asyncio.Semaphore(self.config.agent.max_concurrent_trajectories)
+        self.num_running += 1
+        try:
+            async with self._sem:
+                sample = dict(sample)
+                name = sample.pop("agent_name", None) or self.config.agent.default_agent_loop
+                params = {**self.sampling_params, **(sample.pop("sampling_params", None) or {})}
+                output = await self.loop_for(name).run(params, **sample)
+                self.score(output, sample)
+                output.extra_fields.setdefault("agent_name", name)
+                return output
+        finally:
+            self.num_running -= 1
+
+    async def generate_sequences(self, samples: Sequence[Mapping[str, Any]]) -> list[AgentLoopOutput]:
+        """Run a chunk of samples concurrently (bounded); outputs in sample order."""
+        return list(await asyncio.gather(*(self.run_sample(s) for s in samples)))
+
+    def score(self, output: AgentLoopOutput, sample: Mapping[str, Any]) -> None:
+        """Compute the sample's verifiable reward unless the loop already set one."""
+        if output.reward_score is not None:
+            return
+        spec = sample.get("reward")
+        if spec is None and sample.get("reward_model") is not None:  # verl's dataset field
+            spec = dict(sample["reward_model"])
+            spec.pop("style", None)
+        if spec is None and "ground_truth" in sample:
+            spec = {"ground_truth": sample["ground_truth"]}
+        if not spec:
+            return
+        start = time.perf_counter()
+        result = compute_reward(model_text(output, self.tokenizer), spec, self.config.agent.default_reward)
+        output.metrics.compute_score = time.perf_counter() - start
+        if result is not None:
+            output.reward_score = result.score
+            output.extra_fields["reward_extra_info"] = result.info
+
+    async def close(self) -> None:
+        if self._owns_client:
+            await self.client.close()
+
+
+try:  # Ray is a hard dependency, but keep the plain class importable without it.
+    import ray
+
+    @ray.remote(num_cpus=0, max_concurrency=100_000)
+    class AgentLoopWorkerActor(AgentLoopWorker):
+        """Ray actor around :class:`AgentLoopWorker` (asyncio; builds its own client in ``__init__``)."""
+
+except ImportError:  # pragma: no cover
+    AgentLoopWorkerActor = None  # type: ignore[assignment,misc]
+
+
+__all__ = ["AgentLoopWorker", "AgentLoopWorkerActor", "load_tokenizer", "model_text", "default_sampling_params"]

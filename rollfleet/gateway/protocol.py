@@ -1,0 +1,132 @@
+"""Request bodies the gateway accepts: OpenAI's, plus a few documented extensions. Data only.
+
+Validation is strict (``"5"`` is not an integer, ``true`` is not a number), as OpenAI's own API
+is, so that a typo in an agent's request fails loudly with the field named instead of being
+coerced. Unknown keys are ignored (clients send newer OpenAI options the fleet has no use for).
+
+Extensions (vLLM-style names where vLLM has one):
+
+* every route: ``session_id`` (same as the ``X-Session-ID`` header or ``user``: turns of one
+  session share a replica and its prefix cache), ``top_k``, ``min_tokens``, ``stop_token_ids``,
+  ``ignore_eos``, ``repetition_penalty``, ``return_token_ids`` (token ids, logprobs and weight
+  versions of every choice, so an RL agent trains on exactly the tokens it was served);
+* ``/v1/completions``: ``prompt`` may be token ids (``[1, 2, 3]`` or a batch of them);
+* ``/v1/completions/tokens``: token ids in (``prompt_token_ids``), token ids out, no tokenizer.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _GenerationRequest(_Body):
+    """Fields shared by every generation route."""
+
+    model: str
+    max_tokens: Optional[int] = Field(None, ge=1)
+    temperature: Optional[float] = Field(None, ge=0)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    top_k: Optional[int] = Field(None, ge=-1)
+    min_p: Optional[float] = Field(None, ge=0, le=1)
+    n: int = Field(1, ge=1)
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    min_tokens: Optional[int] = Field(None, ge=0)
+    presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
+    frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
+    repetition_penalty: Optional[float] = Field(None, gt=0)
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None
+    session_id: Optional[str] = Field(None, min_length=1, max_length=512)
+    return_token_ids: bool = False
+
+
+class CompletionRequest(_GenerationRequest):
+    """``POST /v1/completions``: text or token-id prompts, one or a batch."""
+
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    logprobs: Optional[int] = Field(None, ge=0, le=20)
+    echo: bool = False
+    suffix: Optional[str] = None
+
+
+class ContentPart(_Body):
+    """One part of a message's content; only text parts carry meaning for a text model."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(_Body):
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[Union[str, list[ContentPart]]] = None
+    name: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
+    tool_call_id: Optional[str] = None
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    """``POST /v1/chat/completions``: messages rendered with the model's chat template."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+
+class TokenCompletionRequest(_GenerationRequest):
+    """``POST /v1/completions/tokens``: token ids in, token ids + logprobs + weight versions out."""
+
+    prompt_token_ids: list[int] = Field(min_length=1)
+
+
+class AddReplicasRequest(_Body):
+    num_replicas: int = Field(1, ge=1, le=1024)
+
+
+class RemoveReplicasRequest(_Body):
+    replica_ids: list[str] = Field(min_length=1)
+    drain_timeout_s: float = Field(30.0, ge=0)
+
+
+class UpdateWeightsRequest(_Body):
+    path: str = Field(min_length=1, description="A weights file or folder the replicas can read.")
+    version: int = Field(ge=0, description="The new weight version; must be above the current one.")
+
+
+class ProfileRequest(_Body):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+__all__ = [
+    "StreamOptions",
+    "CompletionRequest",
+    "ContentPart",
+    "ChatMessage",
+    "ChatCompletionRequest",
+    "TokenCompletionRequest",
+    "AddReplicasRequest",
+    "RemoveReplicasRequest",
+    "UpdateWeightsRequest",
+    "ProfileRequest",
+]

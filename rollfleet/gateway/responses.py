@@ -1,0 +1,295 @@
+"""Response bodies: OpenAI's shapes (plus the token extension), whole or as SSE chunks. No I/O.
+
+Streaming replays a finished generation: the fleet's ``generate`` is token-level but not
+incremental (a replica answers once, when the response stops, and a weight update in between is
+resumed inside the client), so the gateway waits for the result and then sends it as
+``stream_chunk_tokens``-token chunks. What this trades away is time-to-first-token; what it keeps
+is that a bad request still gets its 4xx status (the status line is sent after the fleet
+answered) and that the streamed text and token ids are exactly those of the non-streamed answer.
+
+The token extension (``return_token_ids``, and ``/v1/completions/tokens``) adds to each choice:
+``token_ids``, ``token_logprobs``, ``weight_versions`` (per token, when known),
+``min_weight_version`` / ``max_weight_version`` (of the first and last token), ``num_resumes``,
+``num_preempted`` and ``replica_id``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from typing import Any, Iterator, Optional, Sequence
+
+from rollfleet.gateway.codec import TextCodec
+from rollfleet.gateway.jsonio import dumps
+from rollfleet.types import TokenOutput
+
+#: rollfleet's stop reasons -> OpenAI finish reasons ("abort" as vLLM says: resumes ran out).
+FINISH_REASONS = {"stop": "stop", "length": "length", "aborted": "abort"}
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+#: Response ids: a random per-process prefix and a counter (unique, and no urandom call per request).
+_ID_PREFIX = os.urandom(6).hex()
+_ID_COUNTER = itertools.count()
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{_ID_PREFIX}{next(_ID_COUNTER):x}"
+
+
+def finish_reason(out: TokenOutput) -> str:
+    return FINISH_REASONS.get(out.stop_reason, out.stop_reason)
+
+
+def usage(prompt_tokens: int, outputs: Sequence[TokenOutput]) -> dict[str, int]:
+    completion = sum(len(o.token_ids) for o in outputs)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+
+
+def token_fields(out: TokenOutput) -> dict[str, Any]:
+    """Everything an RL trainer needs about one choice, without a tokenizer round trip."""
+    extra = out.extra_fields
+    return {
+        "token_ids": out.token_ids,
+        "token_logprobs": out.log_probs,
+        "weight_versions": out.token_versions,
+        "min_weight_version": extra.get("min_global_steps"),
+        "max_weight_version": extra.get("max_global_steps"),
+        "num_resumes": extra.get("num_resumes", 0),
+        "num_preempted": out.num_preempted,
+        "replica_id": extra.get("replica_id"),
+    }
+
+
+def _meta_fields(out: TokenOutput) -> dict[str, Any]:
+    """The token extension without the per-token lists (they went out chunk by chunk)."""
+    fields = token_fields(out)
+    for key in ("token_ids", "token_logprobs", "weight_versions"):
+        fields.pop(key)
+    return fields
+
+
+def completion_logprobs(
+    codec: TextCodec, out: TokenOutput, start: int = 0, end: Optional[int] = None, offset: int = 0
+) -> Optional[dict[str, Any]]:
+    """OpenAI's legacy logprobs object (the sampled token's logprob; no alternatives)."""
+    if out.log_probs is None:
+        return None
+    ids = out.token_ids[start:end]
+    texts = codec.token_texts(ids)
+    offsets = []
+    pos = offset
+    for t in texts:
+        offsets.append(pos)
+        pos += len(t)
+    return {"tokens": texts, "token_logprobs": out.log_probs[start:end], "top_logprobs": None, "text_offset": offsets}
+
+
+def chat_logprobs(
+    codec: TextCodec, out: TokenOutput, start: int = 0, end: Optional[int] = None
+) -> Optional[dict[str, Any]]:
+    """OpenAI's chat logprobs object (the sampled token's logprob; ``top_logprobs`` empty)."""
+    if out.log_probs is None:
+        return None
+    texts = codec.token_texts(out.token_ids[start:end])
+    return {
+        "content": [
+            {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+            for t, lp in zip(texts, out.log_probs[start:end])
+        ]
+    }
+
+
+# ---------------------------------------------------------------------- whole bodies
+def completion_body(
+    model: str,
+    codec: TextCodec,
+    outputs: Sequence[TokenOutput],
+    prompts: Sequence[list[int]],
+    n: int,
+    *,
+    logprobs: bool,
+    return_token_ids: bool,
+    echo_texts: Optional[Sequence[str]] = None,
+) -> dict[str, Any]:
+    choices = []
+    for i, out in enumerate(outputs):
+        prefix = echo_texts[i // n] if echo_texts else ""
+        choice: dict[str, Any] = {
+            "index": i,
+            "text": prefix + codec.decode(out.token_ids),
+            "logprobs": completion_logprobs(codec, out, offset=len(prefix)) if logprobs else None,
+            "finish_reason": finish_reason(out),
+        }
+        if return_token_ids:
+            choice["prompt_token_ids"] = prompts[i // n]
+            choice.update(token_fields(out))
+        choices.append(choice)
+    return {
+        "id": new_id("cmpl"),
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage(sum(len(p) for p in prompts) * n, outputs),
+    }
+
+
+def chat_body(
+    model: str,
+    codec: TextCodec,
+    outputs: Sequence[TokenOutput],
+    prompt_ids: list[int],
+    *,
+    logprobs: bool,
+    return_token_ids: bool,
+) -> dict[str, Any]:
+    choices = []
+    for i, out in enumerate(outputs):
+        choice: dict[str, Any] = {
+            "index": i,
+            "message": {"role": "assistant", "content": codec.decode(out.token_ids)},
+            "logprobs": chat_logprobs(codec, out) if logprobs else None,
+            "finish_reason": finish_reason(out),
+        }
+        if return_token_ids:
+            choice.update(token_fields(out))
+        choices.append(choice)
+    body: dict[str, Any] = {
+        "id": new_id("chatcmpl"),
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage(len(prompt_ids) * len(outputs), outputs),
+    }
+    if return_token_ids:
+        body["prompt_token_ids"] = prompt_ids
+    return body
+
+
+def tokens_body(model: str, outputs: Sequence[TokenOutput], prompt_len: int) -> dict[str, Any]:
+    choices = []
+    for i, out in enumerate(outputs):
+        choice = {"index": i, "finish_reason": finish_reason(out)}
+        choice.update(token_fields(out))
+        choices.append(choice)
+    return {
+        "id": new_id("tok"),
+        "object": "rollfleet.completion.tokens",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage(prompt_len * len(outputs), outputs),
+    }
+
+
+# ---------------------------------------------------------------------- SSE
+def sse(events: Iterator[dict[str, Any]]) -> Iterator[bytes]:
+    """``data: {json}`` per event, then ``data: [DONE]``."""
+    for event in events:
+        yield b"data: " + dumps(event) + b"\n\n"
+    yield SSE_DONE
+
+
+def completion_chunks(
+    model: str,
+    codec: TextCodec,
+    outputs: Sequence[TokenOutput],
+    prompts: Sequence[list[int]],
+    n: int,
+    *,
+    chunk_tokens: int,
+    logprobs: bool,
+    return_token_ids: bool,
+    include_usage: bool,
+    echo_texts: Optional[Sequence[str]] = None,
+) -> Iterator[dict[str, Any]]:
+    base = {"id": new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": model}
+    if include_usage:
+        base["usage"] = None
+    for i, out in enumerate(outputs):
+        prefix = echo_texts[i // n] if echo_texts else ""
+        offset = len(prefix)
+        if prefix or return_token_ids:
+            first: dict[str, Any] = {"index": i, "text": prefix, "logprobs": None, "finish_reason": None}
+            if return_token_ids:
+                first["prompt_token_ids"] = prompts[i // n]
+            yield {**base, "choices": [first]}
+        for text, start, end in codec.pieces(out.token_ids, chunk_tokens):
+            choice: dict[str, Any] = {
+                "index": i,
+                "text": text,
+                "logprobs": completion_logprobs(codec, out, start, end, offset) if logprobs else None,
+                "finish_reason": None,
+            }
+            offset += len(text)
+            if return_token_ids:
+                choice["token_ids"] = out.token_ids[start:end]
+            yield {**base, "choices": [choice]}
+        last: dict[str, Any] = {"index": i, "text": "", "logprobs": None, "finish_reason": finish_reason(out)}
+        if return_token_ids:
+            last.update(_meta_fields(out))
+        yield {**base, "choices": [last]}
+    if include_usage:
+        yield {**base, "choices": [], "usage": usage(sum(len(p) for p in prompts) * n, outputs)}
+
+
+def chat_chunks(
+    model: str,
+    codec: TextCodec,
+    outputs: Sequence[TokenOutput],
+    prompt_ids: list[int],
+    *,
+    chunk_tokens: int,
+    logprobs: bool,
+    return_token_ids: bool,
+    include_usage: bool,
+) -> Iterator[dict[str, Any]]:
+    base = {"id": new_id("chatcmpl"), "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
+    if include_usage:
+        base["usage"] = None
+    for i, out in enumerate(outputs):
+        first: dict[str, Any] = {
+            "index": i,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        event = {**base, "choices": [first]}
+        if return_token_ids and i == 0:
+            event["prompt_token_ids"] = prompt_ids
+        yield event
+        for text, start, end in codec.pieces(out.token_ids, chunk_tokens):
+            choice: dict[str, Any] = {
+                "index": i,
+                "delta": {"content": text},
+                "logprobs": chat_logprobs(codec, out, start, end) if logprobs else None,
+                "finish_reason": None,
+            }
+            if return_token_ids:
+                choice["token_ids"] = out.token_ids[start:end]
+            yield {**base, "choices": [choice]}
+        last: dict[str, Any] = {"index": i, "delta": {}, "logprobs": None, "finish_reason": finish_reason(out)}
+        if return_token_ids:
+            last.update(_meta_fields(out))
+        yield {**base, "choices": [last]}
+    if include_usage:
+        yield {**base, "choices": [], "usage": usage(len(prompt_ids) * len(outputs), outputs)}
+
+
+__all__ = [
+    "FINISH_REASONS",
+    "new_id",
+    "finish_reason",
+    "usage",
+    "token_fields",
+    "completion_body",
+    "chat_body",
+    "tokens_body",
+    "sse",
+    "completion_chunks",
+    "chat_chunks",
+]

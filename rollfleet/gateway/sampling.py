@@ -1,0 +1,105 @@
+"""OpenAI request fields -> the fleet's ``sampling_params``, and fleet field names -> request fields.
+
+Two translations, kept apart from the routes so each route states only what differs (which field
+holds the prompt, which holds the budget):
+
+* the request's sampling options become the plain dict every engine takes; absent options stay
+  absent (the engine's defaults apply), stop strings become stop token ids;
+* an ``InvalidRequest`` from a replica names *fleet* fields (``prompt_ids[3]``,
+  ``sampling_params.max_tokens``); :func:`field_mapper` renames them to what the caller sent
+  (``prompt``, ``max_completion_tokens``) so the 400's ``param`` points at the caller's field.
+
+The token budget is settled here, not at the replica: the gateway knows the context length, so a
+prompt that leaves no room fails with the prompt named, and an absent ``max_tokens`` becomes
+``min(rollout.response_length, room left)`` (the fully-async client needs an explicit budget to
+resume within it).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from rollfleet.gateway.codec import TextCodec
+from rollfleet.gateway.errors import FieldMap, bad_request
+from rollfleet.gateway.protocol import _GenerationRequest
+from rollfleet.types import SamplingParams
+
+#: Request fields copied to ``sampling_params`` as they are, when given.
+_PASS_THROUGH = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "min_tokens",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+
+
+def token_budget(
+    requested: Optional[int],
+    prompt_len: int,
+    *,
+    max_model_len: int,
+    default: int,
+    prompt_param: str,
+    budget_param: str,
+) -> int:
+    """The ``max_tokens`` to send, or a 400 naming the prompt or the budget field."""
+    room = max_model_len - prompt_len
+    if room < 1:
+        raise bad_request(
+            prompt_param,
+            f"the prompt is {prompt_len} tokens; this model's context is {max_model_len} tokens, "
+            "which leaves no room for a response",
+            code="context_length_exceeded",
+        )
+    if requested is None:
+        return min(default, room)
+    if requested > room:
+        raise bad_request(
+            budget_param,
+            f"{budget_param}={requested} plus the {prompt_len}-token prompt exceeds this model's context of "
+            f"{max_model_len} tokens (at most {room} here)",
+            code="context_length_exceeded",
+        )
+    return requested
+
+
+def sampling_params(req: _GenerationRequest, max_tokens: int, codec: Optional[TextCodec]) -> SamplingParams:
+    """The fleet's sampling parameters for one request (validated again by the replica)."""
+    params: SamplingParams = {"max_tokens": max_tokens}
+    for key in _PASS_THROUGH:
+        value = getattr(req, key)
+        if value is not None:
+            params[key] = value
+    if req.ignore_eos:
+        params["ignore_eos"] = True
+    stop_ids = list(req.stop_token_ids or ())
+    if req.stop:
+        if codec is None:
+            raise bad_request("stop", "stop strings need a tokenizer; pass stop_token_ids", code="unsupported_value")
+        single = isinstance(req.stop, str)
+        stop_ids += codec.stop_token_ids([req.stop] if single else req.stop, indexed=not single)
+    if stop_ids:
+        params["stop_token_ids"] = stop_ids
+    return params
+
+
+def field_mapper(prompt_param: str, budget_param: str = "max_tokens", keep_prompt_index: bool = False) -> FieldMap:
+    """Rename a fleet field (from ``InvalidRequest.field``) to the caller's request field."""
+
+    def mapped(field: str) -> str:
+        if field.startswith("prompt_ids"):
+            return prompt_param + (field[len("prompt_ids") :] if keep_prompt_index else "")
+        if field.startswith("sampling_params."):
+            name = field[len("sampling_params.") :]
+            return budget_param if name in ("max_tokens", "max_new_tokens") else name
+        return field
+
+    return mapped
+
+
+__all__ = ["token_budget", "sampling_params", "field_mapper"]

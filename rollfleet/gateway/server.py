@@ -1,0 +1,102 @@
+"""Run an ASGI app with uvicorn *inside the caller's event loop*.
+
+Why in-loop and not ``uvicorn.run``: the gateway's fleet client keeps its fleet view refreshed by a
+task on the loop it runs in, and Ray's awaitables resolve on whatever loop awaits them, so the
+gateway, the client and (in tests) the test itself share one loop and nothing crosses threads.
+Signals are left to the owner (``rollfleet serve`` installs its own SIGINT/SIGTERM handlers and
+shuts the fleet down after the server), so uvicorn's own signal capture is switched off.
+
+httptools (HTTP parsing in C) is used when installed; port 0 picks a free port, readable from
+:attr:`GatewayServer.port` once started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+from typing import Any, Iterator, Optional
+
+import uvicorn
+
+#: How long start() waits for uvicorn to bind and finish the app's lifespan start-up.
+STARTUP_TIMEOUT_S = 30.0
+
+
+class _InLoopServer(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:  # the owner handles signals
+        yield
+
+
+class GatewayServer:
+    """A uvicorn server as an asyncio task: ``await start()``, ``url``, ``await stop()``."""
+
+    def __init__(
+        self,
+        app: Any,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        access_log: bool = False,
+        log_level: str = "warning",
+        graceful_shutdown_s: int = 10,
+    ) -> None:
+        http = "httptools" if importlib.util.find_spec("httptools") is not None else "h11"
+        self.config = uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            http=http,
+            lifespan="on",
+            access_log=access_log,
+            log_level=log_level,
+            timeout_keep_alive=60,
+            backlog=4096,
+            timeout_graceful_shutdown=graceful_shutdown_s,
+        )
+        self.server = _InLoopServer(self.config)
+        self.host = host
+        self.port: Optional[int] = None
+        self._task: Optional[asyncio.Task[None]] = None
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        if ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
+
+    async def start(self) -> "GatewayServer":
+        self._task = asyncio.get_running_loop().create_task(self._serve(), name="rollfleet-gateway-uvicorn")
+        deadline = asyncio.get_running_loop().time() + STARTUP_TIMEOUT_S
+        while not self.server.started:
+            if self._task.done():
+                self._task.result()  # raises the start-up error
+                raise RuntimeError(f"the gateway did not start on {self.host}:{self.config.port} (see the log above)")
+            if asyncio.get_running_loop().time() > deadline:
+                await self.stop()
+                raise TimeoutError(f"the gateway did not start within {STARTUP_TIMEOUT_S} s")
+            await asyncio.sleep(0.005)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    async def _serve(self) -> None:
+        try:
+            await self.server.serve()
+        except SystemExit as exc:  # uvicorn exits the process on a bind error; turn it into an error
+            raise RuntimeError(f"the gateway could not start on {self.host}:{self.config.port}") from exc
+
+    async def stop(self) -> None:
+        """Stop accepting, finish in-flight requests, run the lifespan shutdown."""
+        task, self._task = self._task, None
+        if task is None:
+            return
+        self.server.should_exit = True
+        try:
+            await task
+        except Exception:
+            pass
+
+
+__all__ = ["GatewayServer", "STARTUP_TIMEOUT_S"]

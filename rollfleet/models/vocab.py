@@ -1,0 +1,42 @@
+"""Make the simulated engine speak a real model's vocabulary.
+
+The sim engine draws token ids from ``rollout.sim.vocab_size``; when its outputs meet a real
+tokenizer (a trainer decoding responses for rewards, the gateway returning text), the ids must be
+ones the tokenizer can decode and the sim's EOS must be the model's. This reads both from the
+model folder's ``config.json`` (no tokenizer or torch import) and returns an adjusted config.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rollfleet.config import RollfleetConfig
+
+
+def model_vocab(name_or_path: str) -> tuple[int, int | None]:
+    """``(vocab_size, eos_token_id)`` of a built-in model name or a Hugging Face folder."""
+    from rollfleet.models import get_model_path
+
+    cfg = json.loads((Path(get_model_path(name_or_path)) / "config.json").read_text())
+    eos = cfg.get("eos_token_id")
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    return int(cfg["vocab_size"]), eos
+
+
+def fit_sim_to_model(config: RollfleetConfig) -> RollfleetConfig:
+    """A copy of ``config`` whose sim engine uses ``rollout.model``'s vocabulary and EOS."""
+    rollout = config.rollout
+    if rollout.name != "sim":
+        return config
+    vocab, eos = model_vocab(rollout.model)
+    update: dict[str, Any] = {"vocab_size": vocab}
+    if eos is not None:
+        update["eos_token_id"] = eos
+    sim = rollout.sim.model_copy(update=update)
+    return config.model_copy(update={"rollout": rollout.model_copy(update={"sim": sim})})
+
+
+__all__ = ["model_vocab", "fit_sim_to_model"]

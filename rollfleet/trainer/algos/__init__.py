@@ -1,0 +1,115 @@
+"""RL algorithm pieces of the learner: advantage estimators (by name) and policy losses.
+
+Built-in advantage estimators: ``grpo`` (group-normalised; option ``norm_adv_by_std=False`` gives
+Dr. GRPO), ``drgrpo`` (the same without the std division), ``rloo`` (REINFORCE, leave-one-out
+baseline). To add one: write ``fn(scores [B], uids, response_mask [B, R], **options) -> [B, R]``
+in a module of its own (see :mod:`.advantages` for the contract) and call
+``register_advantage_estimator("name", fn)``; ``LearnerConfig.adv_estimator`` can then name it and
+``LearnerConfig.adv_options`` pass its keyword options (checked against its signature at config
+construction).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import torch
+
+from rollfleet.trainer.algos.advantages import (
+    AdvantageEstimator,
+    drgrpo_advantages,
+    group_index,
+    grpo_advantages,
+    rloo_advantages,
+)
+from rollfleet.trainer.algos.losses import (
+    KLEstimator,
+    LossAggMode,
+    PolicyLossConfig,
+    PolicyLossOutput,
+    aggregate_loss,
+    behaviour_importance_weight,
+    clipped_surrogate,
+    compute_policy_loss,
+    entropy_from_logits,
+    kl_penalty,
+    masked_max,
+    masked_mean,
+)
+
+_ESTIMATORS: dict[str, AdvantageEstimator] = {}
+
+
+def register_advantage_estimator(name: str, fn: AdvantageEstimator) -> None:
+    """Make ``fn`` available as ``name`` (names are unique)."""
+    if not callable(fn):
+        raise TypeError(f"advantage estimator '{name}' must be callable, got {fn!r}")
+    if name in _ESTIMATORS:
+        raise ValueError(f"advantage estimator '{name}' is already registered")
+    _ESTIMATORS[name] = fn
+
+
+def get_advantage_estimator(name: str) -> AdvantageEstimator:
+    """The estimator registered as ``name``; an unknown name raises ``ValueError`` listing the valid ones."""
+    try:
+        return _ESTIMATORS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown advantage estimator '{name}'; valid estimators: {available_advantage_estimators()}"
+        ) from None
+
+
+def available_advantage_estimators() -> list[str]:
+    return sorted(_ESTIMATORS)
+
+
+def check_advantage_options(name: str, options: dict[str, Any]) -> None:
+    """Raise ``ValueError`` if ``options`` are not keyword options of estimator ``name`` (so a
+    typo fails when the config is built, not at the first update)."""
+    fn = get_advantage_estimator(name)
+    params = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    valid = sorted(n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY)
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        raise ValueError(f"advantage estimator '{name}' has no option(s) {unknown}; valid options: {valid}")
+
+
+def compute_advantages(
+    name: str, scores: torch.Tensor, uids: Sequence[Hashable], response_mask: torch.Tensor, **options: Any
+) -> torch.Tensor:
+    """Run estimator ``name``: ``scores [B]`` + group ``uids`` -> advantages ``[B, R]`` on the response mask."""
+    return get_advantage_estimator(name)(scores, uids, response_mask, **options)
+
+
+register_advantage_estimator("grpo", grpo_advantages)
+register_advantage_estimator("drgrpo", drgrpo_advantages)
+register_advantage_estimator("rloo", rloo_advantages)
+
+__all__ = [
+    "AdvantageEstimator",
+    "register_advantage_estimator",
+    "get_advantage_estimator",
+    "available_advantage_estimators",
+    "check_advantage_options",
+    "compute_advantages",
+    "group_index",
+    "grpo_advantages",
+    "drgrpo_advantages",
+    "rloo_advantages",
+    "LossAggMode",
+    "KLEstimator",
+    "PolicyLossConfig",
+    "PolicyLossOutput",
+    "masked_mean",
+    "masked_max",
+    "aggregate_loss",
+    "clipped_surrogate",
+    "behaviour_importance_weight",
+    "kl_penalty",
+    "entropy_from_logits",
+    "compute_policy_loss",
+]

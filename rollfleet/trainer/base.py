@@ -1,0 +1,299 @@
+"""The trainer base: one loop shared by every mode, hooks where the modes differ.
+
+``fit`` runs ``total_steps`` learner steps::
+
+    on_train_begin
+    per step: on_step_begin -> sample (mode: where generation happens and what we wait for)
+              -> on_sample_end -> learner update (in a thread: the event loop keeps routing)
+              -> weight sync every parameter_sync_step steps (on_sync_begin / on_sync_end)
+              -> on_step_end -> metrics, checkpoint
+    on_train_end
+
+A trainer gets its client from the fleet (``get_llm_client``): the plain client for ``sync``, the
+fully-async client for the async modes, which make weight updates invisible to in-flight
+trajectories. Weight sync pushes the learner's weights with ``manager.update_weights(weights,
+version)``: pause -> load -> clear prefix caches -> stamp version -> resume on every replica.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+import statistics
+import time
+from pathlib import Path
+from typing import Any, ClassVar, Optional
+
+from rollfleet.agent_loop import FullyAsyncAgentLoopManager
+from rollfleet.client import FullyAsyncLLMServerClient, LLMServerClient
+from rollfleet.config import RollfleetConfig
+from rollfleet.manager import LLMServerManager
+from rollfleet.trainer.config import TrainConfig
+from rollfleet.trainer.staleness import Group
+from rollfleet.trainer.tasks import make_task
+from rollfleet.trainer.tracking import RunTracker
+
+logger = logging.getLogger(__name__)
+
+
+class Trainer(abc.ABC):
+    """Subclass, implement :meth:`sample`, register with ``@register_trainer(name)``."""
+
+    mode_name: ClassVar[str] = "base"
+    #: The client the mode's trajectories use.
+    client_cls: ClassVar[type[LLMServerClient]] = FullyAsyncLLMServerClient
+
+    def __init__(self, config: RollfleetConfig, *, progress: Any = None) -> None:
+        self.config = config
+        self.train = TrainConfig.model_validate(config.trainer.model_dump())
+        self.run_dir = Path(self.train.output_dir) / self.train.run_name
+        self.manager: Optional[LLMServerManager] = None
+        self.agent_manager: Optional[FullyAsyncAgentLoopManager] = None
+        self.learner: Any = None
+        self.tracker: Optional[RunTracker] = None
+        self.stream = make_task(self.train.task, self.train.seed)
+        self.step = 0
+        self.version = 0
+        self.syncs = 0
+        self.progress = progress
+        self._reissue: list[int] = []
+        self._last_step_end = 0.0
+        self._tokens_at_last_step = 0
+        self.generated_tokens = 0
+        #: Per step: staleness of every trained group and the longest trained response (audit trail).
+        self.trained_log: list[dict[str, Any]] = []
+        self.idle_s = 0.0
+        self.wall_s = 0.0
+
+    # ------------------------------------------------------------------ set-up
+    def get_llm_client(self) -> LLMServerClient:
+        assert self.manager is not None, "call init() first"
+        return self.manager.get_client(client_cls=self.client_cls, **self.client_kwargs())
+
+    def client_kwargs(self) -> dict[str, Any]:
+        if issubclass(self.client_cls, FullyAsyncLLMServerClient):
+            return {"partial_rollout": self.train.partial_rollout}
+        return {}
+
+    def build_learner(self) -> Any:
+        if self.train.sim_learner.enabled:
+            from rollfleet.trainer.sim_learner import SimulatedLearner
+
+            return SimulatedLearner(self.train.sim_learner)
+        from rollfleet.trainer.learner import Learner
+
+        learner_cfg = self.train.learner
+        temperature = self.config.rollout.temperature
+        if temperature > 0 and learner_cfg.temperature != temperature:
+            learner_cfg = learner_cfg.model_copy(update={"temperature": temperature})
+        return Learner(self.config.rollout.model, learner_cfg)
+
+    async def init(self) -> None:
+        self.tracker = RunTracker(self.run_dir, resume=self.train.resume)
+        self.learner = await asyncio.to_thread(self.build_learner)
+        self.manager = await LLMServerManager.create(self.config)
+        self.agent_manager = await FullyAsyncAgentLoopManager.create(
+            self.config,
+            server_manager=self.manager,
+            client_cls=self.client_cls,
+            client_kwargs=self.client_kwargs(),
+        )
+        if self.train.resume:
+            await self._resume()
+
+    async def _resume(self) -> None:
+        ckpt_root = self.run_dir / "checkpoints"
+        from rollfleet.trainer.checkpoint import find_latest
+
+        if find_latest(ckpt_root) is None:
+            logger.warning("resume requested but no checkpoint under %s: starting fresh", ckpt_root)
+            return
+        state = await asyncio.to_thread(self.learner.load, ckpt_root)
+        self.step = int(state.get("step", 0))
+        self.stream.position = int(state.get("data_position", 0))
+        self._reissue = [int(i) for i in state.get("inflight_task_indices", [])]
+        # The fleet booted on the base weights: push the checkpoint's under a new version.
+        self.version = int(state.get("version", 0)) + 1
+        await self.manager.update_weights(self.learner.state_dict_for_inference(), self.version)
+        logger.info("resumed at step %d, weight version %d, re-issuing %d prompts", self.step, self.version, len(self._reissue))
+
+    # ------------------------------------------------------------------ the loop
+    @abc.abstractmethod
+    async def sample(self) -> tuple[list[Group], dict[str, Any]]:
+        """Return the groups to train on at this step and mode-specific metrics."""
+
+    async def on_train_begin(self) -> None: ...
+
+    async def on_step_begin(self) -> None: ...
+
+    async def on_sample_end(self) -> None: ...
+
+    async def on_sync_begin(self) -> None: ...
+
+    async def on_sync_end(self) -> None: ...
+
+    async def on_step_end(self) -> None: ...
+
+    async def on_train_end(self) -> None: ...
+
+    def inflight_task_indices(self) -> list[int]:
+        """Prompts generated or queued but not trained on (re-issued after a resume)."""
+        return []
+
+    async def fit(self) -> dict[str, Any]:
+        assert self.manager is not None and self.tracker is not None
+        t_start = time.perf_counter()
+        self._last_step_end = t_start
+        await self.on_train_begin()
+        try:
+            while self.step < self.train.total_steps:
+                self.step += 1
+                await self.on_step_begin()
+                t0 = time.time()
+                groups, info = await self.sample()
+                t1 = time.time()
+                self.tracker.span_event("trainer", "wait", t0, t1, step=self.step)
+                await self.on_sample_end()
+                metrics = await self._train_on(groups)
+                synced = False
+                if self.step % self.train.parameter_sync_step == 0:
+                    await self.sync_weights()
+                    synced = True
+                await self.on_step_end()
+                self._log_step(groups, info, metrics, wait_s=t1 - t0, synced=synced)
+                if self.train.save_freq and self.step % self.train.save_freq == 0:
+                    await self.save_checkpoint()
+        finally:
+            await self.on_train_end()
+        self.wall_s = time.perf_counter() - t_start
+        await self.save_checkpoint()
+        return self.summary()
+
+    async def _train_on(self, groups: list[Group]) -> dict[str, Any]:
+        assert self.agent_manager is not None and self.tracker is not None
+        outputs = [o for g in groups for o in g.outputs]
+        uids = [g.uid for g in groups for _ in g.outputs]
+        batch = self.agent_manager.collate(outputs, uids)
+        unscored = ~batch.has_score
+        if unscored.any():  # never train on a sample without a reward
+            batch.response_mask[unscored] = 0
+        with self.tracker.span("trainer", "train", step=self.step):
+            metrics = await asyncio.to_thread(self.learner.update, batch)
+        metrics["reward/mean"] = float(batch.scores.mean())
+        metrics["reward/max"] = float(batch.scores.max())
+        metrics["response_length/mean"] = float(batch.response_lengths.float().mean())
+        return metrics
+
+    def fleet_paused(self) -> None:
+        """Record that the fleet stopped generating (for the timeline)."""
+        now = time.time()
+        if self._fleet_active_since is not None and self.tracker is not None:
+            self.tracker.span_event("fleet", "generating", self._fleet_active_since, now)
+        self._fleet_active_since = None
+        self._fleet_paused_since = now
+
+    def fleet_resumed(self) -> None:
+        now = time.time()
+        if self._fleet_paused_since is not None and self.tracker is not None:
+            self.tracker.span_event("fleet", "paused", self._fleet_paused_since, now)
+        self._fleet_paused_since = None
+        self._fleet_active_since = now
+
+    _fleet_active_since: Optional[float] = None
+    _fleet_paused_since: Optional[float] = None
+
+    async def sync_weights(self) -> None:
+        assert self.manager is not None and self.tracker is not None
+        await self.on_sync_begin()
+        with self.tracker.span("trainer", "sync", step=self.step):
+            weights = await asyncio.to_thread(self.learner.state_dict_for_inference)
+            self.version += 1
+            paused_here = self._fleet_active_since is not None
+            if paused_here:
+                self.fleet_paused()  # update_weights pauses every replica while weights load
+            result = await self.manager.update_weights(weights, self.version)
+            if paused_here:
+                self.fleet_resumed()
+        self.syncs += 1
+        self._last_sync = result
+        await self.on_sync_end()
+
+    def _log_step(self, groups: list[Group], info: dict[str, Any], metrics: dict[str, Any], *, wait_s: float, synced: bool) -> None:
+        assert self.tracker is not None
+        now = time.perf_counter()
+        step_s = now - self._last_step_end
+        self._last_step_end = now
+        tokens = sum(int(sum(o.response_mask)) for g in groups for o in g.outputs)
+        self.generated_tokens += tokens
+        stale = [self.version_at_train(g) for g in groups]
+        self.trained_log.append({
+            "step": self.step,
+            "staleness": stale,
+            "task_indices": [g.task_index for g in groups],
+            "max_response_len": max((len(o.response_ids) for g in groups for o in g.outputs), default=0),
+        })
+        self.idle_s += wait_s
+        row = {
+            "step": self.step,
+            "version": self.version,
+            "syncs": self.syncs,
+            "step_s": step_s,
+            "wait_s": wait_s,
+            "idle_frac": wait_s / step_s if step_s > 0 else 0.0,
+            "perf/tokens_per_s": tokens / step_s if step_s > 0 else 0.0,
+            "staleness/mean": statistics.fmean(stale) if stale else 0.0,
+            "staleness/max": max(stale) if stale else 0,
+            "resumes": sum(g.resumes for g in groups),
+            **info,
+            **metrics,
+        }
+        if synced and getattr(self, "_last_sync", None):
+            row["sync/total_s"] = self._last_sync.get("total_s", 0.0)
+        self.tracker.log(row)
+        if self.progress is not None:
+            self.progress(row)
+
+    def version_at_train(self, group: Group) -> int:
+        """Staleness of a group for the step being trained (the version before this step's sync)."""
+        trained_version = self.version if self.step % self.train.parameter_sync_step else self.version - 1
+        return max(0, trained_version - group.min_version)
+
+    async def save_checkpoint(self) -> Path:
+        state = {
+            "step": self.step,
+            "version": self.version,
+            "data_position": self.stream.position,
+            "inflight_task_indices": self.inflight_task_indices(),
+            "mode": self.mode_name,
+        }
+        return await asyncio.to_thread(self.learner.save, self.run_dir / "checkpoints", state)
+
+    def summary(self) -> dict[str, Any]:
+        rows = self.tracker.history if self.tracker else []
+        first = [r["reward/mean"] for r in rows[: max(1, len(rows) // 5)] if "reward/mean" in r]
+        last = [r["reward/mean"] for r in rows[-max(1, len(rows) // 5) :] if "reward/mean" in r]
+        step_times = [r["step_s"] for r in rows]
+        return {
+            "mode": self.mode_name,
+            "steps": self.step,
+            "syncs": self.syncs,
+            "wall_s": self.wall_s,
+            "step_s_mean": statistics.fmean(step_times) if step_times else 0.0,
+            "idle_frac": self.idle_s / self.wall_s if self.wall_s else 0.0,
+            "reward_first": statistics.fmean(first) if first else 0.0,
+            "reward_last": statistics.fmean(last) if last else 0.0,
+            "run_dir": str(self.run_dir),
+        }
+
+    async def close(self) -> None:
+        if self.agent_manager is not None:
+            try:
+                await self.agent_manager.shutdown()
+            except Exception:
+                logger.exception("agent manager shutdown failed")
+        if self.manager is not None:
+            await self.manager.shutdown()
+
+
+__all__ = ["Trainer"]

@@ -1,0 +1,247 @@
+"""Training checkpoints that a crash can never leave half-written.
+
+Layout under a checkpoint root::
+
+    root/
+      latest                  # text: name of the newest complete checkpoint ("step_00000042")
+      step_00000041/
+      step_00000042/
+        model.safetensors     # weights under their Hugging Face names (loadable by vLLM/transformers)
+        optimizer.pt          # torch.save(optimizer.state_dict())
+        trainer_state.json    # the caller's dict: data position, in-flight prompt ids, RNG states...
+        meta.json             # step and format version; written last
+        (extra files, e.g. config.json + tokenizer, so the folder is also a model folder)
+
+A checkpoint is written into ``root/.tmp-...`` and renamed into place (atomic on one filesystem),
+then ``latest`` is replaced atomically; a crash at any moment leaves either the old or the new
+checkpoint, never a torn one. ``find_latest`` trusts ``latest`` but falls back to the highest
+complete ``step_*`` folder, so a crash between the rename and the pointer update loses nothing.
+Only the last ``keep_last`` checkpoints are kept (never deleting the one ``latest`` names).
+
+Trade-off: one writer per root is assumed (the trainer's rank 0); two concurrent writers of the
+same step would race on the rename.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+
+FORMAT_VERSION = 1
+CHECKPOINT_PREFIX = "step_"
+LATEST_FILE = "latest"
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
+TRAINER_STATE_FILE = "trainer_state.json"
+META_FILE = "meta.json"
+
+
+@dataclass
+class Checkpoint:
+    """What ``load_checkpoint`` returns."""
+
+    path: Path
+    step: int
+    model_state: dict[str, torch.Tensor]
+    optimizer_state: Optional[dict[str, Any]] = None
+    trainer_state: dict[str, Any] = field(default_factory=dict)
+
+
+def checkpoint_name(step: int) -> str:
+    """Folder name of step ``step`` (zero-padded so names sort like steps)."""
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return f"{CHECKPOINT_PREFIX}{step:08d}"
+
+
+def _step_of(path: Path) -> Optional[int]:
+    name = path.name
+    if not name.startswith(CHECKPOINT_PREFIX):
+        return None
+    try:
+        return int(name[len(CHECKPOINT_PREFIX) :])
+    except ValueError:
+        return None
+
+
+def list_checkpoints(root: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints under ``root`` (``meta.json`` present), oldest step first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(s, p) for p in root.iterdir() if (s := _step_of(p)) is not None and (p / META_FILE).is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def find_latest(root: str | os.PathLike) -> Optional[Path]:
+    """The newest complete checkpoint under ``root``, or ``None``."""
+    root = Path(root)
+    pointer = root / LATEST_FILE
+    if pointer.is_file():
+        target = root / pointer.read_text().strip()
+        if (target / META_FILE).is_file():
+            newer = [p for p in list_checkpoints(root) if (_step_of(p) or 0) > (_step_of(target) or 0)]
+            return newer[-1] if newer else target
+    found = list_checkpoints(root)
+    return found[-1] if found else None
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # e.g. platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=str(path.parent))
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_checkpoint(
+    root: str | os.PathLike,
+    step: int,
+    model_state: dict[str, torch.Tensor],
+    *,
+    optimizer_state: Optional[dict[str, Any]] = None,
+    trainer_state: Optional[dict[str, Any]] = None,
+    keep_last: Optional[int] = 3,
+    write_extra: Optional[Callable[[Path], None]] = None,
+) -> Path:
+    """Write checkpoint ``step`` under ``root`` atomically, point ``latest`` at it, prune to
+    ``keep_last`` (``None`` keeps all). ``trainer_state`` must be JSON-serialisable (checked before
+    anything is written). ``write_extra(tmp_dir)`` may add files. Returns the checkpoint folder."""
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+    state_json = json.dumps(trainer_state or {}, indent=2, sort_keys=True)  # fails early if not JSON
+    from safetensors.torch import save_file
+
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    target = root / checkpoint_name(step)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=str(root)))
+    try:
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in model_state.items()}
+        save_file(tensors, str(tmp / MODEL_FILE), metadata={"format": "pt"})
+        if optimizer_state is not None:
+            torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
+        (tmp / TRAINER_STATE_FILE).write_text(state_json + "\n")
+        if write_extra is not None:
+            write_extra(tmp)
+        meta = {"format_version": FORMAT_VERSION, "step": step, "has_optimizer": optimizer_state is not None}
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+        for p in tmp.iterdir():
+            if p.is_file():
+                with open(p, "rb") as f:
+                    os.fsync(f.fileno())
+        if target.exists():  # re-saving a step: move the old one aside first (rename needs a free name)
+            trash = Path(tempfile.mkdtemp(prefix=f".old-{target.name}-", dir=str(root)))
+            os.replace(target, trash / target.name)
+            shutil.rmtree(trash, ignore_errors=True)
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _fsync_dir(root)
+    _write_text_atomic(root / LATEST_FILE, target.name + "\n")
+    if keep_last is not None:
+        for old in list_checkpoints(root)[:-keep_last]:
+            if old != target:
+                shutil.rmtree(old, ignore_errors=True)
+    return target
+
+
+def load_checkpoint(
+    path: str | os.PathLike, *, map_location: str | torch.device = "cpu", load_optimizer: bool = True
+) -> Checkpoint:
+    """Load a checkpoint folder, or the latest one when ``path`` is a checkpoint root."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not (path / META_FILE).is_file():
+        latest = find_latest(path)
+        if latest is None:
+            raise FileNotFoundError(f"no complete checkpoint at or under '{path}'")
+        path = latest
+    meta = json.loads((path / META_FILE).read_text())
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"checkpoint '{path}' has format {meta.get('format_version')}, expected {FORMAT_VERSION}")
+    optimizer_state = None
+    if load_optimizer and (path / OPTIMIZER_FILE).is_file():
+        optimizer_state = torch.load(path / OPTIMIZER_FILE, map_location=map_location, weights_only=True)
+    return Checkpoint(
+        path=path,
+        step=int(meta["step"]),
+        model_state=load_file(str(path / MODEL_FILE), device=str(map_location)),
+        optimizer_state=optimizer_state,
+        trainer_state=json.loads((path / TRAINER_STATE_FILE).read_text()),
+    )
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.cpu().numpy().tobytes()).decode("ascii")
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """Python, NumPy and torch (CPU and CUDA) RNG states as a JSON-serialisable dict, for
+    ``trainer_state`` (so a resumed run samples the same prompts and shuffles the same way)."""
+    py_version, py_state, py_gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": [py_version, list(py_state), py_gauss],
+        "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+        "torch": _b64(torch.get_rng_state()),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Inverse of :func:`capture_rng_state`."""
+    version, py_state, gauss = state["python"]
+    random.setstate((version, tuple(py_state), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(_unb64(state["torch"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([_unb64(s) for s in state["cuda"]])
+
+
+__all__ = [
+    "FORMAT_VERSION",
+    "Checkpoint",
+    "checkpoint_name",
+    "list_checkpoints",
+    "find_latest",
+    "save_checkpoint",
+    "load_checkpoint",
+    "capture_rng_state",
+    "restore_rng_state",
+]

@@ -1,0 +1,73 @@
+"""The trainer's configuration (the ``trainer`` section of the config tree).
+
+Parsed from ``RollfleetConfig.trainer`` when a trainer is built, so the learner's settings live
+next to the modes' without the bottom config layer importing the trainer.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from rollfleet.trainer.learner import LearnerConfig
+
+
+class SimLearnerConfig(BaseModel):
+    """A learner that only takes time (for the sim engine's capacity planning and benchmarks)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(False, description="Use the simulated learner instead of a torch model.")
+    seconds_per_token: float = Field(
+        2e-5, ge=0, description="Wall seconds of training per trained token on the learner's full resources."
+    )
+    resource_share: float = Field(
+        1.0, gt=0, le=1, description="Fraction of the resources the learner gets (separate_async splits them)."
+    )
+
+
+class TrainConfig(BaseModel):
+    """How training runs: the mode, the batch, weight sync, staleness, checkpoints, outputs."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    trainer_mode: str = Field("sync", description="Registered trainer: sync | colocate_async | separate_async.")
+    run_name: str = Field("rollfleet", description="Outputs go to <output_dir>/<run_name>/.")
+    output_dir: str = "runs"
+    task: str = Field("count", description="Built-in task (see rollfleet.trainer.tasks).")
+    total_steps: int = Field(20, ge=1, description="Learner steps to run.")
+    train_batch_size: int = Field(8, ge=1, description="Prompts (GRPO groups) per learner step.")
+    parameter_sync_step: int = Field(1, ge=1, description="Learner steps between weight syncs to the fleet.")
+    max_off_policy_steps: int = Field(
+        2, ge=0, description="Most weight versions a trained sample may lag (version now - version of its first token)."
+    )
+    max_off_policy_strategy: Literal["drop", "wait"] = Field(
+        "drop", description="drop: discard stale groups and generate more; wait: pause the rollouter before they go stale."
+    )
+    partial_rollout: bool = Field(
+        True, description="Resume aborted requests on the new weights; off: regenerate them from scratch."
+    )
+    max_queue_groups: Optional[int] = Field(
+        None, ge=1, description="Bound of finished-but-untrained groups; default 2 x train_batch_size."
+    )
+    max_inflight_groups: Optional[int] = Field(
+        None, ge=1, description="Groups generating at once in async modes; default 2 x train_batch_size."
+    )
+    num_warmup_batches: int = Field(1, ge=0, description="colocate_async: batches submitted ahead at start.")
+    save_freq: int = Field(0, ge=0, description="Checkpoint every N steps (0: only at the end).")
+    resume: bool = Field(False, description="Continue from the latest checkpoint of this run.")
+    seed: int = 0
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    sim_learner: SimLearnerConfig = Field(default_factory=SimLearnerConfig)
+
+    @model_validator(mode="after")
+    def _defaults(self) -> "TrainConfig":
+        if self.max_queue_groups is None:
+            object.__setattr__(self, "max_queue_groups", 2 * self.train_batch_size)
+        if self.max_inflight_groups is None:
+            object.__setattr__(self, "max_inflight_groups", 2 * self.train_batch_size)
+        return self
+
+
+__all__ = ["TrainConfig", "SimLearnerConfig"]

@@ -1,0 +1,465 @@
+"""The learner: one Hugging Face causal LM trained with PPO-family losses on rollout batches.
+
+It owns the policy model, an optional frozen reference model and the optimizer, and nothing about
+*when* it runs: the trainer modes (sync, colocated async, separate async) decide that and call
+:meth:`Learner.update` with a batch, :meth:`Learner.state_dict_for_inference` to push weights to
+the fleet, and :meth:`Learner.save` / :meth:`Learner.load` around it.
+
+Batch layout (what the agent loop produces): ``input_ids [B, P+R]`` = prompt left-padded to ``P``
+then response right-padded to ``R``; ``attention_mask [B, P+R]``; ``position_ids [B, P+R]`` =
+``cumsum(attention_mask) - 1`` clipped at 0; ``responses [B, R]``; ``response_mask [B, R]``;
+``rollout_log_probs [B, R]`` (engine log probs, optional); ``scores [B]`` and ``uids`` (group
+ids), or precomputed ``advantages [B, R]``. The log prob of response token ``t`` comes from the
+logits at position ``P - 1 + t``.
+
+Why one update looks the way it does: the proximal log probs (``old_log_probs``) are computed once
+per update with no gradient, before any optimizer step, so every PPO epoch and mini-batch clips
+around the same policy; the rollout log probs enter only through the decoupled-PPO weight (see
+:mod:`rollfleet.trainer.algos.losses`). Gradients are accumulated over micro-batches with the
+mini-batch's token (or sequence) count as denominator, so the result does not depend on
+``micro_batch_size``. The model stays in eval mode throughout: dropout would make the first
+ratio differ from 1 and bias the clip. Trade-off: no gradient checkpointing (it needs train mode
+in transformers), no LR schedule, no FSDP; one device.
+"""
+
+from __future__ import annotations
+
+import inspect
+import shutil
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from rollfleet.errors import InvalidRequest
+from rollfleet.trainer.algos import PolicyLossConfig, check_advantage_options, compute_advantages, compute_policy_loss
+from rollfleet.trainer.algos.losses import entropy_from_logits
+from rollfleet.trainer.checkpoint import load_checkpoint, save_checkpoint
+
+#: Files copied from the model folder into every checkpoint, so a checkpoint is a model folder too.
+MODEL_SIDE_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
+
+#: Other names a batch may use for a field (verl and the agent loop's ``RolloutBatch`` say ``uid``).
+BATCH_FIELD_ALIASES: dict[str, tuple[str, ...]] = {"uids": ("uid",)}
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LearnerConfig(BaseModel):
+    """Learner settings. Defaults suit the built-in ``tiny`` model on CPU; for a real LLM use
+    ``lr`` around 1e-6 to 1e-5 and ``bfloat16`` on GPU."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    lr: float = Field(1e-3, gt=0, description="AdamW learning rate (constant).")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas, each in [0, 1).")
+    weight_decay: float = Field(0.01, ge=0, description="AdamW decoupled weight decay.")
+    adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    max_grad_norm: Optional[float] = Field(1.0, gt=0, description="Clip the global grad norm; None: no clip.")
+    ppo_epochs: int = Field(1, ge=1, description="Passes over each batch per update.")
+    mini_batch_size: Optional[int] = Field(
+        None, ge=1, description="Sequences per optimizer step; None: the whole batch (one step per epoch)."
+    )
+    micro_batch_size: int = Field(8, ge=1, description="Sequences per forward/backward (memory bound only).")
+    shuffle: bool = Field(False, description="Shuffle sequences before splitting into mini-batches each epoch.")
+    seed: int = Field(0, description="Seed of the mini-batch shuffle (combined with the step).")
+    temperature: float = Field(1.0, gt=0, description="Logits are divided by it: must match the sampling temperature.")
+    adv_estimator: str = Field("grpo", description="Registered advantage estimator: grpo | drgrpo | rloo | ...")
+    adv_options: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword options of the estimator, e.g. {'norm_adv_by_std': False}."
+    )
+    loss: PolicyLossConfig = Field(default_factory=PolicyLossConfig, description="Policy loss settings.")
+    ref_model_path: Optional[str] = Field(
+        None, description="Reference model for the KL loss (loaded only if loss.kl_loss_coef > 0); None: the policy's."
+    )
+    device: Optional[str] = Field(None, description="torch device; None: 'cuda' if available, else 'cpu'.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype.")
+    attn_implementation: Optional[str] = Field("sdpa", description="transformers attention backend; None: its default.")
+    keep_last_checkpoints: int = Field(3, ge=1, description="Checkpoints kept by save() (older ones deleted).")
+
+    @model_validator(mode="after")
+    def _check(self) -> "LearnerConfig":
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas must be in [0, 1), got {self.betas}")
+        check_advantage_options(self.adv_estimator, self.adv_options)
+        return self
+
+
+@dataclass
+class LearnerBatch:
+    """The fields of a rollout batch the learner reads (see the module docstring for shapes).
+    The agent loop's ``RolloutBatch`` (or a dict) is converted with :meth:`from_any`."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    responses: torch.Tensor
+    response_mask: torch.Tensor
+    rollout_log_probs: Optional[torch.Tensor] = None
+    scores: Optional[torch.Tensor] = None
+    uids: Optional[Sequence[Hashable]] = None
+    advantages: Optional[torch.Tensor] = None
+
+    @classmethod
+    def from_any(cls, batch: Any) -> "LearnerBatch":
+        """Read the fields by name from a mapping or from attributes (any dataclass with these
+        field names, such as the agent loop's ``RolloutBatch``; see ``BATCH_FIELD_ALIASES``);
+        other fields are ignored."""
+        if isinstance(batch, cls):
+            return batch
+
+        def read(name: str) -> Any:
+            for key in (name, *BATCH_FIELD_ALIASES.get(name, ())):
+                value = batch.get(key) if isinstance(batch, Mapping) else getattr(batch, key, None)
+                if value is not None:
+                    return value
+            return None
+
+        values = {f.name: read(f.name) for f in fields(cls)}
+        for name in ("input_ids", "attention_mask", "position_ids", "responses", "response_mask"):
+            if values[name] is None:
+                raise InvalidRequest(f"batch.{name}", "present", None)
+        if values["scores"] is not None:
+            values["scores"] = torch.as_tensor(values["scores"], dtype=torch.float32)
+        out = cls(**values)
+        out.validate()
+        return out
+
+    def validate(self) -> None:
+        """Shapes agree and ``input_ids[:, -R:]`` equals ``responses`` on the response mask."""
+        b, length = self.input_ids.shape
+        r = self.responses.shape[-1]
+        for name in ("attention_mask", "position_ids"):
+            shape = tuple(getattr(self, name).shape)
+            if shape != (b, length):
+                raise InvalidRequest(f"batch.{name}", f"shape {(b, length)} like input_ids", shape)
+        for name in ("responses", "response_mask", "rollout_log_probs", "advantages"):
+            t = getattr(self, name)
+            if t is not None and tuple(t.shape) != (b, r):
+                raise InvalidRequest(f"batch.{name}", f"shape {(b, r)}", tuple(t.shape))
+        if r >= length:
+            raise InvalidRequest("batch.input_ids", f"length > R={r} (at least one prompt position)", length)
+        mask = self.response_mask.bool()
+        if not torch.equal(self.input_ids[:, -r:][mask], self.responses[mask]):
+            raise InvalidRequest("batch.responses", "equal to input_ids[:, -R:] on response_mask", "mismatch")
+        if self.advantages is None and (self.scores is None or self.uids is None):
+            raise InvalidRequest("batch.scores", "scores and uids present when advantages are not given", None)
+        if self.scores is not None and tuple(self.scores.shape) != (b,):
+            raise InvalidRequest("batch.scores", f"shape {(b,)}", tuple(self.scores.shape))
+
+
+@dataclass
+class PreparedBatch:
+    """A batch ready for gradient steps: device tensors plus advantages and proximal (and
+    reference) log probs, all ``[B, R]``."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    responses: torch.Tensor
+    response_mask: torch.Tensor
+    advantages: torch.Tensor
+    old_log_probs: torch.Tensor
+    rollout_log_probs: Optional[torch.Tensor] = None
+    ref_log_probs: Optional[torch.Tensor] = None
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, index: torch.Tensor | slice) -> "PreparedBatch":
+        """The rows ``index`` (a slice or a 1-D index tensor)."""
+        changes = {}
+        for f in fields(self):
+            t = getattr(self, f.name)
+            changes[f.name] = None if t is None else t[index.to(t.device) if isinstance(index, torch.Tensor) else index]
+        return replace(self, **changes)
+
+
+class _MetricMean:
+    """Reduces metric dicts: weighted means (the caller picks the weight, e.g. token counts),
+    except keys ending in ``_max``, which reduce by max."""
+
+    def __init__(self) -> None:
+        self._sum: dict[str, float] = {}
+        self._weight: dict[str, float] = {}
+
+    def add(self, metrics: Mapping[str, float | torch.Tensor], weight: float = 1.0) -> None:
+        for key, value in metrics.items():
+            v = float(value)
+            if key.endswith("_max"):
+                self._sum[key] = max(self._sum.get(key, float("-inf")), v)
+                self._weight[key] = 1.0
+            else:
+                self._sum[key] = self._sum.get(key, 0.0) + v * weight
+                self._weight[key] = self._weight.get(key, 0.0) + weight
+
+    def result(self) -> dict[str, float]:
+        return {
+            k: (s if k.endswith("_max") else s / self._weight[k]) for k, s in self._sum.items() if self._weight[k] > 0
+        }
+
+
+class Learner:
+    """Policy model + optimizer + PPO update for one device. See the module docstring."""
+
+    def __init__(self, model_path: str, config: Optional[LearnerConfig] = None) -> None:
+        from rollfleet.models import get_model_path
+
+        self.config = config or LearnerConfig()
+        self.model_path = get_model_path(model_path)
+        cfg = self.config
+        self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model = self._load(self.model_path)
+        self.ref_model = None
+        if cfg.loss.kl_loss_coef > 0:
+            self.ref_model = self._load(get_model_path(cfg.ref_model_path or self.model_path))
+            self.ref_model.requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=cfg.lr,
+            betas=cfg.betas,
+            weight_decay=cfg.weight_decay,
+            eps=cfg.adam_eps,
+        )
+        #: Completed updates (one per :meth:`update` call); the checkpoint step.
+        self.global_step = 0
+        self._logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+
+    def _load(self, path: str) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        kwargs: dict[str, Any] = {"dtype": _DTYPES[self.config.dtype]}
+        if self.config.attn_implementation is not None:
+            kwargs["attn_implementation"] = self.config.attn_implementation
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs).to(self.device)
+        model.eval()
+        return model
+
+    # ----------------------------------------------------------------------------- log probs
+
+    def _forward(
+        self,
+        model: torch.nn.Module,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        responses: torch.Tensor,
+        with_entropy: bool = False,
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``(log_probs [B, R], entropy [B, R] or None)`` in float32; differentiable."""
+        r = responses.shape[-1]
+        kwargs: dict[str, Any] = {"use_cache": False}
+        if self._logits_to_keep:
+            kwargs["logits_to_keep"] = r + 1  # skip the LM head on prompt positions
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs).logits
+        logits = logits[:, -(r + 1) : -1, :].float() / self.config.temperature
+        log_probs = torch.log_softmax(logits, dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+        entropy = entropy_from_logits(logits) if with_entropy else None
+        return log_probs, entropy
+
+    @torch.no_grad()
+    def compute_log_probs(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        responses: torch.Tensor,
+        *,
+        model: Optional[torch.nn.Module] = None,
+    ) -> torch.Tensor:
+        """Log probs ``[B, R]`` (float32, on the learner's device) of ``responses`` under the
+        policy (or ``model``), in micro-batches, without gradient. Padding positions hold
+        meaningless values: mask them with ``response_mask``."""
+        model = model or self.model
+        mb = self.config.micro_batch_size
+        out = []
+        for s in range(0, input_ids.shape[0], mb):
+            rows = [t[s : s + mb].to(self.device) for t in (input_ids, attention_mask, position_ids, responses)]
+            out.append(self._forward(model, *rows)[0])
+        return torch.cat(out)
+
+    # ----------------------------------------------------------------------------- update
+
+    def prepare(self, batch: Any) -> PreparedBatch:
+        """Move a batch to the device and add advantages (unless given), proximal log probs and,
+        with a KL loss, reference log probs. ``batch``: a ``LearnerBatch``, a ``RolloutBatch``-like
+        object or a dict (see :meth:`LearnerBatch.from_any`)."""
+        b = LearnerBatch.from_any(batch)
+        dev = self.device
+        response_mask = b.response_mask.to(dev)
+        if b.advantages is not None:
+            advantages = b.advantages.to(dev, torch.float32) * response_mask
+        else:
+            advantages = compute_advantages(
+                self.config.adv_estimator, b.scores.to(dev), b.uids, response_mask, **self.config.adv_options
+            )
+        inputs = (b.input_ids.to(dev), b.attention_mask.to(dev), b.position_ids.to(dev), b.responses.to(dev))
+        return PreparedBatch(
+            *inputs,
+            response_mask=response_mask,
+            advantages=advantages,
+            old_log_probs=self.compute_log_probs(*inputs),
+            rollout_log_probs=None if b.rollout_log_probs is None else b.rollout_log_probs.to(dev, torch.float32),
+            ref_log_probs=None if self.ref_model is None else self.compute_log_probs(*inputs, model=self.ref_model),
+        )
+
+    def accumulate_gradients(self, mini_batch: PreparedBatch) -> dict[str, float]:
+        """Forward/backward ``mini_batch`` in micro-batches, adding to ``.grad`` (no optimizer step,
+        no zeroing, no clipping). Losses use the mini-batch's token/sequence counts, so the
+        accumulated gradient equals that of one full-batch pass. Returns the mini-batch metrics
+        (``loss`` is the mini-batch loss)."""
+        cfg = self.config
+        mask = mini_batch.response_mask
+        num_tokens = mask.sum()
+        num_seqs = (mask.sum(-1) > 0).sum()
+        with_entropy = cfg.loss.entropy_coeff > 0
+        stats = _MetricMean()
+        loss_total = 0.0
+        for s in range(0, len(mini_batch), cfg.micro_batch_size):
+            mb = mini_batch.select(slice(s, s + cfg.micro_batch_size))
+            log_probs, entropy = self._forward(
+                self.model, mb.input_ids, mb.attention_mask, mb.position_ids, mb.responses, with_entropy=with_entropy
+            )
+            out = compute_policy_loss(
+                log_probs,
+                mb.old_log_probs,
+                mb.advantages,
+                mb.response_mask,
+                cfg.loss,
+                rollout_log_probs=mb.rollout_log_probs,
+                ref_log_probs=mb.ref_log_probs,
+                entropy=entropy,
+                num_tokens=num_tokens,
+                num_seqs=num_seqs,
+            )
+            out.loss.backward()
+            loss_total += float(out.loss.detach())
+            stats.add(out.metrics, weight=float(mb.response_mask.sum()))
+        return {**stats.result(), "loss": loss_total, "num_tokens": float(num_tokens)}
+
+    def _optimizer_step(self) -> tuple[float, bool]:
+        """Clip and step; a non-finite gradient norm skips the step. Returns ``(grad_norm, stepped)``."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.config.max_grad_norm if self.config.max_grad_norm is not None else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if params else 0.0
+        if not torch.isfinite(torch.tensor(grad_norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            return grad_norm, False
+        self.optimizer.step()
+        return grad_norm, True
+
+    def update(self, batch: Any) -> dict[str, float]:
+        """One training step on a rollout batch: prepare once, then ``ppo_epochs`` x mini-batches
+        (one optimizer step each) x micro-batches. Returns ``actor/*`` metrics: means over
+        mini-batches, maxima for ``*_max`` keys."""
+        cfg = self.config
+        prepared = self.prepare(batch)
+        n = len(prepared)
+        mini = cfg.mini_batch_size or n
+        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.global_step)
+        stats = _MetricMean()
+        skipped = 0
+        for _ in range(cfg.ppo_epochs):
+            order = torch.randperm(n, generator=gen) if cfg.shuffle else torch.arange(n)
+            for s in range(0, n, mini):
+                self.optimizer.zero_grad(set_to_none=True)
+                metrics = self.accumulate_gradients(prepared.select(order[s : s + mini]))
+                grad_norm, stepped = self._optimizer_step()
+                skipped += not stepped
+                stats.add({**metrics, "grad_norm": grad_norm})
+        self.optimizer.zero_grad(set_to_none=True)
+        self.global_step += 1
+        mask = prepared.response_mask.bool()
+        result = {f"actor/{k}": v for k, v in stats.result().items()}
+        result.update(
+            {
+                "actor/lr": float(self.optimizer.param_groups[0]["lr"]),
+                "actor/skipped_steps": float(skipped),
+                "actor/advantages_mean": float(prepared.advantages[mask].mean()) if mask.any() else 0.0,
+                "actor/global_step": float(self.global_step),
+            }
+        )
+        return result
+
+    # ----------------------------------------------------------------------------- weights, checkpoints
+
+    def state_dict_for_inference(self, dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
+        """The weights to push to inference engines: Hugging Face names exactly as in the model's
+        safetensors files (a tied ``lm_head.weight`` is left out, as ``save_pretrained`` does and
+        as vLLM's loaders expect), detached contiguous CPU *copies* (safe to hand to another
+        thread while training goes on), optionally cast to ``dtype``."""
+        out: dict[str, torch.Tensor] = {}
+        for name, t in _dedup_aliases(self.model.state_dict()).items():
+            t = t.detach().to("cpu", dtype=dtype or t.dtype, copy=True)
+            out[name] = t.contiguous()
+        return out
+
+    def save(
+        self, root: str | Path, trainer_state: Optional[dict[str, Any]] = None, keep_last: Optional[int] = None
+    ) -> Path:
+        """Checkpoint weights, optimizer state, ``global_step`` and the caller's JSON
+        ``trainer_state`` under ``root/step_<global_step>`` (atomically; see
+        :mod:`rollfleet.trainer.checkpoint`). The folder is also a loadable model folder."""
+        return save_checkpoint(
+            root,
+            self.global_step,
+            self.state_dict_for_inference(),
+            optimizer_state=self.optimizer.state_dict(),
+            trainer_state=trainer_state,
+            keep_last=keep_last or self.config.keep_last_checkpoints,
+            write_extra=self._write_model_files,
+        )
+
+    def _write_model_files(self, folder: Path) -> None:
+        self.model.config.save_pretrained(folder)
+        src = Path(self.model_path)
+        for name in MODEL_SIDE_FILES:
+            if (src / name).is_file():
+                shutil.copyfile(src / name, folder / name)
+
+    def load(self, path: str | Path) -> dict[str, Any]:
+        """Restore weights, optimizer state and ``global_step`` from a checkpoint folder (or the
+        latest under a root); returns the saved ``trainer_state``."""
+        ckpt = load_checkpoint(path, map_location=self.device)
+        aliases = set(self.model.state_dict()) - set(_dedup_aliases(self.model.state_dict()))
+        missing, unexpected = self.model.load_state_dict(ckpt.model_state, strict=False)
+        if unexpected or set(missing) - aliases:
+            raise ValueError(
+                f"checkpoint '{ckpt.path}' does not match the model: missing {sorted(set(missing) - aliases)}, "
+                f"unexpected {sorted(unexpected)}"
+            )
+        if ckpt.optimizer_state is not None:
+            self.optimizer.load_state_dict(ckpt.optimizer_state)
+        self.global_step = ckpt.step
+        return ckpt.trainer_state
+
+
+def _dedup_aliases(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop every entry that is the exact same memory as an earlier one (tied weights): the first
+    name wins, which is the name ``save_pretrained`` keeps (``model.embed_tokens.weight`` over
+    ``lm_head.weight``)."""
+    seen: set[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = set()
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+        if key in seen:
+            continue
+        seen.add(key)
+        out[name] = t
+    return out
+
+
+__all__ = ["LearnerConfig", "LearnerBatch", "PreparedBatch", "Learner", "MODEL_SIDE_FILES", "BATCH_FIELD_ALIASES"]

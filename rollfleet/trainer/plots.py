@@ -1,0 +1,67 @@
+"""PNG plots of a run: reward, throughput, staleness, and a timeline of rollout vs training vs
+weight sync. Written at the end of ``rollfleet train`` (and by ``rollfleet plot RUN_DIR``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rollfleet.trainer.tracking import read_jsonl
+
+COLORS = {"wait": "#d9d9d9", "train": "#4c72b0", "sync": "#dd8452", "generating": "#55a868", "paused": "#c44e52"}
+
+
+def plot_run(run_dir: str | Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    spans = read_jsonl(run_dir / "timeline.jsonl")
+    written: list[Path] = []
+    if rows:
+        steps = [r["step"] for r in rows]
+        panels = [
+            ("reward.png", "mean reward", [("reward/mean", "mean"), ("reward/max", "max")]),
+            ("throughput.png", "generated tokens / s", [("perf/tokens_per_s", "tokens/s")]),
+            ("staleness.png", "staleness (weight versions)", [("staleness/mean", "mean"), ("staleness/max", "max"), ("staleness/dropped", "dropped groups")]),
+        ]
+        for name, ylabel, series in panels:
+            fig, ax = plt.subplots(figsize=(7, 3.8))
+            for key, label in series:
+                if any(key in r for r in rows):
+                    ax.plot(steps, [r.get(key, float("nan")) for r in rows], marker="o", ms=3, label=label)
+            ax.set_xlabel("step")
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3)
+            ax.legend()
+            ax.set_title(f"{run_dir.name}: {ylabel}")
+            fig.tight_layout()
+            path = run_dir / name
+            fig.savefig(path, dpi=110)
+            plt.close(fig)
+            written.append(path)
+    if spans:
+        lanes = sorted({s["lane"] for s in spans}, reverse=True)
+        fig, ax = plt.subplots(figsize=(10, 1.2 + 0.7 * len(lanes)))
+        seen = set()
+        for s in spans:
+            y = lanes.index(s["lane"])
+            label = s["kind"] if s["kind"] not in seen else None
+            seen.add(s["kind"])
+            ax.barh(y, s["end"] - s["start"], left=s["start"], color=COLORS.get(s["kind"], "#8172b3"), label=label, height=0.6)
+        ax.set_yticks(range(len(lanes)))
+        ax.set_yticklabels(lanes)
+        ax.set_xlabel("seconds since start")
+        ax.legend(loc="upper right", ncol=len(seen), fontsize=8)
+        ax.set_title(f"{run_dir.name}: timeline")
+        fig.tight_layout()
+        path = run_dir / "timeline.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+__all__ = ["plot_run"]

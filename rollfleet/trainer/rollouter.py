@@ -1,0 +1,133 @@
+"""The rollouter of the async modes: keeps GRPO groups generating into the group buffer.
+
+It runs in the trainer's event loop; the trajectories themselves run in the agent-loop workers,
+so a learner step (run in a thread) never stops generation. It keeps at most
+``max_inflight_groups`` groups in flight and starts a new one only when the buffer allows it
+(queue room, staleness bound). With ``partial_rollout`` off, a group with an aborted trajectory is
+regenerated from scratch: nothing truncated by a weight update is ever trained on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Callable, Optional
+
+from rollfleet.trainer.staleness import Group, GroupBuffer
+from rollfleet.trainer.tasks import TaskStream
+
+logger = logging.getLogger(__name__)
+
+
+def was_aborted(output: Any) -> bool:
+    extra = output.extra_fields
+    return extra.get("stop_reason") == "aborted" or extra.get("termination") == "aborted"
+
+
+class Rollouter:
+    def __init__(
+        self,
+        agent_manager: Any,
+        stream: TaskStream,
+        buffer: GroupBuffer,
+        *,
+        n: int,
+        max_inflight_groups: int,
+        partial_rollout: bool,
+        version: Callable[[], int],
+        reissue: Optional[list[int]] = None,
+    ) -> None:
+        self.agent_manager = agent_manager
+        self.stream = stream
+        self.buffer = buffer
+        self.n = n
+        self.max_inflight_groups = max_inflight_groups
+        self.partial_rollout = partial_rollout
+        self._version = version
+        self._reissue = list(reissue or [])
+        self._task: Optional[asyncio.Task[None]] = None
+        self._groups: set[asyncio.Task[None]] = set()
+        self.inflight: dict[int, int] = {}  # task_index -> version the group started at
+        self.regenerated = 0
+        self.errors = 0
+        self.max_consecutive_errors = 3
+        self._consecutive_errors = 0
+        self.generated_tokens = 0
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="rollfleet-rollouter")
+
+    def inflight_task_indices(self) -> list[int]:
+        """Prompts started but not yet delivered: re-issued first after a resume."""
+        return sorted(self.inflight)
+
+    async def _run(self) -> None:
+        sem = asyncio.Semaphore(self.max_inflight_groups)
+        while True:
+            await sem.acquire()
+            try:
+                await self.buffer.wait_to_start()
+            except BaseException:
+                sem.release()
+                raise
+            sample = self.stream.sample_at(self._reissue.pop(0)) if self._reissue else self.stream.next()
+            task = asyncio.get_running_loop().create_task(self._group(sample))
+            self._groups.add(task)
+            task.add_done_callback(lambda t: (self._groups.discard(t), sem.release()))
+
+    async def _group(self, sample: dict[str, Any]) -> None:
+        index = int(sample.get("task_index", -1))
+        started = self._version()
+        self.inflight[index] = started
+        delivered = False
+        try:
+            resumes = 0
+            while True:
+                samples = self.agent_manager.expand([sample], self.n)
+                outputs = await asyncio.gather(*(self.agent_manager.generate_sequences_single(s) for s in samples))
+                if not self.partial_rollout and any(was_aborted(o) for o in outputs):
+                    self.regenerated += 1
+                    started = self._version()
+                    continue
+                break
+            for o in outputs:
+                resumes += int(o.metrics.num_resumes)
+                self.generated_tokens += int(sum(o.response_mask))
+            versions_lo = [o.extra_fields.get("min_global_steps") for o in outputs]
+            versions_hi = [o.extra_fields.get("max_global_steps") for o in outputs]
+            lo = min((v for v in versions_lo if v is not None), default=started)
+            hi = max((v for v in versions_hi if v is not None), default=started)
+            group = Group(
+                uid=samples[0]["uid"], outputs=outputs, started_version=started, min_version=lo, max_version=hi,
+                task_index=index, resumes=resumes,
+            )
+            await self.buffer.put(group)
+            delivered = True
+            self._consecutive_errors = 0
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.errors += 1
+            self._consecutive_errors += 1
+            if self._consecutive_errors >= self.max_consecutive_errors:
+                logger.error("rollout failed %d times in a row; stopping: %r", self._consecutive_errors, exc)
+                await self.buffer.fail(exc)
+            else:
+                logger.warning("rollout of prompt %s failed (%r); it will be re-issued", index, exc)
+                self._reissue.append(index)
+        finally:
+            self.inflight.pop(index, None)
+            if not delivered:
+                await asyncio.shield(self.buffer.abandon())
+
+    async def stop(self) -> None:
+        for task in [self._task, *self._groups]:
+            if task is not None:
+                task.cancel()
+        await asyncio.gather(*(t for t in [self._task, *self._groups] if t is not None), return_exceptions=True)
+        self._task = None
+        self._groups.clear()
+
+
+__all__ = ["Rollouter", "was_aborted"]

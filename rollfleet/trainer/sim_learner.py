@@ -1,0 +1,56 @@
+"""A learner that only takes time: for the sim engine's benchmarks and capacity planning.
+
+Training time = trained tokens x ``seconds_per_token`` / ``resource_share`` (the share of the
+simulated accelerators the learner holds: 1.0 when rollout and training take turns on the same
+resources, 0.5 when ``separate_async`` splits them in two). The "weights" it pushes are a step
+counter, which the sim engine folds into its tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from rollfleet.trainer.checkpoint import checkpoint_name, find_latest
+from rollfleet.trainer.config import SimLearnerConfig
+
+
+class SimulatedLearner:
+    def __init__(self, config: SimLearnerConfig) -> None:
+        self.config = config
+        self.global_step = 0
+        self.trained_tokens = 0
+
+    def update(self, batch: Any) -> dict[str, float]:
+        tokens = int(batch.response_mask.sum().item()) if hasattr(batch, "response_mask") else 0
+        seconds = tokens * self.config.seconds_per_token / self.config.resource_share
+        time.sleep(seconds)
+        self.global_step += 1
+        self.trained_tokens += tokens
+        return {"actor/global_step": float(self.global_step), "actor/train_s": seconds}
+
+    def state_dict_for_inference(self) -> dict[str, Any]:
+        return {"sim_step": self.global_step}
+
+    def save(self, root: str | Path, trainer_state: Optional[dict[str, Any]] = None, keep_last: Optional[int] = None) -> Path:
+        folder = Path(root) / checkpoint_name(self.global_step)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "trainer_state.json").write_text(json.dumps(trainer_state or {}))
+        (folder / "meta.json").write_text(json.dumps({"format_version": 1, "step": self.global_step}))
+        (Path(root) / "latest").write_text(folder.name + "\n")
+        return folder
+
+    def load(self, path: str | Path) -> dict[str, Any]:
+        folder = Path(path)
+        if not (folder / "meta.json").is_file():
+            latest = find_latest(folder)
+            if latest is None:
+                raise FileNotFoundError(f"no checkpoint under '{path}'")
+            folder = latest
+        self.global_step = int(json.loads((folder / "meta.json").read_text())["step"])
+        return json.loads((folder / "trainer_state.json").read_text())
+
+
+__all__ = ["SimulatedLearner"]

@@ -1,0 +1,60 @@
+"""Helpers for the agent-loop tests: sim configs on the tiny tokenizer, in-process fleets.
+
+(Not in conftest.py: a test module importing ``conftest`` by name could get another directory's.)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rollfleet.client import LLMServerClient
+from rollfleet.config import RollfleetConfig
+from rollfleet.server.local import LocalHandle
+from rollfleet.server.replica import Replica
+
+
+def sim_config(tokenizer: Any, *, rollout: dict | None = None, agent: dict | None = None,
+               sim: dict | None = None) -> RollfleetConfig:
+    """A sim-engine config whose token ids are the tiny tokenizer's (decodable)."""
+    sim_section = {
+        "vocab_size": len(tokenizer),
+        "eos_token_id": tokenizer.eos_token_id,
+        "time_scale": 100.0,
+        "mean_response_tokens": 40,
+        "response_sigma": 0.5,
+        **(sim or {}),
+    }
+    rollout_section = {
+        "name": "sim",
+        "model": "tiny",
+        "num_replicas": 2,
+        "prompt_length": 256,
+        "response_length": 256,
+        "routing": {"load_refresh_interval_s": 0.1},
+        "retry": {"max_attempts": 50, "initial_backoff_s": 0.01, "max_backoff_s": 0.1},
+        "sim": sim_section,
+        **(rollout or {}),
+    }
+    return RollfleetConfig.model_validate({"rollout": rollout_section, "agent": agent or {"num_workers": 2}})
+
+
+class LocalFleet:
+    """Sim replicas in this event loop (no Ray) behind a real client."""
+
+    def __init__(self, config: RollfleetConfig, num_replicas: int = 1, client_cls: type = LLMServerClient) -> None:
+        self.config = config
+        self.replicas = [Replica(f"r{i}", config.rollout, i) for i in range(num_replicas)]
+        self.client = client_cls(config.rollout, servers={r.replica_id: LocalHandle(r) for r in self.replicas})
+
+    async def start(self) -> "LocalFleet":
+        for r in self.replicas:
+            await r.start(version=0)
+        return self
+
+    def script(self, script: Any) -> None:
+        for r in self.replicas:
+            r.engine.script_responses(script)
+
+    async def shutdown(self) -> None:
+        for r in self.replicas:
+            await r.shutdown()

@@ -1,0 +1,89 @@
+"""RolloutBatch: padding and shapes for ragged trajectories, rewards, versions, group ids."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rollfleet.agent_loop import AgentLoopOutput, collate
+from rollfleet.agent_loop.base import AgentLoopMetrics
+from rollfleet.agent_loop.manager import as_samples, expand_groups
+
+pytestmark = pytest.mark.unit
+
+PAD = 3
+
+
+def traj(prompt_len, response_mask, reward=None, versions=(None, None), logprobs=True, gen=0.0):
+    resp = [100 + i for i in range(len(response_mask))]
+    return AgentLoopOutput(
+        prompt_ids=[10 + i for i in range(prompt_len)],
+        response_ids=resp,
+        response_mask=list(response_mask),
+        response_logprobs=[-0.5 if m else 0.0 for m in response_mask] if logprobs else None,
+        num_turns=3,
+        reward_score=reward,
+        metrics=AgentLoopMetrics(generate_sequences=gen),
+        extra_fields={"min_global_steps": versions[0], "max_global_steps": versions[1]},
+    )
+
+
+def test_ragged_padding_and_shapes():
+    outs = [traj(2, [1, 1, 0, 1], reward=1.0, versions=(0, 2), gen=1.0), traj(5, [1], reward=0.0, gen=3.0),
+            traj(1, [], reward=0.5), traj(7, [1] * 9)]
+    batch = collate(outs, ["g0", "g0", "g1", "g1"], prompt_length=6, response_length=8, pad_token_id=PAD)
+    b, p, r = 4, 6, 8
+    assert batch.prompts.shape == (b, p) and batch.responses.shape == (b, r)
+    assert batch.input_ids.shape == batch.attention_mask.shape == batch.position_ids.shape == (b, p + r)
+    assert batch.rollout_log_probs.dtype == torch.float32 and batch.rollout_log_probs.shape == (b, r)
+    assert batch.prompts[0].tolist() == [PAD] * 4 + [10, 11]  # left-padded
+    assert batch.prompts[3].tolist() == [11, 12, 13, 14, 15, 16]  # too long: cut on the left
+    assert batch.responses[0].tolist() == [100, 101, 102, 103] + [PAD] * 4  # right-padded
+    assert batch.responses[3].tolist() == list(range(100, 108))  # too long: cut on the right
+    assert batch.response_mask[0].tolist() == [1, 1, 0, 1, 0, 0, 0, 0]
+    assert batch.attention_mask[0].tolist() == [0] * 4 + [1] * 2 + [1] * 4 + [0] * 4
+    assert batch.position_ids[0].tolist() == [0] * 4 + [0, 1, 2, 3, 4, 5] + [5] * 4
+    assert batch.rollout_log_probs[0].tolist() == [-0.5, -0.5, 0.0, -0.5, 0, 0, 0, 0]
+    assert batch.rm_scores[0].tolist() == [0, 0, 0, 1.0, 0, 0, 0, 0]  # on the last response token
+    assert batch.scores.tolist() == [1.0, 0.0, 0.5, 0.0] and batch.has_score.tolist() == [True, True, True, False]
+    assert batch.rm_scores[2].sum() == 0  # empty response: reward only in scores
+    assert batch.prompt_lengths.tolist() == [2, 5, 1, 6] and batch.response_lengths.tolist() == [4, 1, 0, 8]
+    assert batch.min_global_steps.tolist() == [0, -1, -1, -1] and batch.max_global_steps.tolist() == [2, -1, -1, -1]
+    assert batch.group_index.tolist() == [0, 0, 1, 1] and batch.uid == ["g0", "g0", "g1", "g1"]
+    assert torch.equal(batch.input_ids, torch.cat([batch.prompts, batch.responses], 1))
+    assert batch.metrics["agent_loop/generate_sequences/max"] == 3.0
+    assert batch.metrics["agent_loop/slowest/generate_sequences"] == 3.0
+    assert batch.metrics["agent_loop/slowest/response_length"] == 1.0
+    assert len(batch) == 4 and "rollout_log_probs" in batch.tensors()
+
+
+def test_no_logprobs_when_any_trajectory_lacks_them():
+    batch = collate([traj(1, [1]), traj(1, [1], logprobs=False)], ["a", "b"], prompt_length=2, response_length=2,
+                    pad_token_id=PAD)
+    assert batch.rollout_log_probs is None
+
+
+def test_groups_share_uid():
+    samples = expand_groups(as_samples({"prompt_ids": [[1], [2], [3]]}), n=4)
+    assert len(samples) == 12
+    uids = [s["uid"] for s in samples]
+    assert len(set(uids)) == 3 and all(uids[4 * g:4 * g + 4] == [uids[4 * g]] * 4 for g in range(3))
+    assert [s["sample_index"] for s in samples[:4]] == [0, 1, 2, 3]
+    det = expand_groups([{"prompt_ids": [1]}], n=2, deterministic=True)
+    assert [s["request_id"] for s in det] == ["det-0-0", "det-0-1"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 12), st.lists(st.sampled_from([0, 1]), max_size=12)), min_size=1, max_size=6))
+def test_padding_invariants(items):
+    outs = [traj(p, m, reward=1.0) for p, m in items]
+    batch = collate(outs, [str(i) for i in range(len(outs))], prompt_length=8, response_length=10, pad_token_id=PAD)
+    for i, (p, m) in enumerate(items):
+        lp, lr = min(p, 8), min(len(m), 10)
+        assert batch.attention_mask[i].sum() == lp + lr
+        assert batch.response_mask[i].tolist() == m[:lr] + [0] * (10 - lr)
+        assert (batch.rollout_log_probs[i] != 0).sum() == sum(m[:lr])
+        assert batch.rm_scores[i].sum() == (1.0 if lr else 0.0)
+        assert batch.position_ids[i, 8] == (lp if lr else max(lp - 1, 0))

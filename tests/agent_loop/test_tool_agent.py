@@ -1,0 +1,250 @@
+"""The loops' control flow on in-process sim replicas (no Ray): masks, logprobs, turns, budgets,
+tool failures, aborts and resumes, the worker's scoring, and a local-worker manager."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from agent_loop_helpers import LocalFleet, sim_config
+from rollfleet.agent_loop import AgentLoopManager, AgentLoopWorker, BaseTool
+from rollfleet.agent_loop.testing import ScriptedTurns
+from rollfleet.client import FullyAsyncLLMServerClient
+
+pytestmark = pytest.mark.unit
+
+QUESTION = [{"role": "user", "content": "What is 2+3?"}]
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+def lookup(key: str) -> str:
+    """Look a key up."""
+    return f"value-of-{key}"
+
+
+def broken(x: str) -> str:
+    raise RuntimeError("the tool broke")
+
+
+async def hangs(x: str) -> str:
+    await asyncio.sleep(30)
+    return "never"
+
+
+THREE_TURNS = [
+    'I will use tools. <tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+    '<tool_call>\n{"name": "lookup", "arguments": {"key": "k"}}\n</tool_call>',
+    '<tool_call>\n{"name": "broken", "arguments": {"x": "1"}}\n</tool_call>'
+    '<tool_call>\n{"name": "hangs", "arguments": {"x": "1"}}\n</tool_call>',
+    "The answer is 5.",
+]
+
+
+class Recorder:
+    """Wraps a client and records every generate call and finish_session."""
+
+    def __init__(self, client):
+        self.client = client
+        self.calls: list[tuple[str, list[int], dict, object]] = []
+        self.finished: list[str] = []
+
+    async def generate(self, request_id, *, prompt_ids, sampling_params, **kwargs):
+        out = await self.client.generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs)
+        self.calls.append((request_id, list(prompt_ids), dict(sampling_params), out))
+        return out
+
+    def finish_session(self, request_id):
+        self.finished.append(request_id)
+        self.client.finish_session(request_id)
+
+
+def segments(mask):
+    """(start, end) of the runs of 1s."""
+    out, start = [], None
+    for i, m in enumerate(list(mask) + [0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            out.append((start, i))
+            start = None
+    return out
+
+
+async def make(tokenizer, texts, *, agent=None, rollout=None, sim=None, client_cls=None, tools=None):
+    agent_cfg = {"num_workers": 1, "multi_turn": {"tool_timeout_s": 0.3}, **(agent or {})}
+    config = sim_config(tokenizer, rollout={"prompt_length": 1024, **(rollout or {})}, agent=agent_cfg, sim=sim)
+    fleet = await LocalFleet(config, client_cls=client_cls or FullyAsyncLLMServerClient).start()
+    fleet.script(ScriptedTurns.from_texts(tokenizer, texts))
+    recorder = Recorder(fleet.client)
+    worker = AgentLoopWorker(config, client=recorder, tokenizer=tokenizer,
+                             tools=tools if tools is not None else [add, lookup, broken, hangs])
+    return fleet, recorder, worker
+
+
+async def test_two_tools_three_turns_masks_logprobs_and_failures(tokenizer):
+    fleet, rec, worker = await make(tokenizer, THREE_TURNS)
+    out = await worker.run_sample({"raw_prompt": QUESTION, "agent_name": "tool_agent",
+                                   "reward": {"name": "math", "ground_truth": "5"}})
+    # Three assistant turns, two tool rounds: verl's count is user + assistant + 1.
+    assert out.num_turns == 6 and len(rec.calls) == 3
+    assert out.extra_fields["termination"] == "no_tool_call"
+    assert out.extra_fields["tool_errors"] == {"exception": 1, "timeout": 1}
+    assert out.metrics.num_tool_calls == 4 and out.metrics.tool_calls >= 0.3
+    # Model tokens are exactly the sampled tokens, with their logprobs; the rest is mask 0, logprob 0.
+    spans = segments(out.response_mask)
+    assert len(spans) == 3
+    for (start, end), (_, _, _, tok_out) in zip(spans, rec.calls):
+        assert out.response_ids[start:end] == tok_out.token_ids
+        assert out.response_logprobs[start:end] == pytest.approx(tok_out.log_probs)
+    assert all(lp == 0.0 for lp, m in zip(out.response_logprobs, out.response_mask) if not m)
+    # Each turn's prompt is the previous context: one token sequence, extended, never re-rendered.
+    for k in (1, 2):
+        assert rec.calls[k][1] == out.prompt_ids + out.response_ids[: spans[k][0]]
+    text = tokenizer.decode(out.response_ids)
+    assert "<tool_response>\n5\n</tool_response>" in text and "value-of-k" in text
+    assert "Error: tool 'broken' failed: RuntimeError: the tool broke" in text
+    assert "Error: tool 'hangs' timed out after 0.3 s" in text
+    # One session key for every turn, one replica, released at the end; the reward was computed.
+    assert {c[0] for c in rec.calls} == {out.extra_fields["request_id"]} and rec.finished == [c[0] for c in rec.calls[:1]]
+    assert len(set(out.extra_fields["replica_ids"])) == 1
+    assert fleet.client.get_status()["sticky_sessions"] == 0
+    assert out.reward_score == 1.0 and out.extra_fields["reward_extra_info"]["extracted_answer"] == "5"
+    await fleet.shutdown()
+
+
+async def test_budget_bounds_every_turn_and_the_response(tokenizer):
+    long_call = '<tool_call>\n{"name": "lookup", "arguments": {"key": "' + "k" * 40 + '"}}\n</tool_call>'
+    fleet, rec, worker = await make(tokenizer, [long_call], rollout={"response_length": 150})
+    out = await worker.run_sample({"raw_prompt": QUESTION, "agent_name": "tool_agent"})
+    assert len(out.response_ids) == len(out.response_mask) == len(out.response_logprobs) == 150
+    assert out.extra_fields["termination"] == "budget"
+    used = 0
+    for _, prompt, params, tok_out in rec.calls:
+        used = len(prompt) - len(out.prompt_ids)
+        assert params["max_tokens"] == 150 - used  # each turn may use exactly what is left
+        assert len(tok_out.token_ids) <= params["max_tokens"]
+    await fleet.shutdown()
+
+
+@pytest.mark.parametrize("limits, termination, assistant, user", [
+    ({"max_assistant_turns": 2}, "max_assistant_turns", 2, 1),
+    ({"max_user_turns": 1}, "max_user_turns", 2, 1),
+])
+async def test_turn_limits(tokenizer, limits, termination, assistant, user):
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 1}}\n</tool_call>'
+    fleet, rec, worker = await make(tokenizer, [call], agent={"multi_turn": {"tool_timeout_s": 0.3, **limits}})
+    out = await worker.run_sample({"raw_prompt": QUESTION, "agent_name": "tool_agent"})
+    assert out.extra_fields["termination"] == termination
+    assert (out.extra_fields["assistant_turns"], out.extra_fields["user_turns"]) == (assistant, user)
+    assert out.num_turns == assistant + user + 1
+    await fleet.shutdown()
+
+
+class SessionTool(BaseTool):
+    def __init__(self):
+        super().__init__({"type": "function", "function": {"name": "session", "parameters": {}}})
+        self.created, self.released = [], []
+
+    async def create(self, instance_id, **kwargs):
+        self.created.append(kwargs)
+        return instance_id
+
+    async def execute(self, instance_id, parameters):
+        return "ok", 0.25, {}
+
+    async def release(self, instance_id):
+        self.released.append(instance_id)
+
+
+async def test_tool_instances_released_and_tool_rewards_recorded(tokenizer):
+    tool = SessionTool()
+    call = '<tool_call>\n{"name": "session", "arguments": {}}\n</tool_call>'
+    fleet, rec, worker = await make(tokenizer, [call, call, "done"], tools=[tool])
+    out = await worker.run_sample({"raw_prompt": QUESTION, "agent_name": "tool_agent",
+                                   "tools_kwargs": {"session": {"create_kwargs": {"task": 9}}}})
+    assert tool.created == [{"task": 9}] and tool.released == [f"{out.extra_fields['request_id']}:session"]
+    assert out.extra_fields["tool_rewards"] == [0.25, 0.25]
+
+    class Failing(Recorder):
+        async def generate(self, *args, **kwargs):
+            if self.calls:
+                raise ConnectionError("fleet gone")
+            return await super().generate(*args, **kwargs)
+
+    worker.client = worker.context.client = Failing(fleet.client)
+    worker._loops.clear()
+    with pytest.raises(ConnectionError):
+        await worker.run_sample({"raw_prompt": QUESTION, "agent_name": "tool_agent"})
+    assert len(tool.released) == 2 and len(worker.client.finished) == 1  # cleaned up even so
+    await fleet.shutdown()
+
+
+async def test_single_turn_loop(tokenizer):
+    fleet, rec, worker = await make(tokenizer, ["The answer is 7."], rollout={"response_length": 64})
+    out = await worker.run_sample({"raw_prompt": QUESTION, "reward": {"name": "math", "ground_truth": 7}})
+    assert out.extra_fields["agent_name"] == "single_turn_agent"
+    assert out.num_turns == 2 and out.response_mask == [1] * len(out.response_ids)
+    assert tokenizer.decode(out.response_ids, skip_special_tokens=True) == "The answer is 7."
+    assert out.reward_score == 1.0 and rec.calls[0][2]["max_tokens"] == 64
+    assert rec.calls[0][2]["temperature"] == 1.0 and rec.calls[0][2]["logprobs"] is True
+    await fleet.shutdown()
+
+
+async def test_weight_update_mid_turn_resumes_with_both_versions(tokenizer):
+    texts = ["thinking " * 60 + '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>',
+             "The answer is 5."]
+    # ~4 ms a token: the first turn takes ~0.5 s, the update lands in it.
+    fleet, rec, worker = await make(tokenizer, texts, sim={"time_scale": 2.0})
+    task = asyncio.ensure_future(worker.run_sample({"raw_prompt": QUESTION, "agent_name": "tool_agent"}))
+    await asyncio.sleep(0.15)
+    await fleet.replicas[0].update_weights({"w": 1}, 1)
+    out = await task
+    assert out.extra_fields["termination"] == "no_tool_call"
+    assert (out.extra_fields["min_global_steps"], out.extra_fields["max_global_steps"]) == (0, 1)
+    assert out.metrics.num_resumes >= 1
+    assert tokenizer.decode([t for t, m in zip(out.response_ids, out.response_mask) if m],
+                            skip_special_tokens=True) == texts[0] + texts[1]  # resumed, not restarted
+    await fleet.shutdown()
+
+
+async def test_plain_client_abort_ends_the_trajectory(tokenizer):
+    from rollfleet.client import LLMServerClient
+
+    fleet, rec, worker = await make(tokenizer, ["thinking " * 60], sim={"time_scale": 2.0}, client_cls=LLMServerClient)
+    task = asyncio.ensure_future(worker.run_sample({"raw_prompt": QUESTION, "agent_name": "tool_agent"}))
+    await asyncio.sleep(0.15)
+    await fleet.replicas[0].update_weights({"w": 1}, 1)
+    out = await task
+    assert out.extra_fields["termination"] == "aborted" and out.extra_fields["stop_reason"] == "aborted"
+    await fleet.shutdown()
+
+
+async def test_local_manager_batch_groups_and_ragged_prompts(tokenizer):
+    config = sim_config(tokenizer, rollout={"prompt_length": 64, "response_length": 48, "n": 3},
+                        agent={"num_workers": 2, "default_reward": "math"})
+    fleet = await LocalFleet(config, num_replicas=2).start()
+    manager = await AgentLoopManager.create(config, llm_client=fleet.client, tokenizer=tokenizer)
+    batch = [
+        {"prompt_ids": [5, 6, 7], "ground_truth": "1"},
+        {"raw_prompt": [{"role": "user", "content": "Copy: the sun " * 3}], "reward": {"ground_truth": "2"}},
+        {"prompt_ids": list(range(10, 110))},  # longer than prompt_length: cut on the left
+    ]
+    result = await manager.generate_sequences(batch)
+    assert len(result) == 9 and result.prompts.shape == (9, 64) and result.responses.shape == (9, 48)
+    assert result.group_index.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert len(set(result.uid)) == 3 and result.uid[0] == result.uid[2] != result.uid[3]
+    assert result.prompts[0, -3:].tolist() == [5, 6, 7] and result.prompt_lengths.tolist()[:3] == [3, 3, 3]
+    assert result.prompts[6].tolist() == list(range(46, 110))
+    assert result.has_score.tolist() == [True] * 6 + [False] * 3
+    assert torch.all(result.response_mask.sum(1) == result.response_lengths)  # single turn: all model tokens
+    assert torch.all(result.min_global_steps == 0)
+    assert result.num_turns.tolist() == [2] * 9
+    assert "agent_loop/generate_sequences/mean" in result.metrics
+    await manager.shutdown()
+    await fleet.shutdown()

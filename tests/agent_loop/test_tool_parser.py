@@ -1,0 +1,45 @@
+"""Hermes/Qwen tool-call parsing: valid, malformed, several calls; never evaluated."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollfleet.agent_loop.tool_parser import get_tool_parser
+
+pytestmark = pytest.mark.unit
+
+
+def test_two_calls_and_content():
+    parser = get_tool_parser("hermes")
+    text = (
+        'Let me check.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n'
+        '<tool_call>{"name": "search", "arguments": "{\\"q\\": \\"x\\"}"}</tool_call>'
+    )
+    parsed = parser.parse(text)
+    assert parsed.content == "Let me check."
+    assert [(c.name, c.arguments, c.id, c.error) for c in parsed.tool_calls] == [
+        ("add", {"a": 1, "b": 2}, "call_0", None),
+        ("search", {"q": "x"}, "call_1", None),
+    ]
+
+
+@pytest.mark.parametrize(
+    "body, error",
+    [
+        ("{not json}", "not valid JSON"),
+        ('{"arguments": {}}', '"name"'),
+        ('{"name": "f", "arguments": [1, 2]}', "JSON object"),
+        ('{"name": "f", "arguments": "{bad"}', "arguments are not valid JSON"),
+        ('__import__("os").system("echo pwned")', "not valid JSON"),  # never evaluated
+    ],
+)
+def test_malformed_calls_are_reported_not_dropped(body, error):
+    parsed = get_tool_parser("qwen").parse(f"<tool_call>{body}</tool_call>")
+    assert len(parsed.tool_calls) == 1
+    assert error in parsed.tool_calls[0].error
+
+
+def test_unclosed_call_is_not_a_call_and_unknown_format_lists_valid():
+    assert get_tool_parser("hermes").parse('<tool_call>{"name": "f", "argu').tool_calls == []
+    with pytest.raises(KeyError, match="hermes"):
+        get_tool_parser("nope")

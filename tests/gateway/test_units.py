@@ -1,0 +1,95 @@
+"""In-process pieces of the gateway: tokenizer codec, sampling translation, error mapping, sim fit."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from gateway_support import load_codec, stack_config
+
+from rollfleet.errors import InvalidRequest, NoServerAvailable, RetriesExhausted
+from rollfleet.gateway import TextCodec, fit_sim_to_tokenizer
+from rollfleet.gateway.errors import GatewayError, from_exception
+from rollfleet.gateway.protocol import CompletionRequest
+from rollfleet.gateway.sampling import field_mapper, sampling_params, token_budget
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(scope="module")
+def codec() -> TextCodec:
+    return load_codec()
+
+
+def test_codec_matches_the_tokenizer(codec):
+    tok = codec.tokenizer
+    rng = random.Random(0)
+    for _ in range(300):
+        ids = [rng.randrange(codec.vocab_size) for _ in range(rng.randrange(1, 60))]
+        text = tok.decode(ids, skip_special_tokens=True)
+        assert codec.decode(ids) == text
+        assert codec.encode(text) == tok.encode(text)
+        pieces = list(codec.pieces(ids, 3))
+        assert "".join(p for p, _, _ in pieces) == text
+        assert pieces[0][1] == 0 and pieces[-1][2] == len(ids)
+        assert all(a[2] == b[1] for a, b in zip(pieces, pieces[1:]))  # contiguous token ranges
+    messages = [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    expected = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    assert codec.render_chat(messages, tools=tools) == tok.encode(expected, add_special_tokens=False)
+
+
+def test_codec_stop_strings(codec):
+    assert codec.stop_token_ids(["<|im_end|>"]) == [codec.eos_token_id]
+    with pytest.raises(GatewayError) as err:
+        codec.stop_token_ids(["<|im_end|>", "two separate words"])
+    assert err.value.param == "stop[1]"
+
+
+def test_budget_and_sampling_params(codec):
+    assert token_budget(None, 10, max_model_len=512, default=64, prompt_param="prompt", budget_param="max_tokens") == 64
+    assert (
+        token_budget(None, 480, max_model_len=512, default=64, prompt_param="prompt", budget_param="max_tokens") == 32
+    )
+    with pytest.raises(GatewayError) as err:
+        token_budget(None, 512, max_model_len=512, default=64, prompt_param="messages", budget_param="max_tokens")
+    assert err.value.param == "messages" and err.value.code == "context_length_exceeded"
+    with pytest.raises(GatewayError) as err:
+        token_budget(
+            100, 480, max_model_len=512, default=64, prompt_param="prompt", budget_param="max_completion_tokens"
+        )
+    assert err.value.param == "max_completion_tokens"
+    req = CompletionRequest.model_validate(
+        {"model": "m", "prompt": "x", "temperature": 0.5, "stop": "<|im_end|>", "seed": 3}
+    )
+    assert sampling_params(req, 7, codec) == {
+        "max_tokens": 7,
+        "temperature": 0.5,
+        "seed": 3,
+        "stop_token_ids": [codec.eos_token_id],
+    }
+
+
+def test_fleet_errors_map_to_status_and_caller_fields():
+    fields = field_mapper("messages", "max_completion_tokens")
+    err = from_exception(InvalidRequest("sampling_params.max_tokens", "max_tokens >= 1", 0), fields)
+    assert (err.status, err.param) == (400, "max_completion_tokens")
+    assert from_exception(InvalidRequest("prompt_ids[3]", "id < vocab", 10**6), fields).param == "messages"
+    tokens = field_mapper("prompt_token_ids", keep_prompt_index=True)
+    assert from_exception(InvalidRequest("prompt_ids[3]", "id < vocab", 10**6), tokens).param == "prompt_token_ids[3]"
+    assert from_exception(InvalidRequest("sampling_params.top_k", "x", -5), tokens).param == "top_k"
+    assert from_exception(NoServerAvailable()).status == 503
+    assert from_exception(RetriesExhausted("r", 3, NoServerAvailable())).status == 503
+    assert from_exception(RetriesExhausted("r", 3, TimeoutError())).status == 504
+    assert from_exception(TimeoutError()).status == 504
+    assert from_exception(RuntimeError("boom")).status == 500
+
+
+def test_sim_vocabulary_follows_the_tokenizer(codec):
+    config = stack_config()
+    fitted = fit_sim_to_tokenizer(config, codec)
+    assert fitted.rollout.sim.vocab_size == codec.vocab_size == len(codec.tokenizer)
+    assert fitted.rollout.sim.eos_token_id == codec.eos_token_id
+    assert config.rollout.sim.vocab_size == 32000  # the original is untouched
+    vllm = config.model_copy(update={"rollout": config.rollout.model_copy(update={"name": "vllm"})})
+    assert fit_sim_to_tokenizer(vllm, codec) is vllm

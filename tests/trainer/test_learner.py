@@ -1,0 +1,257 @@
+"""Learner on the built-in tiny model (CPU, float32) and checkpoint files."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from rollfleet.errors import InvalidRequest
+from rollfleet.models import get_model_path
+from rollfleet.trainer.checkpoint import (
+    LATEST_FILE,
+    capture_rng_state,
+    find_latest,
+    list_checkpoints,
+    load_checkpoint,
+    restore_rng_state,
+    save_checkpoint,
+)
+from rollfleet.trainer.learner import Learner, LearnerConfig
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(scope="module")
+def tiny_path() -> str:
+    return get_model_path("tiny")
+
+
+def make_batch(prompt_lens, response_lens, P=5, R=6, seed=0, vocab=1000):
+    """Prompts left-padded to P, responses right-padded to R, as the agent loop lays them out."""
+    g = torch.Generator().manual_seed(seed)
+    B = len(prompt_lens)
+    input_ids = torch.full((B, P + R), 1020, dtype=torch.long)  # pad id (ignored by the masks)
+    attention_mask = torch.zeros(B, P + R, dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompt_lens, response_lens)):
+        input_ids[i, P - p : P + r] = torch.randint(10, vocab, (p + r,), generator=g)
+        attention_mask[i, P - p : P + r] = 1
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
+        "responses": input_ids[:, P:].clone(),
+        "response_mask": attention_mask[:, P:].clone(),
+    }
+
+
+def manual_log_probs(model, batch, i, P):
+    """Row ``i`` without any padding through a plain forward; log_softmax at the right positions."""
+    mask = batch["attention_mask"][i].bool()
+    tokens = batch["input_ids"][i][mask]
+    p_len = int(mask[:P].sum())
+    r_len = int(batch["response_mask"][i].sum())
+    with torch.no_grad():
+        logits = model(input_ids=tokens[None]).logits[0]
+    logp = torch.log_softmax(logits.float(), -1)
+    return torch.stack([logp[p_len + t - 1, tokens[p_len + t]] for t in range(r_len)])
+
+
+def test_compute_log_probs_matches_manual_forward(tiny_path):
+    learner = Learner(tiny_path, LearnerConfig(micro_batch_size=2))
+    batch = make_batch([5, 2, 3], [6, 4, 1], P=5, R=6)
+    got = learner.compute_log_probs(
+        batch["input_ids"], batch["attention_mask"], batch["position_ids"], batch["responses"]
+    )
+    assert got.shape == (3, 6) and got.dtype == torch.float32
+    for i in range(3):
+        expected = manual_log_probs(learner.model, batch, i, P=5)
+        torch.testing.assert_close(got[i, : len(expected)], expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_micro_batching_gives_full_batch_gradient(tiny_path, agg):
+    learner = Learner(tiny_path, LearnerConfig(micro_batch_size=4, loss={"loss_agg_mode": agg}))
+    batch = make_batch([5, 2, 3, 4], [6, 2, 5, 1], seed=1)
+    batch["advantages"] = torch.tensor([1.0, -2.0, 0.5, 3.0])[:, None] * batch["response_mask"]
+    batch["rollout_log_probs"] = torch.full((4, 6), -7.0)
+    prepared = learner.prepare(batch)
+
+    def grads(micro: int):
+        learner.config.micro_batch_size = micro
+        learner.optimizer.zero_grad(set_to_none=True)
+        metrics = learner.accumulate_gradients(prepared)
+        return metrics, {n: p.grad.clone() for n, p in learner.model.named_parameters()}
+
+    full_metrics, full = grads(4)
+    micro_metrics, micro = grads(1)
+    assert micro_metrics["loss"] == pytest.approx(full_metrics["loss"], rel=1e-5)
+    for name in full:
+        torch.testing.assert_close(micro[name], full[name], atol=1e-6, rtol=1e-4)
+    assert any(g.abs().sum() > 0 for g in full.values())
+
+
+def test_update_raises_log_prob_of_token_with_positive_advantage(tiny_path):
+    learner = Learner(tiny_path, LearnerConfig(lr=1e-3))
+    batch = make_batch([3], [5], seed=2)
+    batch["advantages"] = torch.tensor([[0.0, 0.0, 1.0, 0.0, 0.0, 0.0]])  # only token 2 is rewarded
+    args = [batch[k] for k in ("input_ids", "attention_mask", "position_ids", "responses")]
+    before = learner.compute_log_probs(*args)
+    metrics = learner.update(batch)
+    after = learner.compute_log_probs(*args)
+    assert after[0, 2] > before[0, 2] + 1e-3
+    assert metrics["actor/ratio_mean"] == pytest.approx(1.0)  # first step clips around the same policy
+    assert learner.global_step == 1
+
+
+def test_grpo_update_moves_winner_up_and_loser_down(tiny_path):
+    learner = Learner(tiny_path, LearnerConfig(lr=1e-3, ppo_epochs=2, mini_batch_size=1, micro_batch_size=1))
+    batch = make_batch([4, 4], [5, 5], seed=3)
+    batch.update(scores=torch.tensor([1.0, 0.0]), uids=["q", "q"], rollout_log_probs=torch.zeros(2, 6) - 5)
+    args = [batch[k] for k in ("input_ids", "attention_mask", "position_ids", "responses")]
+    m = batch["response_mask"].float()
+    before = (learner.compute_log_probs(*args) * m).sum(-1)
+    metrics = learner.update(batch)
+    after = (learner.compute_log_probs(*args) * m).sum(-1)
+    assert after[0] > before[0] and after[1] < before[1]
+    assert metrics["actor/skipped_steps"] == 0.0
+    assert {"actor/pg_clipfrac", "actor/ppo_kl", "actor/ratio_max", "actor/grad_norm"} <= set(metrics)
+
+
+def test_bad_batch_is_rejected_with_field_named(tiny_path):
+    learner = Learner(tiny_path, LearnerConfig())
+    batch = make_batch([3], [4])
+    batch["advantages"] = torch.zeros(1, 6)
+    bad = dict(batch, responses=batch["responses"] + 1)
+    with pytest.raises(InvalidRequest) as err:
+        learner.update(bad)
+    assert err.value.field == "batch.responses"
+    with pytest.raises(InvalidRequest) as err:
+        learner.update({k: v for k, v in batch.items() if k != "advantages"})
+    assert err.value.field == "batch.scores"
+
+
+def test_config_rejects_unknown_estimator_and_options():
+    with pytest.raises(ValueError, match="valid estimators"):
+        LearnerConfig(adv_estimator="nope")
+    with pytest.raises(ValueError, match="norm_adv_by_std"):
+        LearnerConfig(adv_options={"norm_by_std": False})
+
+
+def _safetensors_keys(folder: str) -> set[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(Path(folder) / "model.safetensors"), "pt") as f:
+        return set(f.keys())
+
+
+def test_state_dict_for_inference_matches_safetensors_names(tiny_path):
+    learner = Learner(tiny_path, LearnerConfig())
+    state = learner.state_dict_for_inference()
+    assert set(state) == _safetensors_keys(tiny_path)
+    for name, t in state.items():
+        assert t.device.type == "cpu" and t.is_contiguous() and not t.requires_grad
+    name = "model.embed_tokens.weight"
+    state[name].add_(1.0)  # a copy: the model is untouched
+    assert not torch.equal(state[name], learner.model.state_dict()[name])
+
+
+def test_state_dict_for_inference_drops_tied_lm_head(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        hidden_size=64, num_attention_heads=2, num_hidden_layers=1, intermediate_size=128, vocab_size=100,
+        tie_word_embeddings=True,
+    )
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    state = Learner(str(tmp_path), LearnerConfig()).state_dict_for_inference()
+    assert "lm_head.weight" not in state
+    assert set(state) == _safetensors_keys(str(tmp_path))
+
+
+def test_checkpoint_round_trip_restores_params_optimizer_step(tiny_path, tmp_path):
+    learner = Learner(tiny_path, LearnerConfig())
+    batch = make_batch([3, 4], [5, 2], seed=4)
+    batch["advantages"] = torch.tensor([[1.0], [-1.0]]) * batch["response_mask"]
+    learner.update(batch)
+    learner.update(batch)
+    trainer_state = {"data_position": 17, "in_flight": ["p3", "p9"], "rng": capture_rng_state()}
+    folder = learner.save(tmp_path / "ckpt", trainer_state=trainer_state)
+    assert folder.name == "step_00000002"
+
+    fresh = Learner(tiny_path, LearnerConfig())
+    assert fresh.load(tmp_path / "ckpt") == json.loads(json.dumps(trainer_state))
+    assert fresh.global_step == 2
+    for (n, a), (_, b) in zip(learner.model.named_parameters(), fresh.model.named_parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=n)
+    sa, sb = learner.optimizer.state_dict(), fresh.optimizer.state_dict()
+    assert sa["param_groups"] == sb["param_groups"]
+    for k in sa["state"]:
+        for field in ("step", "exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(sa["state"][k][field], sb["state"][k][field], rtol=0, atol=0)
+    # the checkpoint is also a model folder transformers can load
+    from transformers import AutoModelForCausalLM
+
+    reloaded = AutoModelForCausalLM.from_pretrained(str(folder))
+    torch.testing.assert_close(reloaded.state_dict()["lm_head.weight"], learner.model.state_dict()["lm_head.weight"])
+
+
+def _tiny_state(v: float) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((2, 2), v)}
+
+
+def test_latest_pointer_and_keep_last(tmp_path):
+    for step in range(1, 6):
+        save_checkpoint(tmp_path, step, _tiny_state(step), trainer_state={"s": step}, keep_last=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000004", "step_00000005"]
+    assert (tmp_path / LATEST_FILE).read_text().strip() == "step_00000005"
+    assert find_latest(tmp_path).name == "step_00000005"
+    ckpt = load_checkpoint(tmp_path)
+    assert ckpt.step == 5 and ckpt.trainer_state == {"s": 5} and ckpt.optimizer_state is None
+    torch.testing.assert_close(ckpt.model_state["w"], _tiny_state(5)["w"])
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp leftovers
+
+
+def test_find_latest_survives_crash_between_rename_and_pointer(tmp_path):
+    save_checkpoint(tmp_path, 1, _tiny_state(1))
+    save_checkpoint(tmp_path, 2, _tiny_state(2))
+    (tmp_path / LATEST_FILE).write_text("step_00000001\n")  # pointer update lost
+    (tmp_path / ".tmp-step_00000003-x").mkdir()  # a torn write: ignored
+    assert find_latest(tmp_path).name == "step_00000002"
+    (tmp_path / LATEST_FILE).unlink()
+    assert find_latest(tmp_path).name == "step_00000002"
+    assert find_latest(tmp_path / "missing") is None
+    with pytest.raises(FileNotFoundError):
+        load_checkpoint(tmp_path / "missing")
+
+
+def test_resave_same_step_and_non_json_state(tmp_path):
+    save_checkpoint(tmp_path, 3, _tiny_state(1))
+    save_checkpoint(tmp_path, 3, _tiny_state(2))
+    torch.testing.assert_close(load_checkpoint(tmp_path).model_state["w"], _tiny_state(2)["w"])
+    with pytest.raises(TypeError):
+        save_checkpoint(tmp_path, 4, _tiny_state(4), trainer_state={"bad": object()})
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000003"]
+
+
+def test_rng_state_round_trip():
+    state = json.loads(json.dumps(capture_rng_state()))
+    expected = (random.random(), np.random.rand(), torch.rand(1).item())
+    restore_rng_state(state)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+
+
+def test_batch_from_dataclass_with_verl_uid_name():
+    from dataclasses import make_dataclass
+
+    from rollfleet.trainer.learner import LearnerBatch
+
+    fields_ = make_batch([2, 2], [3, 3])
+    Rollout = make_dataclass("Rollout", [*fields_, "scores", "uid", "prompts"])
+    rb = Rollout(**fields_, scores=[1.0, 0.0], uid=["g", "g"], prompts=None)
+    lb = LearnerBatch.from_any(rb)
+    assert lb.uids == ["g", "g"] and lb.scores.dtype == torch.float32 and lb.advantages is None

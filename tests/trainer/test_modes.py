@@ -1,0 +1,134 @@
+"""Trainer modes end to end on the simulated engine with the real tiny learner."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from rollfleet.config import load_config
+from rollfleet.models.vocab import fit_sim_to_model
+from rollfleet.trainer import Trainer, get_trainer_cls, register_trainer
+
+pytestmark = pytest.mark.ray
+
+
+def config(tmp_path, mode: str, **trainer):
+    overrides = {
+        "rollout.name": "sim",
+        "rollout.num_replicas": 2,
+        "rollout.n": 2,
+        "rollout.prompt_length": 64,
+        "rollout.response_length": 12,
+        "rollout.max_model_len": 128,
+        "rollout.sim.time_scale": 20.0,
+        "rollout.sim.mean_response_tokens": 10,
+        "rollout.sim.response_sigma": 1.2,
+        "agent.num_workers": 1,
+        "trainer.trainer_mode": mode,
+        "trainer.total_steps": 3,
+        "trainer.train_batch_size": 2,
+        "trainer.output_dir": str(tmp_path),
+        "trainer.run_name": mode,
+        "trainer.learner.micro_batch_size": 8,
+    }
+    overrides.update({f"trainer.{k}": v for k, v in trainer.items()})
+    return fit_sim_to_model(load_config(None, overrides))
+
+
+async def run(cfg) -> Trainer:
+    trainer = get_trainer_cls(cfg.trainer.trainer_mode)(cfg)
+    try:
+        await trainer.init()
+        before = {k: v.clone() for k, v in trainer.learner.state_dict_for_inference().items()}
+        trainer.summary_ = await trainer.fit()
+        after = trainer.learner.state_dict_for_inference()
+        trainer.params_changed = any(not torch.equal(before[k], after[k]) for k in before)
+        trainer.fleet_version = (await trainer.manager.status())["current_version"]
+    finally:
+        await trainer.close()
+    return trainer
+
+
+def test_registry_rejects_bad_registrations():
+    with pytest.raises(TypeError, match="not a subclass of Trainer"):
+        register_trainer("bogus")(object)
+    with pytest.raises(ValueError, match="already registered"):
+
+        @register_trainer("sync")
+        class Other(Trainer):
+            async def sample(self):  # pragma: no cover
+                raise NotImplementedError
+
+    with pytest.raises(ValueError, match="separate_async"):
+        get_trainer_cls("nope")
+
+
+@pytest.mark.parametrize("mode", ["sync", "colocate_async", "separate_async"])
+async def test_each_mode_trains_and_the_fleet_follows(ray_session, tmp_path, mode):
+    trainer = await run(config(tmp_path, mode))
+    assert trainer.step == 3
+    assert trainer.params_changed
+    assert trainer.syncs == 3 and trainer.version == 3 == trainer.fleet_version
+    rows = trainer.tracker.history
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all("reward/mean" in r and "actor/pg_loss" in r for r in rows)
+    assert (tmp_path / mode / "metrics.jsonl").exists()
+    if mode == "sync":
+        assert all(s == 0 for entry in trainer.trained_log for s in entry["staleness"])
+    expected_client = "LLMServerClient" if mode == "sync" else "FullyAsyncLLMServerClient"
+    assert trainer.client_cls.__name__ == expected_client
+
+
+async def test_separate_async_drop_discards_stale_groups_and_replaces_them(ray_session, tmp_path):
+    cfg = config(tmp_path, "separate_async", total_steps=5, max_off_policy_steps=0, max_off_policy_strategy="drop",
+                 max_inflight_groups=6, max_queue_groups=6)
+    trainer = await run(cfg)
+    assert trainer.step == 5
+    assert all(s <= 0 for entry in trainer.trained_log for s in entry["staleness"])
+    dropped = sum(r["staleness/dropped"] for r in trainer.tracker.history)
+    assert dropped > 0, "with bound 0 and groups generated ahead, some must have gone stale"
+    assert all(len(e["staleness"]) == 2 for e in trainer.trained_log)  # replaced: every step still full
+
+
+async def test_separate_async_wait_holds_the_rollouter(ray_session, tmp_path):
+    cfg = config(tmp_path, "separate_async", total_steps=4, max_off_policy_steps=1, max_off_policy_strategy="wait",
+                 max_inflight_groups=8, max_queue_groups=8)
+    trainer = await run(cfg)
+    assert all(s <= 1 for entry in trainer.trained_log for s in entry["staleness"])
+    assert trainer.tracker.history[-1]["rollout/waits"] > 0
+
+
+async def test_no_trajectory_exceeds_response_length_across_syncs(ray_session, tmp_path):
+    cfg = config(tmp_path, "separate_async", total_steps=6, max_off_policy_steps=3, max_inflight_groups=4, max_queue_groups=2)
+    cfg.rollout.sim.time_scale = 0.2  # slow generation: syncs land mid-trajectory
+    cfg.rollout.sim.mean_response_tokens = 200
+    trainer = await run(cfg)
+    assert all(e["max_response_len"] <= 12 for e in trainer.trained_log)
+    assert sum(r["resumes"] for r in trainer.tracker.history) > 0
+
+
+async def test_partial_rollout_off_regenerates_instead_of_training_on_truncated(ray_session, tmp_path):
+    cfg = config(tmp_path, "separate_async", total_steps=6, partial_rollout=False, max_off_policy_steps=3,
+                 max_inflight_groups=4, max_queue_groups=2)
+    cfg.rollout.sim.time_scale = 0.2
+    cfg.rollout.sim.mean_response_tokens = 200
+    trainer = await run(cfg)
+    assert trainer.step == 6
+    assert trainer.tracker.history[-1]["rollout/regenerated"] > 0
+    assert sum(r["resumes"] for r in trainer.tracker.history) == 0
+
+
+async def test_resume_continues_step_count_and_reissues_inflight_prompts(ray_session, tmp_path):
+    cfg = config(tmp_path, "separate_async", total_steps=3, save_freq=1, max_inflight_groups=6, max_queue_groups=6)
+    first = await run(cfg)
+    ckpts = tmp_path / "separate_async" / "checkpoints"
+    state = json.loads((ckpts / (ckpts / "latest").read_text().strip() / "trainer_state.json").read_text())
+    assert state["step"] == 3 and state["inflight_task_indices"], state
+    cfg2 = config(tmp_path, "separate_async", total_steps=5, resume=True, max_inflight_groups=6, max_queue_groups=6)
+    second = await run(cfg2)
+    assert [r["step"] for r in second.tracker.history][-2:] == [4, 5]
+    trained = [i for e in second.trained_log for i in e["task_indices"]]
+    assert set(state["inflight_task_indices"]) & set(trained), "re-issued prompts are trained first"
+    assert second.version > first.version
