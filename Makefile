@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip >/dev/null
 	$(PIP) install "$(TORCH_SPEC)"
-	$(PIP) install "$(VLLM_SPEC)" -e ".[models,plots,test]"
+	$(PIP) install "$(VLLM_SPEC)" -e ".[test]"
 	-$(PIP) uninstall -y torchvision torchaudio torchcodec
 	touch $@
 

@@ -239,6 +239,10 @@ class GatewayConfig(_Section):
         2.0, gt=0, description="How often fleet health, versions and replica stats are polled for /metrics."
     )
     access_log: bool = Field(False, description="uvicorn access log (one line per request: costs throughput).")
+    no_server_wait_s: float = Field(
+        10.0, ge=0, description="How long a request waits for a routable replica before the gateway answers 503 "
+        "(an HTTP caller should hear back sooner than a trainer's rollout waits)."
+    )
 
 
 class TrainerConfig(_Section):

@@ -230,6 +230,8 @@ class SimEngine(Engine):
         if self._script is not None:
             req.scripted = [int(t) for t in self._script(request_id, list(prompt_ids), dict(sampling_params))]
             req.target_len = len(req.scripted)
+            if not req.scripted:  # the script says nothing: an empty response that stopped
+                return TokenOutput(token_ids=[], log_probs=[], stop_reason="stop")
         else:
             req.target_len = self._natural_length(prompt_key, salt)
         self._requests[request_id] = req

@@ -969,6 +969,8 @@ class VLLMEngine(Engine):
         q = out["prefix_cache_query_tokens"]
         out["prefix_cache_hit_rate"] = out["prefix_cache_hit_tokens"] / q if q else 0.0
         out.update({k: float(v) for k, v in self._counts.items()})
+        if self.pid is not None:
+            out["vllm_pid"] = float(self.pid)  # the server's process group, for operators and fault tests
         return out
 
     async def metrics(self) -> dict[str, float]:

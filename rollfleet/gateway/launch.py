@@ -67,7 +67,9 @@ class GatewayStack:
         config = fit_sim_to_tokenizer(config, codec)
         manager = await LLMServerManager.create(config)
         try:
-            client = manager.get_client(FullyAsyncLLMServerClient)
+            rollout = config.rollout
+            retry = rollout.retry.model_copy(update={"no_server_wait_s": gw_cfg.no_server_wait_s})
+            client = manager.get_client(FullyAsyncLLMServerClient, config=rollout.model_copy(update={"retry": retry}))
             holder: dict[str, GatewayStack] = {}
 
             async def refresh_scrape_config() -> None:

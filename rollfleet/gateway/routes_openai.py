@@ -118,7 +118,7 @@ class OpenAIRoutes:
         replica = outputs[0].extra_fields.get("replica_id") if outputs else None
         if replica:
             headers[REPLICA_HEADER] = str(replica)
-        if session_id:
+        if session_id and session_id.isascii() and session_id.isprintable():  # a header must be latin-1
             headers[SESSION_RESPONSE_HEADER] = session_id
         return headers
 

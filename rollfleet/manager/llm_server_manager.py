@@ -56,14 +56,18 @@ class LLMServerManager:
 
     # ------------------------------------------------------------------ clients
     def get_client(self, client_cls: Optional[type] = None, **kwargs: Any) -> LLMServerClient:
-        """A client routed over this fleet (``LLMServerClient`` unless ``client_cls`` is given)."""
+        """A client routed over this fleet (``LLMServerClient`` unless ``client_cls`` is given).
+
+        ``config`` (a ``RolloutConfig``) may override the fleet's for this client only, e.g. its
+        retry policy; other keyword arguments go to the client's constructor."""
         import ray
 
         cls = client_cls or LLMServerClient
         if not (isinstance(cls, type) and issubclass(cls, LLMServerClient)):
             raise TypeError(f"client_cls must be a subclass of LLMServerClient, got {cls!r}")
         snapshot = ray.get(self.controller.snapshot.remote(-1))
-        client = cls(self.config, servers=dict(snapshot.handles or {}), controller=self.controller, **kwargs)
+        config = kwargs.pop("config", None) or self.config  # e.g. a gateway's shorter retry waits
+        client = cls(config, servers=dict(snapshot.handles or {}), controller=self.controller, **kwargs)
         client.fleet.apply(snapshot)
         self._clients.append(client)
         return client

@@ -186,7 +186,9 @@ async def test_foreign_framework_shares_the_fleet(fleet, agents, tokenizer):
     )
     assert len(ours) == 16 and all(e["termination"] == "no_tool_call" for e in ours.extra_fields)
     assert len(theirs) == 16 and all(len(r["turns"]) == 2 for r in theirs)
-    assert all(len({t["replica_id"] for t in r["turns"]}) == 1 for r in theirs)
+    # Sticky unless the replica was overloaded (then the balancer lets a session spill over).
+    switched = sum(len({t["replica_id"] for t in r["turns"]}) > 1 for r in theirs)
+    assert switched <= client.balancer.decisions["spill_over"]
     assert all(t["stop_reason"] == "stop" for r in theirs for t in r["turns"])
     (a0, a1), (b0, b1) = spans["rollfleet"], spans["foreign"]
     assert a0 < b1 and b0 < a1  # they really ran at the same time

@@ -159,7 +159,7 @@ async def test_killed_vllm_process_is_reported_unavailable_quickly(fleet):
     import signal
 
     stats = await fleet.replica_stats()
-    pid = stats["replica-1"].get("vllm_pid")
+    pid = int(stats["replica-1"].get("vllm_pid", 0))
     assert pid, stats["replica-1"]
     os.killpg(pid, signal.SIGKILL)
     started = time.monotonic()

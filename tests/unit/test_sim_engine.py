@@ -211,3 +211,11 @@ async def test_scripted_responses():
     out = await eng.generate("s2", [1, 2], {"max_tokens": 2})
     assert out.token_ids == [7, 8] and out.stop_reason == "length"
     await eng.shutdown()
+
+
+async def test_empty_script_gives_an_empty_stopped_response():
+    eng = await started()
+    eng.script_responses(lambda rid, prompt, params: [])
+    out = await eng.generate("e", [1, 2], {"max_tokens": 5})
+    assert out.token_ids == [] and out.stop_reason == "stop"
+    await eng.shutdown()
