@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from rollfleet.client import LLMServerClient
@@ -58,3 +59,35 @@ class LocalFleet:
     async def shutdown(self) -> None:
         for r in self.replicas:
             await r.shutdown()
+
+
+QUESTION = [{"role": "user", "content": "What is 2+3?"}]
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+def lookup(key: str) -> str:
+    """Look a key up."""
+    return f"value-of-{key}"
+
+
+def broken(x: str) -> str:
+    raise RuntimeError("the tool broke")
+
+
+async def hangs(x: str) -> str:
+    await asyncio.sleep(30)
+    return "never"
+
+
+#: Two tools per turn for two turns (one raises, one times out), then the answer.
+THREE_TURNS = [
+    'I will use tools. <tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+    '<tool_call>\n{"name": "lookup", "arguments": {"key": "k"}}\n</tool_call>',
+    '<tool_call>\n{"name": "broken", "arguments": {"x": "1"}}\n</tool_call>'
+    '<tool_call>\n{"name": "hangs", "arguments": {"x": "1"}}\n</tool_call>',
+    "The answer is 5.",
+]

@@ -12,50 +12,24 @@ import time
 
 import pytest
 
-from agent_loop_helpers import sim_config
+from agent_loop_helpers import QUESTION, THREE_TURNS, add, broken, hangs, lookup, sim_config
 from rollfleet.agent_loop import FullyAsyncAgentLoopManager
 from rollfleet.agent_loop.testing import ScriptedTurns
 from rollfleet.manager import LLMServerManager
 
 pytestmark = pytest.mark.ray
 
-QUESTION = [{"role": "user", "content": "What is 2+3?"}]
-
-
-def add(a: int, b: int) -> int:
-    """Add two integers."""
-    return a + b
-
-
-def lookup(key: str) -> str:
-    """Look a key up."""
-    return f"value-of-{key}"
-
-
-def broken(x: str) -> str:
-    raise RuntimeError("the tool broke")
-
-
-async def hangs(x: str) -> str:
-    await asyncio.sleep(30)
-    return "never"
-
-
-THREE_TURNS = [
-    '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
-    '<tool_call>\n{"name": "lookup", "arguments": {"key": "k"}}\n</tool_call>',
-    '<tool_call>\n{"name": "broken", "arguments": {"x": "1"}}\n</tool_call>'
-    '<tool_call>\n{"name": "hangs", "arguments": {"x": "1"}}\n</tool_call>',
-    "The answer is 5.",
-]
-
 
 @pytest.fixture(scope="module")
 def ray_pickles_this_module(ray_session):
-    """Tools defined here travel to worker actors by value (pytest's module is not importable there)."""
-    ray_session.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    """Tools defined in test modules travel to worker actors by value (pytest's modules are not
+    importable there)."""
+    modules = [sys.modules[__name__], sys.modules["agent_loop_helpers"]]
+    for module in modules:
+        ray_session.cloudpickle.register_pickle_by_value(module)
     yield
-    ray_session.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+    for module in modules:
+        ray_session.cloudpickle.unregister_pickle_by_value(module)
 
 
 @pytest.fixture(scope="module")

@@ -8,42 +8,13 @@ import asyncio
 import pytest
 import torch
 
-from agent_loop_helpers import LocalFleet, sim_config
+from agent_loop_helpers import QUESTION, THREE_TURNS, add, broken, hangs, lookup, LocalFleet, sim_config
 from rollfleet.agent_loop import AgentLoopManager, AgentLoopWorker, BaseTool
 from rollfleet.agent_loop.testing import ScriptedTurns
 from rollfleet.client import FullyAsyncLLMServerClient
 
 pytestmark = pytest.mark.unit
 
-QUESTION = [{"role": "user", "content": "What is 2+3?"}]
-
-
-def add(a: int, b: int) -> int:
-    """Add two integers."""
-    return a + b
-
-
-def lookup(key: str) -> str:
-    """Look a key up."""
-    return f"value-of-{key}"
-
-
-def broken(x: str) -> str:
-    raise RuntimeError("the tool broke")
-
-
-async def hangs(x: str) -> str:
-    await asyncio.sleep(30)
-    return "never"
-
-
-THREE_TURNS = [
-    'I will use tools. <tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
-    '<tool_call>\n{"name": "lookup", "arguments": {"key": "k"}}\n</tool_call>',
-    '<tool_call>\n{"name": "broken", "arguments": {"x": "1"}}\n</tool_call>'
-    '<tool_call>\n{"name": "hangs", "arguments": {"x": "1"}}\n</tool_call>',
-    "The answer is 5.",
-]
 
 
 class Recorder:
