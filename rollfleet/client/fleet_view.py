@@ -34,19 +34,28 @@ class FleetView:
         self._quarantined: dict[str, float] = {}
         self._routable: set[str] = set(balancer.get_all_servers())
         self._task: Optional[asyncio.Task[None]] = None
+        self._first_refresh: Optional[asyncio.Task[None]] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self.current_version: Optional[int] = None
 
     async def ensure_started(self) -> None:
-        """Start the refresher in the running loop (restart it if the loop changed)."""
+        """Start the refresher in the running loop (restart it if the loop changed).
+
+        Called on every request, so it must be cheap and must start exactly one refresher even
+        when many requests arrive at once: the task is created before the first await.
+        """
         if self.controller is None:
             return
         loop = asyncio.get_running_loop()
-        if self._task is not None and self._loop is loop and not self._task.done():
-            return
-        self._loop = loop
-        await self.refresh()
-        self._task = loop.create_task(self._refresh_forever(), name="rollfleet-fleet-view")
+        if self._task is None or self._loop is not loop or self._task.done():
+            self._loop = loop
+            self._first_refresh = loop.create_task(self.refresh())
+            self._task = loop.create_task(self._refresh_forever(), name="rollfleet-fleet-view")
+        if self._first_refresh is not None:
+            if not self._first_refresh.done():
+                await asyncio.shield(self._first_refresh)
+            else:
+                self._first_refresh = None
 
     async def _refresh_forever(self) -> None:
         while True:
