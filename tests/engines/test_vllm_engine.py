@@ -204,9 +204,19 @@ async def _wait_running(engine: VLLMEngine, n: int = 1, timeout: float = 20.0):
     deadline = time.monotonic() + timeout
     while True:
         load = await engine.load()
-        if load.running >= n and load.kv_usage > 0 or time.monotonic() > deadline:
+        if load.running >= n or time.monotonic() > deadline:
             return load
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.05)
+
+
+async def _wait_kv(engine: VLLMEngine, timeout: float = 10.0):
+    """Poll load() until vLLM reports some KV-cache usage (a tiny model fills little of it)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        load = await engine.load()
+        if load.kv_usage > 0 or time.monotonic() > deadline:
+            return load
+        await asyncio.sleep(0.05)
 
 
 @needs_vllm
@@ -216,7 +226,7 @@ async def test_abort_returns_partial_tokens_and_load(engine: VLLMEngine):
     tasks = await _long_requests(engine, 8, "ab")
     load = await _wait_running(engine, 8)
     assert load.running == 8
-    assert load.kv_usage > 0.0
+    assert (await _wait_kv(engine)).kv_usage > 0.0
     assert load.inflight_tokens >= 8 * LONG
     await engine.abort("ab0")
     first = await asyncio.wait_for(tasks[0], 10)

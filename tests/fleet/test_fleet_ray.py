@@ -64,7 +64,9 @@ async def test_rollout_survives_weight_updates(manager):
     rollout = asyncio.ensure_future(asyncio.gather(*(run_trajectory(client, i) for i in range(200))))
     versions = [start_version]
     for _ in range(3):
-        await asyncio.sleep(0.4)
+        # fire each update while requests are in flight (however fast this machine generates)
+        while client.balancer.get_total_inflight() < 20 and not rollout.done():
+            await asyncio.sleep(0.005)
         versions.append(versions[-1] + 1)
         result = await manager.update_weights({"step": versions[-1]}, versions[-1])
         assert result["failed"] == []

@@ -81,6 +81,9 @@ async def test_metrics_cover_requests_tokens_routing_and_fleet_health(oai, http,
 
 
 async def test_inflight_per_replica_is_visible_while_requests_run(http, stack):
+    replicas = [r["replica_id"] for r in await stack.manager.get_replicas()]
+    for rid in replicas:  # slow the engines down so the requests are surely in flight when we look
+        await stack.manager.inject_fault(rid, "slow", 20.0)
     tasks = [
         asyncio.ensure_future(
             http.post(
@@ -94,5 +97,9 @@ async def test_inflight_per_replica_is_visible_while_requests_run(http, stack):
     while seen < 1 and not all(t.done() for t in tasks):
         m = samples((await http.get("/metrics")).text)
         seen = sum(v for (name, _), v in m.items() if name == "rollfleet_gateway_replica_inflight")
-    await asyncio.gather(*tasks)
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for rid in replicas:
+            await stack.manager.inject_fault(rid, "none")
     assert seen >= 1
