@@ -672,10 +672,18 @@ class VLLMEngine(Engine):
         return body, int(max_tokens)
 
     async def generate(
-        self, request_id: str, prompt_ids: list[int], sampling_params: SamplingParams
+        self, request_id: str, prompt_ids: list[int], sampling_params: SamplingParams, **kwargs: Any
     ) -> TokenOutput:
+        """``kwargs``: ``priority`` is passed to vLLM (it matters with ``--scheduling-policy
+        priority``); other per-request extras (multimodal data) are not supported by this
+        text-only adapter and must be None."""
         self._check_alive()
         body, max_tokens = self._body(prompt_ids, sampling_params)
+        extras = {k: v for k, v in kwargs.items() if v is not None}
+        if "priority" in extras:
+            body["priority"] = int(extras.pop("priority"))
+        if extras:
+            raise InvalidRequest(next(iter(extras)), "not supported by the vllm engine adapter (text only)", "...")
         rec = _Inflight(request_id, f"{_header_safe(request_id)}~{next(self._seq)}", len(prompt_ids), max_tokens)
         self._inflight[rec.engine_id] = rec
         self._load_cache = None
