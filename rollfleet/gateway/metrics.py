@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from rollfleet.routing.health import HealthState
+from rollfleet.health import HealthState
 from rollfleet.types import TokenOutput
 
 if TYPE_CHECKING:  # pragma: no cover

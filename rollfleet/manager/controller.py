@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 
 from rollfleet.config import RolloutConfig
 from rollfleet.errors import NotSupported
-from rollfleet.routing.health import FleetSnapshot, HealthState, ReplicaRecord, can_transition
+from rollfleet.health import FleetSnapshot, HealthState, ReplicaRecord, can_transition
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,6 @@ import logging
 import uuid
 from typing import Any, Optional, Union
 
-from rollfleet.client import LLMServerClient
 from rollfleet.config import RayConfig, RollfleetConfig, RolloutConfig
 from rollfleet.manager.ray_runtime import ensure_ray
 from rollfleet.utils.aio import auto_await
@@ -30,7 +29,7 @@ class LLMServerManager:
         self.ray_config: RayConfig = self.full_config.ray
         self.controller: Any = None
         self._started_ray = False
-        self._clients: list[LLMServerClient] = []
+        self._clients: list[Any] = []
 
     @classmethod
     @auto_await
@@ -55,12 +54,16 @@ class LLMServerManager:
         return self
 
     # ------------------------------------------------------------------ clients
-    def get_client(self, client_cls: Optional[type] = None, **kwargs: Any) -> LLMServerClient:
+    def get_client(self, client_cls: Optional[type] = None, **kwargs: Any) -> Any:
         """A client routed over this fleet (``LLMServerClient`` unless ``client_cls`` is given).
 
         ``config`` (a ``RolloutConfig``) may override the fleet's for this client only, e.g. its
         retry policy; other keyword arguments go to the client's constructor."""
         import ray
+
+        # The one upward reference of this layer, by verl's contract: the manager hands out
+        # clients. Imported here so the manager module itself depends only on layers below it.
+        from rollfleet.client import LLMServerClient
 
         cls = client_cls or LLMServerClient
         if not (isinstance(cls, type) and issubclass(cls, LLMServerClient)):

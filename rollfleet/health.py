@@ -1,4 +1,4 @@
-"""The fleet's health view, shared by the manager and every client.
+"""The fleet's health view, shared by the manager (which writes it) and every client (which reads it).
 
 Each replica moves through ``healthy -> suspect -> dead -> restarting -> syncing -> healthy``.
 The controller (manager layer) probes replicas and drives the transitions; clients receive
