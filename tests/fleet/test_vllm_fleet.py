@@ -122,6 +122,7 @@ async def test_greedy_outputs_change_only_with_a_weight_update(fleet):
     assert c.extra_fields["global_steps"] == version
 
 
+@pytest.mark.timing
 async def test_weight_update_mid_generation_is_resumed_with_exact_budget(fleet):
     client = fleet.get_client(FullyAsyncLLMServerClient)
     state = model_state_dict()
