@@ -91,3 +91,15 @@ THREE_TURNS = [
     '<tool_call>\n{"name": "hangs", "arguments": {"x": "1"}}\n</tool_call>',
     "The answer is 5.",
 ]
+
+
+def mask_runs(mask) -> list[tuple[int, int]]:
+    """(start, end) of the runs of 1s in a response mask: one run per model turn."""
+    out, start = [], None
+    for i, m in enumerate(list(mask) + [0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            out.append((start, i))
+            start = None
+    return out

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from agent_loop_helpers import QUESTION, THREE_TURNS, add, broken, hangs, lookup, sim_config
+from agent_loop_helpers import QUESTION, mask_runs, THREE_TURNS, add, broken, hangs, lookup, sim_config
 from rollfleet.agent_loop import FullyAsyncAgentLoopManager
 from rollfleet.agent_loop.testing import ScriptedTurns
 from rollfleet.manager import LLMServerManager
@@ -58,17 +58,6 @@ async def agents(fleet, config, ray_pickles_this_module):
     await manager.shutdown()
 
 
-def model_spans(mask):
-    out, start = [], None
-    for i, m in enumerate(list(mask) + [0]):
-        if m and start is None:
-            start = i
-        elif not m and start is not None:
-            out.append((start, i))
-            start = None
-    return out
-
-
 async def test_tool_agent_on_ray_workers(fleet, agents, tokenizer):
     await fleet.script_responses(ScriptedTurns.from_texts(tokenizer, THREE_TURNS))
     batch = [{"raw_prompt": QUESTION, "agent_name": "tool_agent", "reward": {"ground_truth": "5"}}] * 3
@@ -84,7 +73,7 @@ async def test_tool_agent_on_ray_workers(fleet, agents, tokenizer):
         assert len(set(extra["replica_ids"])) == 1  # every turn on one replica
         n = int(result.response_lengths[i])
         mask = result.response_mask[i, :n].tolist()
-        assert len(model_spans(mask)) == 3
+        assert len(mask_runs(mask)) == 3
         logprobs = result.rollout_log_probs[i, :n].tolist()
         assert all(lp == 0.0 for lp, m in zip(logprobs, mask) if not m)
         assert sum(lp != 0.0 for lp, m in zip(logprobs, mask) if m) >= sum(mask) - 2

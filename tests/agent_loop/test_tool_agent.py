@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import torch
 
-from agent_loop_helpers import QUESTION, THREE_TURNS, add, broken, hangs, lookup, LocalFleet, sim_config
+from agent_loop_helpers import QUESTION, mask_runs, THREE_TURNS, add, broken, hangs, lookup, LocalFleet, sim_config
 from rollfleet.agent_loop import AgentLoopManager, AgentLoopWorker, BaseTool
 from rollfleet.agent_loop.testing import ScriptedTurns
 from rollfleet.client import FullyAsyncLLMServerClient
@@ -35,18 +35,6 @@ class Recorder:
         self.client.finish_session(request_id)
 
 
-def segments(mask):
-    """(start, end) of the runs of 1s."""
-    out, start = [], None
-    for i, m in enumerate(list(mask) + [0]):
-        if m and start is None:
-            start = i
-        elif not m and start is not None:
-            out.append((start, i))
-            start = None
-    return out
-
-
 async def make(tokenizer, texts, *, agent=None, rollout=None, sim=None, client_cls=None, tools=None):
     agent_cfg = {"num_workers": 1, "multi_turn": {"tool_timeout_s": 0.3}, **(agent or {})}
     config = sim_config(tokenizer, rollout={"prompt_length": 1024, **(rollout or {})}, agent=agent_cfg, sim=sim)
@@ -68,7 +56,7 @@ async def test_two_tools_three_turns_masks_logprobs_and_failures(tokenizer):
     assert out.extra_fields["tool_errors"] == {"exception": 1, "timeout": 1}
     assert out.metrics.num_tool_calls == 4 and out.metrics.tool_calls >= 0.3
     # Model tokens are exactly the sampled tokens, with their logprobs; the rest is mask 0, logprob 0.
-    spans = segments(out.response_mask)
+    spans = mask_runs(out.response_mask)
     assert len(spans) == 3
     for (start, end), (_, _, _, tok_out) in zip(spans, rec.calls):
         assert out.response_ids[start:end] == tok_out.token_ids
