@@ -1,12 +1,18 @@
 """What rollfleet costs on top of vLLM: the same batch sent straight to vLLM's HTTP server and
-through rollfleet's client (routing, Ray actor hop, validation, version stamping), side by side.
+through rollfleet's client (routing, the hop to the replica, validation, version stamping), side by side.
 
 One vLLM CPU replica with the built-in tiny model; the batch is ``--requests`` completions of
 ``--max-tokens`` tokens each (``ignore_eos``, so both paths generate exactly the same number of
-tokens), ``--concurrency`` in flight. The two paths alternate for ``--rounds`` rounds so that
-drift on the machine hits both equally; the table reports the median of each.
+tokens), ``--concurrency`` in flight. The two paths alternate (ABBA) for ``--rounds`` rounds so that
+drift on the machine hits both equally; the table reports each path's tokens over its total time,
+the spread of the rounds (on 2 shared cores one round varies by +-15%, which is why there are
+many), and the CPU time per request of each group of processes: this client, the replica actor,
+vLLM's process tree, and the rest of the machine (Ray's daemons, the controller). The CPU figures
+are steadier than the throughput and show what rollfleet adds and where.
+``--data-plane ray`` measures verl's way (one Ray actor call per request) instead of rollfleet's
+direct data plane.
 
-Run: ``python benchmarks/engine_overhead.py`` (about 2 minutes on 2 cores, start-up included).
+Run: ``python benchmarks/engine_overhead.py`` (about 3 minutes on 2 cores, start-up included).
 """
 
 from __future__ import annotations
@@ -16,9 +22,12 @@ import asyncio
 import os
 import statistics
 import time
+from dataclasses import dataclass
 
 import httpx
+import psutil
 from rich.console import Console
+from rich.progress import Progress
 from rich.table import Table
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -55,6 +64,8 @@ async def direct_round(address: str, batch: list[list[int]], max_tokens: int, co
                     "ignore_eos": True,
                     "logprobs": 0,
                     "return_token_ids": True,
+                    "return_tokens_as_token_ids": True,  # the body rollfleet's adapter sends
+                    "n": 1,
                 }
                 resp = await http.post("/v1/completions", json=body, headers={"X-Request-Id": f"direct-{i}-{time.monotonic_ns()}"})
                 resp.raise_for_status()
@@ -84,47 +95,149 @@ async def rollfleet_round(client, batch: list[list[int]], max_tokens: int, concu
     return time.perf_counter() - start, sum(counts)
 
 
+class CpuMeter:
+    """CPU seconds (user + system) of three groups of processes: this benchmark's process, the
+    replica actor's process, and vLLM's process tree; plus the whole machine's busy time, so the
+    rest (Ray's own daemons, the controller) shows too."""
+
+    def __init__(self, replica_pid: int, vllm_pid: int) -> None:
+        self.me = psutil.Process()
+        self.replica = psutil.Process(replica_pid)
+        self.vllm = psutil.Process(vllm_pid)
+
+    @staticmethod
+    def _cpu(proc: "psutil.Process") -> float:
+        t = proc.cpu_times()
+        return t.user + t.system
+
+    def sample(self) -> dict[str, float]:
+        vllm = self._cpu(self.vllm) + sum(self._cpu(c) for c in self.vllm.children(recursive=True))
+        machine = psutil.cpu_times()
+        busy = sum(machine) - machine.idle - getattr(machine, "iowait", 0.0)
+        return {"client": self._cpu(self.me), "replica": self._cpu(self.replica), "vllm": vllm, "machine": busy}
+
+
+@dataclass
+class Round:
+    wall: float
+    tokens: int
+    requests: int
+    cpu: dict[str, float]  # seconds per group during the round
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.wall
+
+    def ms_per_request(self, group: str) -> float:
+        if group == "other":
+            value = self.cpu["machine"] - self.cpu["client"] - self.cpu["replica"] - self.cpu["vllm"]
+        else:
+            value = self.cpu[group]
+        return 1000.0 * value / self.requests
+
+
+async def measured(meter: CpuMeter, coro) -> Round:
+    before = meter.sample()
+    wall, tokens = await coro
+    after = meter.sample()
+    return Round(wall, tokens, 0, {k: after[k] - before[k] for k in after})
+
+
+def _sum_rounds(rounds: list[Round]) -> Round:
+    cpu = {k: sum(r.cpu[k] for r in rounds) for k in rounds[0].cpu}
+    return Round(sum(r.wall for r in rounds), sum(r.tokens for r in rounds), sum(r.requests for r in rounds), cpu)
+
+
 async def main_async(args: argparse.Namespace) -> None:
     config = RollfleetConfig.model_validate(
         {
-            "rollout": {"name": "vllm", "model": "tiny", "num_replicas": 1, "max_model_len": 512, "response_length": args.max_tokens},
+            "rollout": {
+                "name": "vllm",
+                "model": "tiny",
+                "num_replicas": 1,
+                "max_model_len": 512,
+                "response_length": args.max_tokens,
+                "data_plane": args.data_plane,
+            },
             "ray": {"num_cpus": 2},
         }
     )
-    console = Console(width=140)
+    console = Console(width=150)
     console.print("starting one vLLM CPU replica (tiny model)...")
     manager = await LLMServerManager.create(config)
     try:
         address = (await manager.get_addresses())[0]
+        stats = next(iter((await manager.replica_stats()).values()))
+        meter = CpuMeter(int(stats["pid"]), int(stats["vllm_pid"]))
         client = manager.get_client()
         batch = prompts(args.requests)
-        await direct_round(address, batch[:16], 8, 16)  # warm both paths
-        await rollfleet_round(client, batch[:16], 8, 16)
-        direct, ours = [], []
-        for r in range(args.rounds):
-            wall, toks = await direct_round(address, batch, args.max_tokens, args.concurrency)
-            direct.append(toks / wall)
-            wall, toks = await rollfleet_round(client, batch, args.max_tokens, args.concurrency)
-            ours.append(toks / wall)
-            console.print(f"round {r + 1}/{args.rounds}: direct {direct[-1]:,.0f} tok/s, rollfleet {ours[-1]:,.0f} tok/s")
+        for _ in range(2):  # warm both paths (connections, vLLM's first batches)
+            await direct_round(address, batch[:64], 16, args.concurrency)
+            await rollfleet_round(client, batch[:64], 16, args.concurrency)
+        direct: list[Round] = []
+        ours: list[Round] = []
+        with Progress(console=console) as progress:
+            bar = progress.add_task("rounds (direct + rollfleet)", total=args.rounds)
+            for r in range(args.rounds):
+                # ABBA order: slow drift of the machine hits both paths alike
+                order = ("direct", "rollfleet") if r % 2 == 0 else ("rollfleet", "direct")
+                for path in order:
+                    if path == "direct":
+                        direct.append(await measured(meter, direct_round(address, batch, args.max_tokens, args.concurrency)))
+                    else:
+                        ours.append(await measured(meter, rollfleet_round(client, batch, args.max_tokens, args.concurrency)))
+                    (direct if path == "direct" else ours)[-1].requests = len(batch)
+                progress.update(bar, advance=1, description=f"round {r + 1}: ratio {ours[-1].rate / direct[-1].rate:.3f}")
     finally:
         await manager.shutdown()
-    d, o = statistics.median(direct), statistics.median(ours)
-    table = Table(title=f"engine overhead: {args.requests} requests x {args.max_tokens} tokens, {args.concurrency} in flight")
+    render(console, args, direct, ours, client.config.data_plane)
+
+
+def render(console: Console, args: argparse.Namespace, direct: list[Round], ours: list[Round], data_plane: str) -> None:
+    d, o = _sum_rounds(direct), _sum_rounds(ours)
+    ratio = o.rate / d.rate
+    ratios = sorted(a.rate / b.rate for a, b in zip(ours, direct))
+    groups = ("client", "replica", "vllm", "other")
+    table = Table(
+        title=f"engine overhead: {args.requests} requests x {args.max_tokens} tokens, {args.concurrency} in flight, "
+        f"{args.rounds} rounds per path, {os.cpu_count()} cores"
+    )
     table.add_column("path")
-    table.add_column("output tokens/s (median)", justify="right")
-    table.add_row("direct HTTP to vLLM", f"{d:,.0f}")
-    table.add_row("rollfleet client -> replica actor -> vLLM", f"{o:,.0f}")
-    table.add_row("ratio (rollfleet / direct)", f"{o / d:.3f}x  (overhead {100 * (1 - o / d):+.1f}%)")
+    table.add_column("output tokens/s", justify="right")
+    table.add_column("per round", justify="right")
+    for g in groups:
+        table.add_column(f"CPU ms/req {g}", justify="right")
+    for name, rounds, total in (
+        ("direct HTTP to vLLM", direct, d),
+        (f"rollfleet client -> replica ({data_plane}) -> vLLM", ours, o),
+    ):
+        table.add_row(
+            name,
+            f"{total.rate:,.0f}",
+            f"{min(r.rate for r in rounds):,.0f}..{max(r.rate for r in rounds):,.0f}",
+            *(f"{total.ms_per_request(g):.2f}" for g in groups),
+        )
     console.print(table)
+    # What rollfleet adds on the machine's CPUs, per request, next to what a request costs in all.
+    added = (o.ms_per_request("client") + o.ms_per_request("replica")) - d.ms_per_request("client")
+    per_request = sum(d.ms_per_request(g) for g in groups)
+    console.print(
+        f"throughput ratio (rollfleet / direct, all rounds): [bold]{ratio:.3f}x[/bold] (overhead {100 * (1 - ratio):+.1f}%; "
+        f"target < 3%); paired rounds: median {statistics.median(ratios):.3f}, range {ratios[0]:.3f}..{ratios[-1]:.3f}"
+    )
+    console.print(
+        f"CPU rollfleet adds outside vLLM: {added:+.2f} ms per request, {100 * added / per_request:+.1f}% of the "
+        f"{per_request:.1f} ms of CPU a request costs on this machine (client + replica + vLLM + the rest)"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--requests", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--data-plane", choices=["direct", "ray"], default="direct")
     asyncio.run(main_async(parser.parse_args()))
 
 

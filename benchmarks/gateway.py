@@ -4,7 +4,7 @@ One simulated fleet (2 replicas, time scale 1e5, ``max_tokens`` 4, so the engine
 bottleneck), three ways in:
 
 * **client** — ``FullyAsyncLLMServerClient.generate`` called in-process: the floor, what an agent
-  loop pays without HTTP (routing + one Ray call to a replica);
+  loop pays without HTTP (routing + one request over the replica's data plane);
 * **gateway** — ``POST /v1/completions/tokens`` (token ids in and out, the RL hot path) and
   ``POST /v1/chat/completions`` (chat template + decoding) through the gateway, served by uvicorn
   in this process on the same client; the load comes from a *separate* process (a minimal

@@ -158,6 +158,12 @@ class RolloutConfig(_Section):
     calculate_log_probs: bool = True
     full_determinism: bool = Field(False, description="Deterministic routing (rendezvous) and seeds.")
     seed: int = 0
+    data_plane: Literal["direct", "ray"] = Field(
+        "direct",
+        description="How generate requests reach a replica: 'direct' (one multiplexed TCP connection per "
+        "client process and replica, JSON frames) or 'ray' (one Ray actor call per request, as verl does). "
+        "Control operations always go through Ray.",
+    )
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     retry: RetryConfig = Field(default_factory=RetryConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)

@@ -47,6 +47,10 @@ class ReplicaRecord:
     replica_id: str
     handle: Any
     address: str = ""
+    #: ``host:port`` of the replica's direct data plane; empty: requests go through Ray.
+    data_plane: str = ""
+    #: What a data-plane connection must present first (never shown outside the cluster).
+    data_plane_token: str = field(default="", repr=False)
     state: HealthState = HealthState.SYNCING
     weight_version: Optional[int] = None
     consecutive_failures: int = 0

@@ -37,6 +37,8 @@ class FleetView:
         self._first_refresh: Optional[asyncio.Task[None]] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self.current_version: Optional[int] = None
+        self.last_refresh = float("-inf")
+        self._inflight_refresh: Optional[asyncio.Future[None]] = None
 
     async def ensure_started(self) -> None:
         """Start the refresher in the running loop (restart it if the loop changed).
@@ -68,10 +70,25 @@ class FleetView:
                 logger.debug("fleet view refresh failed: %r", exc)
 
     async def refresh(self) -> None:
+        """Fetch and apply a snapshot now. Concurrent callers share one fetch: when a whole fleet
+        is unroutable, every waiting request asks for news, and they must not each cost the
+        controller a call."""
         if self.controller is None:
             return
+        inflight = self._inflight_refresh
+        if inflight is None or inflight.done():
+            inflight = self._inflight_refresh = asyncio.ensure_future(self._fetch_and_apply())
+        await asyncio.shield(inflight)
+
+    async def _fetch_and_apply(self) -> None:
         snapshot = await self.controller.snapshot.remote(self._epoch)
         self.apply(snapshot)
+        self.last_refresh = time.monotonic()
+
+    async def refresh_if_older(self, max_age_s: float) -> None:
+        """:meth:`refresh`, unless the view is younger than ``max_age_s``."""
+        if time.monotonic() - self.last_refresh >= max_age_s:
+            await self.refresh()
 
     def apply(self, snapshot: FleetSnapshot) -> None:
         bal = self.balancer

@@ -103,6 +103,7 @@ class LLMServerClient:
         await self.fleet.ensure_started()
         prompt_len = len(prompt_ids)
         attempt = 0
+        no_server_waits = 0  # backoff of waits for a routable replica (they are not attempts)
         no_server_since: Optional[float] = None
         while True:
             attempt += 1
@@ -122,17 +123,21 @@ class LLMServerClient:
                     if now - no_server_since > self.config.retry.no_server_wait_s:
                         raise RetriesExhausted(request_id, attempt, exc) from exc
                     attempt -= 1
+                    no_server_waits += 1
+                    backoff_step = no_server_waits
                 elif attempt >= self.retry.max_attempts:
                     raise RetriesExhausted(request_id, attempt, exc) from exc
                 else:
                     no_server_since = None
+                    no_server_waits = 0
+                    backoff_step = attempt
                 logger.debug("request %s attempt %d failed (%r); retrying", request_id, attempt, exc)
-                await self.retry.wait(max(attempt, 1))
+                await self.retry.wait(max(backoff_step, 1))
                 if self.fleet.controller is not None and not any(
                     self.balancer.is_routable(s) for s in self.balancer.get_all_servers()
                 ):
-                    try:
-                        await self.fleet.refresh()
+                    try:  # shared by all waiting requests, and not more often than the backoff floor
+                        await self.fleet.refresh_if_older(self.retry.config.initial_backoff_s)
                     except Exception:
                         pass
                 continue

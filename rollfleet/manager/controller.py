@@ -22,6 +22,7 @@ import logging
 import time
 from typing import Any, Callable, Optional
 
+from rollfleet.client.direct import DirectHandle
 from rollfleet.config import RolloutConfig
 from rollfleet.errors import NotSupported
 from rollfleet.health import FleetSnapshot, HealthState, ReplicaRecord, can_transition
@@ -81,10 +82,13 @@ class FleetController:
             self._records[rid] = record
         else:
             record.handle = handle
+            record.data_plane = ""  # the old actor's port is gone; the new one reports its own
         self._membership_epoch += 1
         boot_is_current = not self._has_weights
         info = await handle.start.remote(self.current_version if boot_is_current else None)
         record.address = info.get("address", "")
+        record.data_plane = info.get("data_plane") or ""
+        record.data_plane_token = info.pop("data_plane_token", None) or ""
         record.weight_version = self.current_version if boot_is_current else None
         # Never serve stale weights: a new or restarted replica loads the current ones first (again
         # if an update landed while it was loading).
@@ -147,7 +151,7 @@ class FleetController:
             loads={rid: r.load for rid, r in records.items() if r.load is not None},
         )
         if known_epoch != self._membership_epoch:
-            snap.handles = {rid: r.handle for rid, r in records.items()}
+            snap.handles = {rid: _route_handle(r) for rid, r in records.items()}
         return snap
 
     async def get_replicas(self) -> list[dict[str, Any]]:
@@ -389,6 +393,14 @@ class FleetController:
         await asyncio.gather(*(self._stop_handle(r.handle) for r in self._records.values()), return_exceptions=True)
         self._records.clear()
         self._membership_epoch += 1
+
+
+def _route_handle(record: ReplicaRecord) -> Any:
+    """The handle clients route requests to: generate over the replica's data plane when it has
+    one, every other call through its Ray actor."""
+    if record.data_plane:
+        return DirectHandle(record.handle, record.data_plane, record.replica_id, record.data_plane_token)
+    return record.handle
 
 
 def _kill(handle: Any) -> None:

@@ -13,15 +13,19 @@ even when an engine does not pause cleanly.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import uuid
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from rollfleet.config import RolloutConfig
 from rollfleet.engines import Engine, EngineLoad, build_engine
 from rollfleet.errors import NotSupported, ReplicaUnavailable
 from rollfleet.server.validation import validate_prompt, validate_sampling_params
 from rollfleet.types import LoadReport, ReplicaResponse, SamplingParams, TokenOutput
+
+if TYPE_CHECKING:
+    from rollfleet.server.dataplane import DataPlaneServer
 
 #: States in which requests wait at the replica's gate rather than fail: a pause for a weight
 #: update or a sleep is short, and verl's contract is that requests queue on a paused engine.
@@ -56,6 +60,7 @@ class Replica:
         self._sessions: dict[str, set[str]] = {}
         self._engine_load = EngineLoad()
         self._limits = None
+        self._data_plane: Optional["DataPlaneServer"] = None
         self._counters = {"requests": 0, "invalid": 0, "aborted": 0, "errors": 0, "tokens_out": 0}
 
     # ------------------------------------------------------------------ lifecycle
@@ -74,7 +79,19 @@ class Replica:
 
     async def shutdown(self) -> None:
         self._set_state("stopped")
+        if self._data_plane is not None:
+            await self._data_plane.close()
         await self.engine.shutdown()
+
+    async def serve_data_plane(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Listen for generate requests on ``host:port`` (see :mod:`rollfleet.server.dataplane`);
+        return the address clients connect to."""
+        from rollfleet.server.dataplane import DataPlaneServer
+
+        if self._data_plane is None:
+            self._data_plane = DataPlaneServer(self, host, port)
+            await self._data_plane.start()
+        return self._data_plane.address
 
     def info(self) -> dict[str, Any]:
         limits = self._limits
@@ -83,6 +100,8 @@ class Replica:
             "address": self.engine.address(),
             "engine": self.engine.name,
             "state": self._state,
+            "data_plane": self._data_plane.address if self._data_plane is not None else None,
+            "data_plane_token": self._data_plane.token if self._data_plane is not None else None,
             "weight_version": self._version,
             "vocab_size": limits.vocab_size if limits else None,
             "max_model_len": limits.max_model_len if limits else None,
@@ -274,7 +293,12 @@ class Replica:
         return self._report()
 
     async def stats(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"replica_id": self.replica_id, "state": self._state, "weight_version": self._version}
+        out: dict[str, Any] = {
+            "replica_id": self.replica_id,
+            "state": self._state,
+            "weight_version": self._version,
+            "pid": os.getpid(),
+        }
         out.update(self._counters)
         out.update(self.engine.stats())
         return out
@@ -302,7 +326,18 @@ try:  # Ray is a hard dependency, but keep the plain class importable without it
 
     @ray.remote(max_concurrency=100_000)
     class ReplicaActor(Replica):
-        """Ray actor around :class:`Replica` (asyncio actor; placement decided by the manager)."""
+        """Ray actor around :class:`Replica` (asyncio actor; placement decided by the manager).
+
+        With ``data_plane: direct`` (the default) it also listens for generate requests on a TCP
+        port of its node (:mod:`rollfleet.server.dataplane`), reported as ``info()["data_plane"]``;
+        the Ray methods stay available for everything, generate included.
+        """
+
+        async def start(self, version: Optional[int] = None) -> dict[str, Any]:
+            await super().start(version)
+            if self.config.data_plane == "direct":
+                await self.serve_data_plane(ray.util.get_node_ip_address())
+            return self.info()
 
 except ImportError:  # pragma: no cover
     ReplicaActor = None  # type: ignore[assignment,misc]

@@ -209,3 +209,49 @@ async def test_hung_replica_is_detected_and_bypassed(ray_session):
         assert len(outs) == 20
     finally:
         await m.shutdown()
+
+
+async def test_killed_replica_process_drops_its_connections_and_no_trajectory_is_lost(ray_session):
+    """The data plane's failure path end to end: a replica's process is killed mid-rollout, its
+    clients' connections drop, pending requests come back ReplicaUnavailable and are re-routed."""
+    import ray
+
+    from rollfleet.client.direct import DirectHandle
+
+    m = await LLMServerManager.create(fleet_config(num_replicas=2))
+    try:
+        client = m.get_client(FullyAsyncLLMServerClient)
+        handles = client.balancer.get_all_servers()
+        assert all(isinstance(h, DirectHandle) and h.address for h in handles.values())
+        rollout = asyncio.ensure_future(asyncio.gather(*(run_trajectory(client, 9000 + i, turns=2) for i in range(40))))
+        await asyncio.sleep(0.4)
+        ray.kill(handles["replica-0"].actor, no_restart=True)
+        trajectories = await asyncio.wait_for(rollout, 120)
+        assert len(trajectories) == 40
+        assert all(o.stop_reason in ("stop", "length") for t in trajectories for o in t)
+        assert client.balancer.get_total_inflight() == 0
+
+        async def restarted():
+            r = (await m.status())["replicas"]["replica-0"]
+            return r["state"] == "healthy" and r["restarts"] >= 1
+
+        assert await wait_until(restarted, timeout=60)
+        await client.fleet.refresh()
+        new = client.balancer.get_all_servers()["replica-0"]
+        assert isinstance(new, DirectHandle) and new != handles["replica-0"]
+    finally:
+        await m.shutdown()
+
+
+async def test_ray_data_plane_is_still_available(ray_session):
+    m = await LLMServerManager.create(fleet_config(num_replicas=2, data_plane="ray"))
+    try:
+        client = m.get_client()
+        assert not any(type(h).__name__ == "DirectHandle" for h in client.balancer.get_all_servers().values())
+        trajectories = await asyncio.gather(*(run_trajectory(client, 7000 + i, turns=2) for i in range(10)))
+        assert all(len(t) == 2 for t in trajectories)
+        with pytest.raises(InvalidRequest) as info:
+            await client.generate("bad", prompt_ids=[1, 2], sampling_params={"max_tokens": -1})
+        assert info.value.field == "sampling_params.max_tokens"
+    finally:
+        await m.shutdown()

@@ -1,0 +1,246 @@
+"""The client's side of the direct data plane: one multiplexed connection per replica, and a
+handle that sends ``generate`` over it while every other call still goes to the Ray actor.
+
+:class:`DirectHandle` is what the fleet controller hands to clients in its snapshots: it pickles
+to (actor handle, data-plane address, replica id, token), so it travels to any process (agent-loop
+workers, the gateway, trainers); each process opens its own connections lazily, one per event
+loop and replica, and shares them among all its requests.
+
+Failure semantics are the ones the client's retry rules expect from a Ray call: a connection that
+drops gives :class:`ReplicaUnavailable` (quarantine, re-route); a data plane that cannot be reached
+at all sends the request through the actor instead (a dead replica then fails there, typed);
+errors raised by the replica arrive as their own types (``InvalidRequest`` stays not retryable),
+and a cancelled call cancels the request on the replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import weakref
+from typing import Any, Optional
+
+from rollfleet.errors import ReplicaUnavailable
+from rollfleet.server import wire
+from rollfleet.types import ReplicaResponse, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+#: Data-plane addresses already warned about (unreachable, so requests took the Ray path).
+_WARNED: set[str] = set()
+
+#: How long opening a connection to a replica may take before the replica counts as unavailable.
+CONNECT_TIMEOUT_S = 5.0
+
+
+class DirectConnection(asyncio.Protocol):
+    """A multiplexed connection to one replica's data plane (use :func:`get_connection`)."""
+
+    def __init__(self, address: str, replica_id: str, token: str) -> None:
+        self.address = address
+        self.replica_id = replica_id
+        self._token = token
+        self._reader = wire.FrameReader()
+        self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._ids = itertools.count(1)
+        self._transport: Optional[asyncio.Transport] = None
+        self._closed_reason: Optional[str] = None
+
+    # ------------------------------------------------------------------ asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+        transport.write(wire.hello_frame(self._token))  # type: ignore[attr-defined]
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            for message in self._reader.feed(data):
+                self._deliver(message)
+        except Exception as exc:
+            self._fail_all(f"bad frame from the replica: {exc!r}")
+            if self._transport is not None:
+                self._transport.close()
+
+    def _deliver(self, message: list[Any]) -> None:
+        future = self._pending.pop(message[0], None)
+        if future is None or future.done():
+            return  # cancelled meanwhile
+        if message[1] == wire.OK:
+            future.set_result(wire.decode_response(message[2], message[3]))
+        else:
+            future.set_exception(message[2])
+
+    def connection_lost(self, exc: Optional[Exception]) -> None:
+        self._fail_all(f"data-plane connection to {self.address} lost" + (f": {exc!r}" if exc else ""))
+        self._transport = None
+
+    def _fail_all(self, reason: str) -> None:
+        self._closed_reason = reason
+        pending, self._pending = self._pending, {}
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(ReplicaUnavailable(self.replica_id, reason))
+
+    # ------------------------------------------------------------------ calls
+    @property
+    def is_open(self) -> bool:
+        return self._transport is not None and not self._transport.is_closing()
+
+    async def generate_with_load(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling_params: Optional[SamplingParams] = None,
+        **kwargs: Any,
+    ) -> ReplicaResponse:
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            raise ReplicaUnavailable(self.replica_id, self._closed_reason or "data-plane connection closed")
+        call_id = next(self._ids)
+        future: asyncio.Future[ReplicaResponse] = asyncio.get_running_loop().create_future()
+        self._pending[call_id] = future
+        transport.write(wire.generate_frame(call_id, request_id, prompt_ids, sampling_params, kwargs))
+        try:
+            return await future
+        except asyncio.CancelledError:
+            if self._pending.pop(call_id, None) is not None and self.is_open:
+                self._transport.write(wire.cancel_frame(call_id))  # type: ignore[union-attr]
+            raise
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+
+# ---------------------------------------------------------------------- connection pool
+#: Per event loop: address -> open connection, or the task that is opening it.
+_POOLS: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, Any]]" = weakref.WeakKeyDictionary()
+
+
+async def get_connection(address: str, replica_id: str = "", token: str = "") -> DirectConnection:
+    """The open connection of this event loop to ``address`` (opened once, however many callers
+    ask at the same time); :class:`ReplicaUnavailable` when the replica cannot be reached."""
+    loop = asyncio.get_running_loop()
+    pool = _POOLS.get(loop)
+    if pool is None:
+        pool = _POOLS[loop] = {}
+    entry = pool.get(address)
+    if isinstance(entry, DirectConnection):
+        if entry.is_open:
+            return entry
+        entry = None
+    if entry is None:
+        entry = pool[address] = loop.create_task(_open(address, replica_id, token))
+    try:
+        conn = await asyncio.shield(entry)
+    except Exception:
+        if pool.get(address) is entry:
+            del pool[address]
+        raise
+    pool[address] = conn
+    return conn
+
+
+async def _open(address: str, replica_id: str, token: str) -> DirectConnection:
+    host, _, port = address.rpartition(":")
+    loop = asyncio.get_running_loop()
+    try:
+        _, conn = await asyncio.wait_for(
+            loop.create_connection(lambda: DirectConnection(address, replica_id, token), host, int(port)),
+            CONNECT_TIMEOUT_S,
+        )
+    except (OSError, asyncio.TimeoutError) as exc:
+        raise ReplicaUnavailable(replica_id or address, f"cannot reach its data plane at {address}: {exc!r}") from exc
+    sock = conn._transport.get_extra_info("socket") if conn._transport is not None else None
+    if sock is not None:
+        import socket
+
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return conn
+
+
+def close_connections() -> None:
+    """Close this event loop's connections (tests, shutdown)."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    for entry in (_POOLS.pop(loop, None) or {}).values():
+        if isinstance(entry, DirectConnection):
+            entry.close()
+        else:
+            entry.cancel()
+
+
+# ---------------------------------------------------------------------- handle
+class _DirectCall:
+    __slots__ = ("_handle", "_output_only")
+
+    def __init__(self, handle: "DirectHandle", output_only: bool) -> None:
+        self._handle = handle
+        self._output_only = output_only
+
+    def remote(self, request_id: str, prompt_ids: list[int], sampling_params: Optional[SamplingParams] = None, **kwargs: Any):
+        """Like a Ray call: returns an awaitable (a task; cancelling it cancels the request)."""
+        return asyncio.ensure_future(self._call(request_id, prompt_ids, sampling_params, kwargs))
+
+    async def _call(self, request_id: str, prompt_ids: list[int], sampling_params: Any, kwargs: dict[str, Any]):
+        handle = self._handle
+        try:
+            conn = await get_connection(handle.address, handle.replica_id, handle.token)
+        except ReplicaUnavailable as exc:
+            if handle.actor is None:
+                raise
+            # The port may be closed to us (a firewall that lets only Ray's ports through) while the
+            # replica is fine: take the Ray path. A dead replica fails there too, as it should.
+            if handle.address not in _WARNED:
+                _WARNED.add(handle.address)
+                logger.warning("%s; sending its requests through Ray instead", exc)
+            method = handle.actor.generate if self._output_only else handle.actor.generate_with_load
+            return await method.remote(request_id, prompt_ids, sampling_params, **kwargs)
+        response = await conn.generate_with_load(request_id, prompt_ids, sampling_params, **kwargs)
+        return response.output if self._output_only else response
+
+
+class DirectHandle:
+    """A replica actor handle whose ``generate`` / ``generate_with_load`` take the data plane.
+
+    Every other attribute is the actor's (``handle.update_weights.remote(...)`` is a Ray call), so
+    code written against actor handles works unchanged.
+    """
+
+    __slots__ = ("actor", "address", "replica_id", "token")
+
+    def __init__(self, actor: Any, address: str, replica_id: str = "", token: str = "") -> None:
+        self.actor = actor
+        self.address = address
+        self.replica_id = replica_id
+        self.token = token
+
+    @property
+    def generate_with_load(self) -> _DirectCall:
+        return _DirectCall(self, output_only=False)
+
+    @property
+    def generate(self) -> _DirectCall:
+        return _DirectCall(self, output_only=True)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in DirectHandle.__slots__:
+            raise AttributeError(name)  # not set yet (unpickling) or a protocol probe
+        return getattr(self.actor, name)
+
+    def __reduce__(self):
+        return (DirectHandle, (self.actor, self.address, self.replica_id, self.token))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, DirectHandle) and self.address == other.address and self.actor == other.actor
+
+    def __hash__(self) -> int:
+        return hash((self.address, self.replica_id))
+
+    def __repr__(self) -> str:
+        return f"DirectHandle({self.replica_id or '?'} @ {self.address})"
+
+
+__all__ = ["DirectConnection", "DirectHandle", "get_connection", "close_connections", "CONNECT_TIMEOUT_S"]

@@ -1,0 +1,143 @@
+"""The replica's side of the direct data plane: a TCP listener that runs ``generate_with_load``.
+
+Each client process keeps one connection to each replica and multiplexes every request over it
+(see :mod:`rollfleet.server.wire` for the frames and why they replace a Ray call per request).
+Every request runs as its own task in the replica's event loop, exactly as a Ray call would, so
+validation, the pause gate, version stamps and load reports are the same code.
+
+Cancellation crosses the wire: a ``CANCEL`` frame, or the connection closing, cancels the
+request's task, which aborts it in the engine, so a client that gives up never leaves work (or an
+in-flight count) behind on the replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import secrets
+from typing import Any, Optional, Protocol
+
+from rollfleet.server import wire
+from rollfleet.types import ReplicaResponse
+
+logger = logging.getLogger(__name__)
+
+
+class GeneratesWithLoad(Protocol):
+    async def generate_with_load(
+        self, request_id: str, prompt_ids: list[int], sampling_params: Optional[dict] = None, **kwargs: Any
+    ) -> ReplicaResponse: ...
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection: decode frames, run each request as a task, write its answer."""
+
+    def __init__(self, target: GeneratesWithLoad, server: "DataPlaneServer") -> None:
+        self._target = target
+        self._server = server
+        self._reader = wire.FrameReader(allow_pickle=False)
+        self._hello = False
+        self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._transport: Optional[asyncio.Transport] = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+        self._server._connections.add(self)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            for message in self._reader.feed(data):
+                self._dispatch(message)
+        except Exception as exc:  # not our protocol: drop the peer, keep serving everyone else
+            logger.warning("data plane: closing a connection that sent a bad frame: %r", exc)
+            assert self._transport is not None
+            self._transport.close()
+
+    def _dispatch(self, message: Any) -> None:
+        op = message[0]
+        if not self._hello:
+            if op != wire.HELLO or not isinstance(message[1], str) or not hmac.compare_digest(message[1], self._server.token):
+                raise wire.FrameError("the first frame must be HELLO with this replica's token")
+            self._hello = True
+            self._reader.allow_pickle = True
+            return
+        if op == wire.GENERATE:
+            _, call_id, request_id, prompt_ids, sampling_params, kwargs = message
+            task = asyncio.get_running_loop().create_task(
+                self._run(call_id, request_id, prompt_ids, sampling_params, kwargs or {})
+            )
+            self._tasks[call_id] = task
+        elif op == wire.CANCEL:
+            task = self._tasks.pop(message[1], None)
+            if task is not None:
+                task.cancel()
+        else:
+            raise wire.FrameError(f"unknown op {op!r}")
+
+    async def _run(
+        self, call_id: int, request_id: str, prompt_ids: list[int], sampling_params: Optional[dict], kwargs: dict
+    ) -> None:
+        try:
+            response = await self._target.generate_with_load(request_id, prompt_ids, sampling_params, **kwargs)
+        except asyncio.CancelledError:
+            return  # the client cancelled (or went away); it expects no answer
+        except BaseException as exc:  # noqa: BLE001 - every error goes back to the caller, typed
+            frame = wire.error_frame(call_id, exc)
+        else:
+            frame = wire.response_frame(call_id, response)
+        finally:
+            self._tasks.pop(call_id, None)
+        transport = self._transport
+        if transport is not None and not transport.is_closing():
+            transport.write(frame)
+
+    def connection_lost(self, exc: Optional[Exception]) -> None:
+        self._server._connections.discard(self)
+        tasks, self._tasks = self._tasks, {}
+        for task in tasks.values():
+            task.cancel()  # nobody is waiting for these any more: abort them in the engine
+        self._transport = None
+
+
+class DataPlaneServer:
+    """Listens on ``host:port`` (port 0: any free one) and serves ``target.generate_with_load``
+    to connections that open with its :attr:`token`."""
+
+    def __init__(self, target: GeneratesWithLoad, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.target = target
+        self.host = host
+        self.port = port
+        #: What a client must say first (see :mod:`rollfleet.server.wire`); it reaches clients
+        #: only through the controller, over Ray.
+        self.token = secrets.token_hex(16)
+        self._server: Optional[asyncio.AbstractServer] = None
+        self._connections: set[_Connection] = set()
+
+    async def start(self) -> str:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _Connection(self.target, self), self.host, self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self.address
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def num_connections(self) -> int:
+        return len(self._connections)
+
+    async def close(self) -> None:
+        """Stop listening and drop every connection (their requests are cancelled)."""
+        if self._server is None:
+            return
+        self._server.close()
+        for conn in list(self._connections):
+            if conn._transport is not None:
+                conn._transport.close()
+        await self._server.wait_closed()
+        self._server = None
+
+
+__all__ = ["DataPlaneServer"]

@@ -1,0 +1,218 @@
+"""The direct data plane: frames, a replica served over a socket, and the failure semantics the
+client's retry rules rely on (typed errors, cancellation crossing the wire, lost connections)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import pickle
+
+import pytest
+
+from rollfleet.client.direct import DirectHandle, close_connections, get_connection
+from rollfleet.config import RolloutConfig, SimEngineConfig
+from rollfleet.errors import InvalidRequest, ReplicaUnavailable
+from rollfleet.server import wire
+from rollfleet.server.dataplane import DataPlaneServer
+from rollfleet.server.local import LocalHandle
+from rollfleet.server.replica import Replica
+from rollfleet.types import LoadReport, ReplicaResponse, TokenOutput
+
+pytestmark = pytest.mark.unit
+
+
+async def served_replica(time_scale: float = 1000.0) -> tuple[Replica, DirectHandle]:
+    cfg = RolloutConfig(
+        name="sim", prompt_length=64, response_length=64, max_model_len=4096,
+        sim=SimEngineConfig(vocab_size=500, time_scale=time_scale, mean_response_tokens=20),
+    )
+    r = Replica("r0", cfg, 0)
+    await r.start(version=3)
+    address = await r.serve_data_plane("127.0.0.1")
+    return r, DirectHandle(LocalHandle(r), address, "r0", r._data_plane.token)
+
+
+def test_frames_survive_any_split_of_the_byte_stream():
+    messages = [[wire.GENERATE, i, f"req-{i}", list(range(i)), {"max_tokens": i + 1}, {}] for i in range(20)]
+    messages.append([wire.CANCEL, 7])
+    messages.append([1, wire.ERROR, InvalidRequest("prompt_ids", "< 10 tokens", [1] * 11)])  # pickled
+    stream = b"".join(wire.pack(m) for m in messages[:-1]) + wire.pack_pickled(messages[-1])
+    for chunk in (1, 3, 7, 64, len(stream)):
+        reader = wire.FrameReader()
+        got = []
+        for start in range(0, len(stream), chunk):
+            got.extend(reader.feed(stream[start : start + chunk]))
+        assert got[:-1] == messages[:-1]
+        err = got[-1][2]
+        assert isinstance(err, InvalidRequest) and err.field == "prompt_ids" and err.limit == "< 10 tokens"
+
+
+def test_non_json_values_fall_back_to_pickle_and_nan_logprobs_come_back_as_nan():
+    frame = wire.generate_frame(1, "r", [1, 2], {"max_tokens": 2}, {"image": b"\x89PNG"})
+    assert frame[4] == wire.PICKLE
+    (message,) = list(wire.FrameReader().feed(frame))
+    assert message[5] == {"image": b"\x89PNG"}
+
+    out = TokenOutput(token_ids=[4, 5, 6], log_probs=[-0.5, math.nan, -1.25], stop_reason="length", token_versions=[2, 2, 2])
+    response = ReplicaResponse(out, LoadReport("r0", inflight=3, weight_version=2, state="serving"))
+    frame = wire.response_frame(9, response)
+    assert frame[4] == wire.JSON
+    (message,) = list(wire.FrameReader().feed(frame))
+    back = wire.decode_response(message[2], message[3])
+    assert back.output.token_ids == [4, 5, 6] and back.output.stop_reason == "length"
+    assert back.output.log_probs[0] == -0.5 and math.isnan(back.output.log_probs[1])
+    assert back.load.inflight == 3 and back.load.weight_version == 2
+
+
+def test_oversized_or_unknown_frames_are_refused():
+    with pytest.raises(wire.FrameError, match="frame length"):
+        list(wire.FrameReader().feed(b"\xff\xff\xff\xff\x00"))
+    with pytest.raises(wire.FrameError, match="unknown frame kind"):
+        list(wire.FrameReader().feed(b"\x02\x00\x00\x00\x09x"))
+
+
+async def test_generate_over_the_socket_matches_the_in_process_call():
+    r, handle = await served_replica()
+    try:
+        params = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+        direct = await handle.generate_with_load.remote("s", [5, 6, 7], params)
+        local = await LocalHandle(r).generate_with_load.remote("s", [5, 6, 7], params)
+        assert direct.output.token_ids == local.output.token_ids and len(direct.output.token_ids) == 12
+        assert direct.output.log_probs == local.output.log_probs
+        assert direct.output.extra_fields["global_steps"] == 3 and direct.output.token_versions == [3] * 12
+        assert direct.load.replica_id == "r0" and direct.load.inflight == 0
+        only_output = await handle.generate.remote("s", [5, 6, 7], params)
+        assert isinstance(only_output, TokenOutput) and only_output.token_ids == local.output.token_ids
+        # every other call is the actor's (here the in-process handle's)
+        assert await handle.ping.remote() == "r0"
+    finally:
+        close_connections()
+        await r.shutdown()
+
+
+async def test_many_concurrent_requests_share_one_connection_and_leave_no_inflight():
+    r, handle = await served_replica(time_scale=1e5)
+    try:
+        outs = await asyncio.gather(
+            *(handle.generate.remote(f"s{i}", [1 + i % 400, 2, 3], {"max_tokens": 4}) for i in range(1000))
+        )
+        assert all(len(o.token_ids) >= 1 for o in outs)
+        assert r._data_plane.num_connections == 1
+        assert r._inflight == 0 and r._inflight_tokens == 0
+    finally:
+        close_connections()
+        await r.shutdown()
+
+
+async def test_bad_input_arrives_typed_and_the_connection_keeps_serving():
+    r, handle = await served_replica()
+    try:
+        with pytest.raises(InvalidRequest) as info:
+            await handle.generate.remote("bad", [1, 2, 500], {"max_tokens": 4})
+        assert info.value.field == "prompt_ids[2]" and "vocab_size (500)" in str(info.value)
+        with pytest.raises(InvalidRequest) as info:
+            await handle.generate.remote("bad", [1, 2], {"max_tokens": -3})
+        assert info.value.field == "sampling_params.max_tokens"
+        out = await handle.generate.remote("good", [1, 2], {"max_tokens": 4})
+        assert len(out.token_ids) >= 1
+        assert r._counters["invalid"] == 2 and r._inflight == 0
+    finally:
+        close_connections()
+        await r.shutdown()
+
+
+async def test_cancelling_the_caller_aborts_the_request_on_the_replica():
+    r, handle = await served_replica(time_scale=20.0)
+    try:
+        task = handle.generate.remote("long", [1, 2, 3], {"max_tokens": 3000, "ignore_eos": True})
+        for _ in range(100):
+            if r._inflight == 1:
+                break
+            await asyncio.sleep(0.01)
+        assert r._inflight == 1
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(100):
+            if r._inflight == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert r._inflight == 0 and r._inflight_tokens == 0
+        assert r.engine.stats()["num_aborted"] >= 1
+        conn = await get_connection(handle.address, "r0", handle.token)
+        assert conn._pending == {}
+        assert len((await handle.generate.remote("next", [1], {"max_tokens": 2})).token_ids) >= 1
+    finally:
+        close_connections()
+        await r.shutdown()
+
+
+async def test_a_lost_connection_fails_pending_requests_as_replica_unavailable():
+    r, handle = await served_replica(time_scale=20.0)
+    try:
+        pending = [handle.generate.remote(f"p{i}", [1, 2], {"max_tokens": 3000, "ignore_eos": True}) for i in range(5)]
+        await asyncio.sleep(0.1)
+        await r._data_plane.close()  # the replica's process went away
+        results = await asyncio.gather(*pending, return_exceptions=True)
+        assert all(isinstance(e, ReplicaUnavailable) and e.replica_id == "r0" for e in results)
+        with pytest.raises(ReplicaUnavailable, match="cannot reach its data plane"):
+            await get_connection(handle.address, "r0", handle.token)
+        # The replica itself is alive: its requests take the actor path instead of failing.
+        assert len((await handle.generate.remote("again", [1], {"max_tokens": 2})).token_ids) >= 1
+        no_actor = DirectHandle(None, handle.address, "r0", handle.token)
+        with pytest.raises(ReplicaUnavailable, match="cannot reach its data plane"):
+            await no_actor.generate.remote("again", [1], {"max_tokens": 2})
+        for _ in range(100):  # the replica cancelled the orphaned requests: no leaked count
+            if r._inflight == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert r._inflight == 0
+    finally:
+        close_connections()
+        await r.shutdown()
+
+
+class _Boom:
+    def __reduce__(self):  # would run on unpickling
+        return (_explode, ())
+
+
+_EXPLODED: list[bool] = []
+
+
+def _explode() -> None:
+    _EXPLODED.append(True)
+
+
+async def _refused(address: str, payload: bytes) -> bool:
+    host, _, port = address.rpartition(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(payload)
+    await writer.drain()
+    closed = await asyncio.wait_for(reader.read(), 5) == b""  # the replica hangs up
+    writer.close()
+    return closed
+
+
+async def test_peers_without_the_token_or_speaking_garbage_are_dropped_and_others_keep_being_served():
+    r, handle = await served_replica()
+    try:
+        assert await _refused(handle.address, b"GET / HTTP/1.1\r\n\r\n")
+        assert await _refused(handle.address, wire.hello_frame("not-the-token"))
+        request = wire.generate_frame(1, "x", [1, 2], {"max_tokens": 3}, {})
+        assert await _refused(handle.address, request)  # no hello first
+        assert await _refused(handle.address, wire.pack_pickled([wire.HELLO, _Boom()]))
+        assert _EXPLODED == []  # nothing was unpickled for a peer that had not said hello
+        assert r._counters["requests"] == 0
+        assert len((await handle.generate.remote("ok", [1, 2], {"max_tokens": 3})).token_ids) >= 1
+    finally:
+        close_connections()
+        await r.shutdown()
+
+
+def test_direct_handle_pickles_to_actor_address_and_id():
+    handle = DirectHandle("actor-placeholder", "10.0.0.5:4242", "replica-3", "secret")
+    back = pickle.loads(pickle.dumps(handle))
+    assert (back.actor, back.address, back.replica_id, back.token) == ("actor-placeholder", "10.0.0.5:4242", "replica-3", "secret")
+    assert back == handle and hash(back) == hash(handle)
+    assert back != DirectHandle("actor-placeholder", "10.0.0.5:4243", "replica-3")
