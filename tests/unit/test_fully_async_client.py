@@ -167,3 +167,42 @@ async def test_cancelled_request_releases_its_slot():
     await asyncio.sleep(0)
     assert c.balancer.get_total_inflight() == 0
     assert server.cancelled == 1  # the replica's side was cancelled too
+
+
+class SyncingController:
+    """A controller whose only replica is still syncing for a while; counts snapshot calls."""
+
+    def __init__(self, server, routable_after_s: float):
+        self.calls = 0
+        self.handle = LocalHandle(server)
+        self.ready_at = asyncio.get_running_loop().time() + routable_after_s
+        self.snapshot = self  # so that controller.snapshot.remote(...) works like a Ray handle
+
+    def remote(self, known_epoch: int = -1):
+        from rollfleet.health import FleetSnapshot
+
+        self.calls += 1
+        ready = asyncio.get_running_loop().time() >= self.ready_at
+        snap = FleetSnapshot(
+            membership_epoch=1,
+            current_version=1,
+            states={"s0": "healthy" if ready else "syncing"},
+            versions={"s0": 1 if ready else None},
+            handles={"s0": self.handle} if known_epoch != 1 else None,
+        )
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_result(snap)
+        return fut
+
+
+async def test_requests_waiting_for_a_routable_replica_share_fleet_refreshes():
+    """64 requests wait ~0.6 s for a syncing fleet: they back off and share their refreshes
+    instead of each asking the controller every 10 ms (thousands of calls)."""
+    server = FakeServer([], natural_len=4)
+    controller = SyncingController(server, routable_after_s=0.6)
+    cfg = RolloutConfig(retry=RetryConfig(initial_backoff_s=0.01, max_backoff_s=0.2, jitter=0))
+    c = LLMServerClient(cfg, controller=controller)
+    outs = await asyncio.gather(*(c.generate(f"w{i}", prompt_ids=[1, 2], sampling_params={"max_tokens": 4}) for i in range(64)))
+    await c.close()
+    assert all(o.stop_reason == "stop" and len(o.token_ids) == 4 for o in outs)
+    assert controller.calls < 100, controller.calls
