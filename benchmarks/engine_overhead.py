@@ -9,6 +9,9 @@ the spread of the rounds (on 2 shared cores one round varies by +-15%, which is 
 many), and the CPU time per request of each group of processes: this client, the replica actor,
 vLLM's process tree, and the rest of the machine (Ray's daemons, the controller). The CPU figures
 are steadier than the throughput and show what rollfleet adds and where.
+The direct path uses aiohttp + orjson with the exact body rollfleet's adapter sends: the fairest
+baseline, so the ratio is what the hop through rollfleet costs and not a choice of HTTP library
+(``--direct-client httpx`` shows that choice: httpx costs ~3.7 ms of CPU per request here).
 ``--data-plane ray`` measures verl's way (one Ray actor call per request) instead of rollfleet's
 direct data plane.
 
@@ -19,12 +22,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import os
 import statistics
 import time
 from dataclasses import dataclass
 
+import aiohttp
 import httpx
+import orjson
 import psutil
 from rich.console import Console
 from rich.progress import Progress
@@ -50,31 +56,52 @@ async def bounded(concurrency: int, jobs):
     return await asyncio.gather(*(run(j) for j in jobs))
 
 
-async def direct_round(address: str, batch: list[list[int]], max_tokens: int, concurrency: int) -> tuple[float, int]:
-    limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency * 2)
-    async with httpx.AsyncClient(base_url=address, timeout=600, limits=limits) as http:
+def _body(prompt: list[int], max_tokens: int) -> dict:
+    return {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 1.0,
+        "ignore_eos": True,
+        "logprobs": 0,
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,  # the body rollfleet's adapter sends
+        "n": 1,
+    }
 
-        def job(i: int, prompt: list[int]):
-            async def go() -> int:
-                body = {
-                    "model": "tiny",
-                    "prompt": prompt,
-                    "max_tokens": max_tokens,
-                    "temperature": 1.0,
-                    "ignore_eos": True,
-                    "logprobs": 0,
-                    "return_token_ids": True,
-                    "return_tokens_as_token_ids": True,  # the body rollfleet's adapter sends
-                    "n": 1,
-                }
-                resp = await http.post("/v1/completions", json=body, headers={"X-Request-Id": f"direct-{i}-{time.monotonic_ns()}"})
+
+async def direct_round(
+    address: str, batch: list[list[int]], max_tokens: int, concurrency: int, http_client: str = "aiohttp"
+) -> tuple[float, int]:
+    """The batch straight to vLLM, with the best client we know (aiohttp + orjson) or httpx."""
+    if http_client == "httpx":
+        limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency * 2)
+        async with httpx.AsyncClient(base_url=address, timeout=600, limits=limits) as http:
+
+            async def post(i: int, prompt: list[int]) -> int:
+                resp = await http.post(
+                    "/v1/completions", json=_body(prompt, max_tokens), headers={"X-Request-Id": f"direct-{i}-{time.monotonic_ns()}"}
+                )
                 resp.raise_for_status()
                 return len(resp.json()["choices"][0]["token_ids"])
 
-            return go
+            start = time.perf_counter()
+            counts = await bounded(concurrency, [functools.partial(post, i, p) for i, p in enumerate(batch)])
+            return time.perf_counter() - start, sum(counts)
+
+    async with aiohttp.ClientSession(address, connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(600)) as http:
+
+        async def post(i: int, prompt: list[int]) -> int:
+            async with http.post(
+                "/v1/completions",
+                data=orjson.dumps(_body(prompt, max_tokens)),
+                headers={"X-Request-Id": f"direct-{i}-{time.monotonic_ns()}", "Content-Type": "application/json"},
+            ) as resp:
+                resp.raise_for_status()
+                return len(orjson.loads(await resp.read())["choices"][0]["token_ids"])
 
         start = time.perf_counter()
-        counts = await bounded(concurrency, [job(i, p) for i, p in enumerate(batch)])
+        counts = await bounded(concurrency, [functools.partial(post, i, p) for i, p in enumerate(batch)])
         return time.perf_counter() - start, sum(counts)
 
 
@@ -172,7 +199,7 @@ async def main_async(args: argparse.Namespace) -> None:
         client = manager.get_client()
         batch = prompts(args.requests)
         for _ in range(2):  # warm both paths (connections, vLLM's first batches)
-            await direct_round(address, batch[:64], 16, args.concurrency)
+            await direct_round(address, batch[:64], 16, args.concurrency, args.direct_client)
             await rollfleet_round(client, batch[:64], 16, args.concurrency)
         direct: list[Round] = []
         ours: list[Round] = []
@@ -183,7 +210,9 @@ async def main_async(args: argparse.Namespace) -> None:
                 order = ("direct", "rollfleet") if r % 2 == 0 else ("rollfleet", "direct")
                 for path in order:
                     if path == "direct":
-                        direct.append(await measured(meter, direct_round(address, batch, args.max_tokens, args.concurrency)))
+                        direct.append(
+                            await measured(meter, direct_round(address, batch, args.max_tokens, args.concurrency, args.direct_client))
+                        )
                     else:
                         ours.append(await measured(meter, rollfleet_round(client, batch, args.max_tokens, args.concurrency)))
                     (direct if path == "direct" else ours)[-1].requests = len(batch)
@@ -208,7 +237,7 @@ def render(console: Console, args: argparse.Namespace, direct: list[Round], ours
     for g in groups:
         table.add_column(f"CPU ms/req {g}", justify="right")
     for name, rounds, total in (
-        ("direct HTTP to vLLM", direct, d),
+        (f"direct HTTP to vLLM ({args.direct_client})", direct, d),
         (f"rollfleet client -> replica ({data_plane}) -> vLLM", ours, o),
     ):
         table.add_row(
@@ -238,6 +267,9 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--data-plane", choices=["direct", "ray"], default="direct")
+    parser.add_argument(
+        "--direct-client", choices=["aiohttp", "httpx"], default="aiohttp", help="HTTP client of the direct path (aiohttp: the fair baseline)"
+    )
     asyncio.run(main_async(parser.parse_args()))
 
 

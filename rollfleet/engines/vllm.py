@@ -62,7 +62,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
 
+import aiohttp
 import httpx
+import orjson
 
 from rollfleet.engines.base import Engine, EngineHealth, EngineLimits, EngineLoad
 from rollfleet.errors import EngineDead, InvalidRequest, NotSupported, ReplicaUnavailable
@@ -302,7 +304,8 @@ class VLLMEngine(Engine):
         self.log_path: Optional[Path] = None
         self.profile_dir: Optional[Path] = None
         self._proc: Optional[subprocess.Popen] = None
-        self._client: Optional[httpx.AsyncClient] = None
+        self._client: Optional[httpx.AsyncClient] = None  # control routes
+        self._session: Optional[aiohttp.ClientSession] = None  # generate (the hot path)
         self._limits: Optional[EngineLimits] = None
         self._watcher: Optional[asyncio.Task] = None
         self._dead: Optional[asyncio.Event] = None  # created in start() (inside the loop)
@@ -491,8 +494,15 @@ class VLLMEngine(Engine):
         finally:
             log.close()
         _LIVE_GROUPS.add(self._proc.pid)
-        if self._client is not None:
-            await self._client.aclose()
+        await self._close_clients()
+        # Generate goes through aiohttp: at 64 requests in flight httpx spent ~3.7 ms of CPU per
+        # completion here and aiohttp + orjson ~0.2 ms, CPU that the engine on the same cores
+        # would otherwise get. Control routes are rare and keep httpx.
+        self._session = aiohttp.ClientSession(
+            base_url=self.address(),
+            connector=aiohttp.TCPConnector(limit=0, force_close=False),
+            timeout=aiohttp.ClientTimeout(total=self.request_timeout_s, sock_connect=10.0),
+        )
         self._client = httpx.AsyncClient(
             base_url=self.address(),
             timeout=httpx.Timeout(self.request_timeout_s, connect=10.0),
@@ -560,15 +570,21 @@ class VLLMEngine(Engine):
         self._proc = None  # never signal that pid (group) again: it may be reused
         for task in list(self._background):
             task.cancel()
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
+        await self._close_clients()
         self._inflight.clear()
         self._started = False
         if self.workdir is not None and self.workdir.exists():
             has_traces = self.profile_dir is not None and self.profile_dir.exists() and any(self.profile_dir.iterdir())
             if not has_traces:
                 shutil.rmtree(self.workdir, ignore_errors=True)
+
+    async def _close_clients(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
 
     async def _kill_group(self, grace_s: float = 10.0) -> None:
         """SIGTERM the server's process group, SIGKILL what is left after ``grace_s``."""
@@ -696,15 +712,15 @@ class VLLMEngine(Engine):
                 return TokenOutput(token_ids=[], log_probs=[], stop_reason="aborted")
             self._check_alive()
             rec.sent = True
-            post = asyncio.ensure_future(
-                self._client.post("/v1/completions", json=body, headers={"X-Request-Id": rec.engine_id})
-            )
+            post = asyncio.ensure_future(self._post_completion(body, rec.engine_id))
             dead = asyncio.ensure_future(self._dead.wait())
             try:
                 await asyncio.wait({post, dead}, return_when=asyncio.FIRST_COMPLETED)
             except asyncio.CancelledError:
-                # The caller gave up: dropping the connection makes vLLM abort the request.
+                # The caller gave up: dropping the connection makes vLLM abort the request, and an
+                # explicit abort makes sure of it (vLLM notices a closed socket only when it writes).
                 post.cancel()
+                self._abort_in_background([rec.vllm_id])
                 raise
             finally:
                 dead.cancel()
@@ -712,15 +728,15 @@ class VLLMEngine(Engine):
                 post.cancel()
                 raise EngineDead(self.replica_label, self._dead_reason or "vLLM server died")
             try:
-                resp = post.result()
-            except httpx.TimeoutException as e:
-                raise ReplicaUnavailable(self.replica_label, f"request timed out: {e!r}") from e
-            except httpx.HTTPError as e:
+                status, raw = post.result()
+            except asyncio.TimeoutError as e:
+                raise ReplicaUnavailable(self.replica_label, f"request timed out after {self.request_timeout_s:.0f}s") from e
+            except aiohttp.ClientError as e:
                 if await self._exited_after_error():
                     self._mark_dead(f"vLLM server process exited ({e!r})")
                     raise EngineDead(self.replica_label, self._dead_reason) from e
                 raise ReplicaUnavailable(self.replica_label, f"HTTP error talking to vLLM: {e!r}") from e
-            out = self._parse_completion(resp, prompt_ids, body)
+            out = self._parse_completion(status, raw, prompt_ids, body)
             self._counts["num_aborted" if out.stop_reason == "aborted" else "num_finished"] += 1
             return out
         except (ReplicaUnavailable, InvalidRequest):
@@ -752,17 +768,39 @@ class VLLMEngine(Engine):
                 t.cancel()
         self._check_alive()
 
-    def _parse_completion(self, resp: httpx.Response, prompt_ids: list[int], body: dict) -> TokenOutput:
-        if resp.status_code != 200:
-            msg, param = resp.text, None
+    async def _post_completion(self, body: dict[str, Any], engine_id: str) -> tuple[int, bytes]:
+        assert self._session is not None
+        async with self._session.post(
+            "/v1/completions",
+            data=orjson.dumps(body),
+            headers={"X-Request-Id": engine_id, "Content-Type": "application/json"},
+        ) as resp:
+            return resp.status, await resp.read()
+
+    def _abort_in_background(self, vllm_ids: list[str]) -> None:
+        async def abort() -> None:
             try:
-                err = resp.json()
-                info = err.get("error") if isinstance(err.get("error"), dict) else {}
-                msg = info.get("message") or err.get("message") or err.get("detail") or resp.text
-                param = info.get("param")
-            except ValueError:
+                await self._control("POST", "/abort_requests", json={"request_ids": vllm_ids})
+            except Exception:  # the server is gone or busy: nothing left to free
                 pass
-            if resp.status_code in (400, 422):
+
+        if self.is_alive():
+            task = asyncio.get_running_loop().create_task(abort())
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    def _parse_completion(self, status: int, raw: bytes, prompt_ids: list[int], body: dict) -> TokenOutput:
+        if status != 200:
+            text = raw.decode("utf-8", "replace")
+            msg, param = text, None
+            try:
+                err = orjson.loads(raw)
+                info = err.get("error") if isinstance(err.get("error"), dict) else {}
+                msg = info.get("message") or err.get("message") or err.get("detail") or text
+                param = info.get("param")
+            except (ValueError, AttributeError):
+                pass
+            if status in (400, 422):
                 if param in (None, "") and "token id" in str(msg).lower():
                     where = "prompt_ids"  # "Token id N is out of vocabulary"
                 elif param in (None, ""):
@@ -773,8 +811,8 @@ class VLLMEngine(Engine):
                     where = f"sampling_params.{param}"
                 value = prompt_ids if where == "prompt_ids" else body.get(str(param)) if param else None
                 raise InvalidRequest(where, "accepted by the vLLM server", value, str(msg)[:1000])
-            raise ReplicaUnavailable(self.replica_label, f"vLLM answered HTTP {resp.status_code}: {str(msg)[:1000]}")
-        data = resp.json()
+            raise ReplicaUnavailable(self.replica_label, f"vLLM answered HTTP {status}: {str(msg)[:1000]}")
+        data = orjson.loads(raw)
         choice = data["choices"][0]
         token_ids = list(choice.get("token_ids") or [])
         lp = choice.get("logprobs") or {}
