@@ -90,6 +90,8 @@ _STATS_METRICS = {
 }
 
 _LOG_TAIL_LINES = 40
+#: How long our idle connections to vLLM are kept: under its ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE`` (5 s).
+_KEEPALIVE_S = 2.0
 _METRIC_RUNNING = "vllm:num_requests_running"
 _METRIC_WAITING = "vllm:num_requests_waiting"
 _METRIC_KV = "vllm:kv_cache_usage_perc"
@@ -232,6 +234,10 @@ def omp_threads_bind(
     per_rank = max(1, len(mine) // tp)
     groups = [mine[i * per_rank:(i + 1) * per_rank] or mine[-per_rank:] for i in range(tp)]
     return "|".join(_format_ids(g) for g in groups)
+
+
+class _StaleConnection(Exception):
+    """A keep-alive connection was closed by the server as the request went out."""
 
 
 @dataclass(eq=False)
@@ -500,13 +506,15 @@ class VLLMEngine(Engine):
         # would otherwise get. Control routes are rare and keep httpx.
         self._session = aiohttp.ClientSession(
             base_url=self.address(),
-            connector=aiohttp.TCPConnector(limit=0, force_close=False),
+            # Idle connections are dropped before vLLM's own 5 s keep-alive runs out, so a request
+            # is never written into a socket the server is closing (a stale one is retried once).
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=_KEEPALIVE_S),
             timeout=aiohttp.ClientTimeout(total=self.request_timeout_s, sock_connect=10.0),
         )
         self._client = httpx.AsyncClient(
             base_url=self.address(),
             timeout=httpx.Timeout(self.request_timeout_s, connect=10.0),
-            limits=httpx.Limits(max_connections=4096, max_keepalive_connections=1024),
+            limits=httpx.Limits(max_connections=4096, max_keepalive_connections=1024, keepalive_expiry=_KEEPALIVE_S),
         )
         deadline = time.monotonic() + self.startup_timeout_s
         while True:
@@ -712,30 +720,18 @@ class VLLMEngine(Engine):
                 return TokenOutput(token_ids=[], log_probs=[], stop_reason="aborted")
             self._check_alive()
             rec.sent = True
-            post = asyncio.ensure_future(self._post_completion(body, rec.engine_id))
-            dead = asyncio.ensure_future(self._dead.wait())
             try:
-                await asyncio.wait({post, dead}, return_when=asyncio.FIRST_COMPLETED)
-            except asyncio.CancelledError:
-                # The caller gave up: dropping the connection makes vLLM abort the request, and an
-                # explicit abort makes sure of it (vLLM notices a closed socket only when it writes).
-                post.cancel()
+                status, raw = await self._send(rec, body)
+            except _StaleConnection:
+                # vLLM closed an idle keep-alive connection just as we reused it (its keep-alive is
+                # 5 s). Send once more on a fresh connection, under a new id in case it was read.
                 self._abort_in_background([rec.vllm_id])
-                raise
-            finally:
-                dead.cancel()
-            if not post.done():
-                post.cancel()
-                raise EngineDead(self.replica_label, self._dead_reason or "vLLM server died")
-            try:
-                status, raw = post.result()
-            except asyncio.TimeoutError as e:
-                raise ReplicaUnavailable(self.replica_label, f"request timed out after {self.request_timeout_s:.0f}s") from e
-            except aiohttp.ClientError as e:
-                if await self._exited_after_error():
-                    self._mark_dead(f"vLLM server process exited ({e!r})")
-                    raise EngineDead(self.replica_label, self._dead_reason) from e
-                raise ReplicaUnavailable(self.replica_label, f"HTTP error talking to vLLM: {e!r}") from e
+                if rec.abort_requested.is_set():
+                    return TokenOutput(token_ids=[], log_probs=[], stop_reason="aborted")
+                self._inflight.pop(rec.engine_id, None)
+                rec.engine_id = f"{rec.engine_id}~r"
+                self._inflight[rec.engine_id] = rec
+                status, raw = await self._send(rec, body, retry_stale=False)
             out = self._parse_completion(status, raw, prompt_ids, body)
             self._counts["num_aborted" if out.stop_reason == "aborted" else "num_finished"] += 1
             return out
@@ -767,6 +763,40 @@ class VLLMEngine(Engine):
             for t in tasks:
                 t.cancel()
         self._check_alive()
+
+    async def _send(self, rec: _Inflight, body: dict[str, Any], retry_stale: bool = True) -> tuple[int, bytes]:
+        """POST one completion and return (status, body bytes), watching for the server's death.
+
+        Raises :class:`_StaleConnection` (only with ``retry_stale``) when a reused connection
+        turned out to be closed by the server, ``EngineDead`` when the server is gone, and
+        ``ReplicaUnavailable`` for other transport failures."""
+        assert self._dead is not None
+        post = asyncio.ensure_future(self._post_completion(body, rec.engine_id))
+        dead = asyncio.ensure_future(self._dead.wait())
+        try:
+            await asyncio.wait({post, dead}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            # The caller gave up: dropping the connection makes vLLM abort the request, and an
+            # explicit abort makes sure of it (vLLM notices a closed socket only when it writes).
+            post.cancel()
+            self._abort_in_background([rec.vllm_id])
+            raise
+        finally:
+            dead.cancel()
+        if not post.done():
+            post.cancel()
+            raise EngineDead(self.replica_label, self._dead_reason or "vLLM server died")
+        try:
+            return post.result()
+        except asyncio.TimeoutError as e:
+            raise ReplicaUnavailable(self.replica_label, f"request timed out after {self.request_timeout_s:.0f}s") from e
+        except aiohttp.ClientError as e:
+            if retry_stale and isinstance(e, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)) and self.is_alive():
+                raise _StaleConnection() from e
+            if await self._exited_after_error():
+                self._mark_dead(f"vLLM server process exited ({e!r})")
+                raise EngineDead(self.replica_label, self._dead_reason) from e
+            raise ReplicaUnavailable(self.replica_label, f"HTTP error talking to vLLM: {e!r}") from e
 
     async def _post_completion(self, body: dict[str, Any], engine_id: str) -> tuple[int, bytes]:
         assert self._session is not None

@@ -82,6 +82,61 @@ def test_from_config_and_body():
         eng.limits()
 
 
+class _AliveProc:
+    pid = 0
+
+    def poll(self):
+        return None
+
+
+@pytest.mark.asyncio
+async def test_a_keep_alive_connection_closed_by_the_server_is_retried_once_under_a_new_id():
+    """vLLM drops idle keep-alive connections after 5 s; a request written into one as it closes
+    must not fail (it used to quarantine the replica for seconds): it is sent again, once."""
+    seen: list[str] = []
+    completion = (
+        b'{"choices":[{"token_ids":[7,8,9],"logprobs":{"token_logprobs":[-0.1,-0.2,-0.3]},'
+        b'"finish_reason":"length"}],"usage":{}}'
+    )
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        lines = head.decode().split("\r\n")
+        path = lines[0].split()[1]
+        headers = dict(line.split(": ", 1) for line in lines[1:] if ": " in line)
+        await reader.readexactly(int(headers.get("Content-Length", headers.get("content-length", "0"))))
+        if path == "/v1/completions":
+            seen.append(headers.get("X-Request-Id", ""))
+            if len(seen) == 1:  # the first one lands on a connection the server is closing
+                writer.close()
+                return
+        body = completion if path == "/v1/completions" else b"{}"
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    eng = VLLMEngine("tiny", max_model_len=64)
+    eng.port = server.sockets[0].getsockname()[1]
+    eng._proc = _AliveProc()
+    eng._dead, eng._resumed = asyncio.Event(), asyncio.Event()
+    eng._resumed.set()
+    eng._started = True
+    import aiohttp
+    import httpx
+
+    eng._session = aiohttp.ClientSession(base_url=eng.address())
+    eng._client = httpx.AsyncClient(base_url=eng.address())
+    try:
+        out = await eng.generate("s1", [1, 2, 3], {"max_tokens": 3})
+        assert out.token_ids == [7, 8, 9] and out.stop_reason == "length"
+        assert len(seen) == 2 and seen[1] == seen[0] + "~r"
+        assert eng._inflight == {} and eng.stats()["num_errors"] == 0
+    finally:
+        await eng._close_clients()
+        server.close()
+
+
 # ---------------------------------------------------------------------------- real vLLM
 def _children(pid: int) -> list[int]:
     import psutil
