@@ -7,7 +7,8 @@ Both sides route the same workload to 8 replicas from 1,024 concurrent callers:
   and one ``release_server`` round trip (here the release is awaited; verl fires and forgets it).
 * **rollfleet** — the client's hot path: 8 agent-loop workers, each with its own in-process
   balancer (policy ``least_tokens``). Nobody counts every request: each worker sees its own live
-  counts plus the replicas' reports, piggybacked on every response and polled every 250 ms.
+  counts plus the replicas' reports, piggybacked on every response and
+  refreshed every ``routing.load_refresh_interval_s`` (1 s by default).
 
 Measured, side by side in one run:
 1. a burst of 10,000 requests with zero service time: wall time to route them all, decisions/s,
@@ -33,6 +34,7 @@ from rich.table import Table
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
+from rollfleet.config import RoutingConfig  # noqa: E402
 from rollfleet.routing import GlobalRequestLoadBalancer  # noqa: E402
 from rollfleet.types import LoadReport  # noqa: E402
 
@@ -129,9 +131,9 @@ async def run_rollfleet(n_requests: int, concurrency: int, service_mean_s: float
     prompt_lens = random.Random(seed)
     stop = asyncio.Event()
 
-    async def poll() -> None:  # the fleet view's periodic refresh
+    async def poll() -> None:  # the fleet view's periodic load refresh (the default interval)
         while not stop.is_set():
-            await asyncio.sleep(0.25)
+            await asyncio.sleep(RoutingConfig().load_refresh_interval_s)
             for lb in workers:
                 for rid in ids:
                     lb.report_load(truth.report(rid))

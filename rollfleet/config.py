@@ -108,7 +108,11 @@ class RoutingConfig(_Section):
         8, ge=0, description="... and also exceeds mean + slack in-flight requests (both must hold)."
     )
     load_refresh_interval_s: float = Field(
-        0.25, gt=0, description="How often a client refreshes fleet membership, health and loads."
+        1.0,
+        gt=0,
+        description="How stale a client's view of other clients' load may get. Changes of membership, health "
+        "and weight versions reach clients at once (they watch the controller); loads are polled at "
+        "health.probe_interval_s, so a shorter value buys little.",
     )
 
 

@@ -77,6 +77,15 @@ class FleetSnapshot:
     loads: dict[str, LoadReport] = field(default_factory=dict)
     handles: Optional[dict[str, Any]] = None
 
+    def signature(self) -> tuple:
+        """What routing depends on, comparable across processes (no salted hashes)."""
+        return (
+            self.membership_epoch,
+            self.current_version,
+            tuple(sorted(self.states.items())),
+            tuple(sorted(self.versions.items(), key=lambda kv: kv[0])),
+        )
+
     def routable_ids(self) -> list[str]:
         return [
             rid

@@ -1,9 +1,10 @@
 """A client's view of the fleet: membership, health, weight versions and loads.
 
 It keeps the client's :class:`GlobalRequestLoadBalancer` up to date from the fleet controller's
-snapshots, refreshed in the background every ``load_refresh_interval_s`` (off the hot path: a
-request never waits for a refresh). Handles are re-sent only when membership changes. A replica
-that fails a call is quarantined locally at once and reported to the controller, which probes it.
+snapshots, watched in the background (a long poll that returns on any change, or after
+``load_refresh_interval_s`` with fresh loads; off the hot path: a request never waits for it).
+Handles are re-sent only when membership changes. A replica that fails a call is quarantined
+locally at once and reported to the controller, which probes it.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class FleetView:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self.current_version: Optional[int] = None
         self.last_refresh = float("-inf")
+        self._signature: Optional[tuple] = None
         self._inflight_refresh: Optional[asyncio.Future[None]] = None
 
     async def ensure_started(self) -> None:
@@ -60,14 +62,23 @@ class FleetView:
                 self._first_refresh = None
 
     async def _refresh_forever(self) -> None:
+        """Watch the controller: a change (membership, health, versions) arrives at once, and a
+        quiet fleet costs one call every ``refresh_interval_s`` (which brings fresh loads)."""
+        watch = getattr(self.controller, "watch", None)
         while True:
-            await asyncio.sleep(self.refresh_interval_s)
             try:
-                await self.refresh()
+                if watch is None:  # a controller without long polls: poll
+                    await asyncio.sleep(self.refresh_interval_s)
+                    await self.refresh()
+                    continue
+                snapshot = await watch.remote(self._epoch, self._signature, self.refresh_interval_s)
+                self.apply(snapshot)
+                self.last_refresh = time.monotonic()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the controller may be restarting; keep routing on the last view
                 logger.debug("fleet view refresh failed: %r", exc)
+                await asyncio.sleep(self.refresh_interval_s)
 
     async def refresh(self) -> None:
         """Fetch and apply a snapshot now. Concurrent callers share one fetch: when a whole fleet
@@ -105,6 +116,7 @@ class FleetView:
                     self._quarantined.pop(sid, None)
             self._epoch = snapshot.membership_epoch
         self.current_version = snapshot.current_version
+        self._signature = snapshot.signature()
         now = time.monotonic()
         self._routable = set(snapshot.routable_ids())
         for sid in bal.get_all_servers():

@@ -51,6 +51,7 @@ class FleetController:
         self._restart_tasks: dict[str, asyncio.Task[None]] = {}
         self._events: list[dict[str, Any]] = []
         self._update_lock: Optional[asyncio.Lock] = None
+        self._changed: Optional[asyncio.Event] = None  # set (and replaced) on every change
 
     # ------------------------------------------------------------------ membership
     async def launch(self, num_replicas: int, initial_version: int = 0) -> list[dict[str, Any]]:
@@ -84,6 +85,7 @@ class FleetController:
             record.handle = handle
             record.data_plane = ""  # the old actor's port is gone; the new one reports its own
         self._membership_epoch += 1
+        self._notify()
         boot_is_current = not self._has_weights
         info = await handle.start.remote(self.current_version if boot_is_current else None)
         record.address = info.get("address", "")
@@ -99,6 +101,7 @@ class FleetController:
         record.consecutive_failures = 0
         self._set_state(record, HealthState.HEALTHY, "started")
         self._membership_epoch += 1
+        self._notify()
         return {**info, "weight_version": self.current_version, "state": record.state.value}
 
     async def remove_replicas(self, replica_ids: list[str], drain_timeout_s: float = 30.0) -> list[str]:
@@ -111,6 +114,7 @@ class FleetController:
             self._set_state(record, HealthState.DRAINING, "removal requested", force=True)
             removed.append(rid)
         self._membership_epoch += 1
+        self._notify()
         await asyncio.gather(*(self._drain_and_stop(rid, drain_timeout_s) for rid in removed))
         for rid in removed:
             self._records.pop(rid, None)
@@ -118,6 +122,7 @@ class FleetController:
             if task is not None:
                 task.cancel()
         self._membership_epoch += 1
+        self._notify()
         return removed
 
     async def _drain_and_stop(self, rid: str, timeout_s: float) -> None:
@@ -153,6 +158,41 @@ class FleetController:
         if known_epoch != self._membership_epoch:
             snap.handles = {rid: _route_handle(r) for rid, r in records.items()}
         return snap
+
+    async def watch(
+        self, known_epoch: int = -1, known_signature: Optional[tuple] = None, timeout_s: float = 1.0
+    ) -> FleetSnapshot:
+        """Long poll: the snapshot as soon as what routing depends on (membership, states,
+        versions) differs from ``known_signature``, else after ``timeout_s`` (with fresh loads).
+
+        Clients watch instead of polling: a change reaches every client at once, and a quiet fleet
+        costs one call per client per ``timeout_s`` (a snapshot call costs the controller and
+        the caller milliseconds of CPU; hundreds of workers polling 4 times a second would
+        saturate this actor).
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(0.0, min(timeout_s, 60.0))
+        while True:
+            snap = await self.snapshot(known_epoch)
+            remaining = deadline - loop.time()
+            if snap.signature() != known_signature or remaining <= 0:
+                return snap
+            try:
+                await asyncio.wait_for(self._change_event().wait(), remaining)
+            except asyncio.TimeoutError:
+                pass
+
+    def _change_event(self) -> asyncio.Event:
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        return self._changed
+
+    def _notify(self) -> None:
+        """Wake every watcher (they compare signatures and go back to waiting if nothing that
+        matters changed)."""
+        event, self._changed = self._changed, None
+        if event is not None:
+            event.set()
 
     async def get_replicas(self) -> list[dict[str, Any]]:
         return [
@@ -216,6 +256,7 @@ class FleetController:
     async def probe_all(self) -> None:
         records = [r for r in self._records.values() if r.state in (HealthState.HEALTHY, HealthState.SUSPECT)]
         await asyncio.gather(*(self._probe(r) for r in records))
+        self._notify()  # a safety net: whatever changed without a notification shows now
 
     async def _probe(self, record: ReplicaRecord) -> None:
         handle = record.handle
@@ -281,6 +322,7 @@ class FleetController:
             del self._events[:-500]
         record.state = state
         record.detail = detail
+        self._notify()
 
     async def inject_fault(self, replica_id: str, kind: str, factor: float = 10.0) -> None:
         await self._records[replica_id].handle.inject_fault.remote(kind, factor)
@@ -373,6 +415,7 @@ class FleetController:
                 self._weights = weights
                 self._has_weights = True
                 self.current_version = version
+                self._notify()
                 loaded = time.monotonic()
             finally:
                 await asyncio.gather(*(r.handle.resume.remote() for r in records), return_exceptions=True)
@@ -393,6 +436,7 @@ class FleetController:
         await asyncio.gather(*(self._stop_handle(r.handle) for r in self._records.values()), return_exceptions=True)
         self._records.clear()
         self._membership_epoch += 1
+        self._notify()
 
 
 def _route_handle(record: ReplicaRecord) -> Any:

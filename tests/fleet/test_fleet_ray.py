@@ -255,3 +255,30 @@ async def test_ray_data_plane_is_still_available(ray_session):
         assert info.value.field == "sampling_params.max_tokens"
     finally:
         await m.shutdown()
+
+
+async def test_clients_learn_of_fleet_changes_at_once_by_watching_the_controller(ray_session):
+    """With a 30 s load refresh, a client still sees a new replica and a weight version at once:
+    its view is a long poll on the controller that returns on every change."""
+    cfg = fleet_config(num_replicas=1)
+    cfg.rollout.routing.load_refresh_interval_s = 30.0
+    m = await LLMServerManager.create(cfg)
+    try:
+        client = m.get_client()
+        await client.generate("w", prompt_ids=[1, 2], sampling_params={"max_tokens": 2})  # starts the watch
+        await asyncio.sleep(0.3)
+        added = (await m.add_replicas(1))[0]["replica_id"]
+
+        async def sees_new_replica():
+            return added in client.balancer.get_all_servers() and client.balancer.is_routable(added)
+
+        assert await wait_until(sees_new_replica, timeout=5)
+        version = (await m.status())["current_version"] + 1
+        await m.update_weights({"step": version}, version)
+
+        async def sees_version():
+            return client.fleet.current_version == version
+
+        assert await wait_until(sees_version, timeout=5)
+    finally:
+        await m.shutdown()
