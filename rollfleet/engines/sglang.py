@@ -2,7 +2,10 @@
 
 The engine either connects to a running server (``rollout.sglang.base_url``) or launches
 ``python -m sglang.launch_server`` on loopback in its own process session and supervises it.
-Everything goes through SGLang's *native* HTTP API with one shared ``httpx.AsyncClient``.
+Everything goes through SGLang's *native* HTTP API: ``/generate`` (the hot path) with an
+``aiohttp`` session and orjson, every control route with an ``httpx.AsyncClient``. (httpx spent
+~3.7 ms of CPU per completion at 64 requests in flight on a 2-core machine, aiohttp ~0.2 ms: with
+httpx one replica process tops out near 270 requests/s.)
 
 Wire shapes, and where they come from (sgl-project/sglang; commits are the ones read):
 
@@ -94,7 +97,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
+import aiohttp
 import httpx
+import orjson
 
 from rollfleet.engines.base import Engine, EngineHealth, EngineLimits, EngineLoad
 from rollfleet.errors import EngineDead, InvalidRequest, NotSupported, ReplicaUnavailable
@@ -109,6 +114,8 @@ logger = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 5.0
 #: Timeout of control calls (abort, pause, flush, info); weight loads and generation get their own.
 CONTROL_TIMEOUT_S = 60.0
+#: Our idle connections expire before the server's (uvicorn's default keep-alive is 5 s).
+KEEPALIVE_S = 2.0
 #: Bounded waits for aborted requests to come back (pause, abort_all, abort, sleep).
 DRAIN_TIMEOUT_S = 5.0
 #: How often an abort is re-sent while its request is still out (covers a request in transit).
@@ -236,10 +243,14 @@ def _field_from_message(message: str, param: Any = None) -> str:
 
 def _error_message(resp: httpx.Response) -> tuple[str, Any]:
     """(message, param) of an SGLang error response, whatever its body shape."""
+    return _error_message_of(resp.status_code, resp.content)
+
+
+def _error_message_of(status: int, raw: bytes) -> tuple[str, Any]:
     try:
-        body = resp.json()
+        body = orjson.loads(raw)
     except ValueError:
-        return (resp.text.strip() or f"HTTP {resp.status_code}"), None
+        return (raw.decode("utf-8", "replace").strip() or f"HTTP {status}"), None
     if isinstance(body, Mapping):
         err = body.get("error")
         if isinstance(err, Mapping):
@@ -348,7 +359,8 @@ class SGLangEngine(Engine):
         self._probe_timeout_s = probe_timeout_s
         self._extra_args = list(extra_args or [])
 
-        self._client: Optional[httpx.AsyncClient] = None
+        self._client: Optional[httpx.AsyncClient] = None  # control routes
+        self._session: Optional[aiohttp.ClientSession] = None  # /generate
         self._process: Optional[subprocess.Popen] = None
         self._log_path: Optional[Path] = None
         self._limits: Optional[EngineLimits] = None
@@ -394,10 +406,16 @@ class SGLangEngine(Engine):
             port = _free_port()
             self._base_url = f"http://127.0.0.1:{port}"
             self._spawn(port)
+        # Idle connections expire before uvicorn's 5 s keep-alive: never reuse one it is closing.
+        self._session = aiohttp.ClientSession(
+            base_url=self._base_url,
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S),
+            timeout=aiohttp.ClientTimeout(total=self._request_timeout_s, sock_connect=CONNECT_TIMEOUT_S),
+        )
         self._client = httpx.AsyncClient(
             base_url=self._base_url,
             timeout=httpx.Timeout(CONTROL_TIMEOUT_S, connect=CONNECT_TIMEOUT_S),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=KEEPALIVE_S),
             trust_env=False,
         )
         try:
@@ -416,6 +434,9 @@ class SGLangEngine(Engine):
         client, self._client = self._client, None
         if client is not None:
             await client.aclose()
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
         proc, self._process = self._process, None
         if proc is not None and proc.poll() is None:
             await asyncio.to_thread(self._terminate, proc)
@@ -549,11 +570,28 @@ class SGLangEngine(Engine):
             raise ReplicaUnavailable(self.replica_id, "engine is not started" if not self._closed else "engine is shut down")
         return self._client
 
+    async def _post_generate(self, payload: dict[str, Any]) -> tuple[int, bytes]:
+        self._require_client()
+        session = self._session
+        if session is None or session.closed:
+            raise ReplicaUnavailable(self.replica_id, "generate: engine is shut down")
+        try:
+            async with session.post(
+                "/generate", data=orjson.dumps(payload), headers={"Content-Type": "application/json"}
+            ) as resp:
+                return resp.status, await resp.read()
+        except asyncio.TimeoutError as exc:
+            raise ReplicaUnavailable(self.replica_id, f"generate: timed out after {self._request_timeout_s:.0f}s") from exc
+        except aiohttp.ClientError as exc:
+            raise self._transport_error("generate", exc) from exc
+        except RuntimeError as exc:  # session closed under us (shutdown during a call)
+            raise ReplicaUnavailable(self.replica_id, f"generate: {exc}") from exc
+
     def _transport_error(self, op: str, exc: Exception) -> ReplicaUnavailable:
         code = self._process_exit_code()
         if code is not None:
             return EngineDead(self.replica_id, f"{op}: sglang server exited with code {code}; log tail:\n{self._log_tail()}")
-        if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+        if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout, aiohttp.ClientConnectorError)):
             return EngineDead(self.replica_id, f"{op}: cannot connect to {self._base_url} ({type(exc).__name__}: {exc})")
         if isinstance(exc, httpx.TimeoutException):
             return ReplicaUnavailable(self.replica_id, f"{op}: timed out ({type(exc).__name__})")
@@ -643,21 +681,17 @@ class SGLangEngine(Engine):
                 "logprob_start_len": -1,
                 "stream": False,
             }
-            resp = await self._call(
-                "POST",
-                "/generate",
-                op="generate",
-                json_body=payload,
-                timeout=httpx.Timeout(self._request_timeout_s, connect=CONNECT_TIMEOUT_S),
-            )
-            if resp.status_code in (400, 422):
-                message, param = _error_message(resp)
+            status, raw = await self._post_generate(payload)
+            if status in (400, 422):
+                message, param = _error_message_of(status, raw)
                 raise InvalidRequest(_field_from_message(message, param), "accepted by the SGLang server", None, message)
-            self._raise_for_status(resp, "generate")
+            if status >= 400:
+                message, _ = _error_message_of(status, raw)
+                raise ReplicaUnavailable(self.replica_id, f"generate: HTTP {status}: {message}")
             try:
-                body = resp.json()
+                body = orjson.loads(raw)
             except ValueError:
-                raise ReplicaUnavailable(self.replica_id, f"generate: response is not JSON: {resp.text[:200]!r}") from None
+                raise ReplicaUnavailable(self.replica_id, f"generate: response is not JSON: {raw[:200]!r}") from None
             return self._parse_generate(body, budget)
         finally:
             self._inflight.pop(entry.rid, None)
