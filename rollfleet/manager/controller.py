@@ -22,7 +22,7 @@ import logging
 import time
 from typing import Any, Callable, Optional
 
-from rollfleet.client.direct import DirectHandle
+from rollfleet.server.direct import DirectHandle
 from rollfleet.config import RolloutConfig
 from rollfleet.errors import NotSupported
 from rollfleet.health import FleetSnapshot, HealthState, ReplicaRecord, can_transition

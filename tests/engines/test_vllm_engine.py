@@ -264,6 +264,14 @@ async def _wait_running(engine: VLLMEngine, n: int = 1, timeout: float = 60.0):
         await asyncio.sleep(0.05)
 
 
+async def _progress(engine: VLLMEngine, steps: int = 8) -> None:
+    """Evidence, not a sleep, that the requests already running produced tokens: a greedy probe
+    of ``steps`` tokens sent after them finishes only after vLLM has run ``steps`` decode steps,
+    and every request admitted before it took part in each (vLLM's counters lag by seconds)."""
+    out = await engine.generate(f"probe-{time.monotonic_ns()}", PROMPT, _greedy(steps, ignore_eos=True))
+    assert out.stop_reason == "length" and len(out.token_ids) == steps
+
+
 async def _wait_kv(engine: VLLMEngine, timeout: float = 10.0):
     """Poll load() until vLLM reports some KV-cache usage (a tiny model fills little of it)."""
     deadline = time.monotonic() + timeout
@@ -284,7 +292,7 @@ async def test_abort_returns_partial_tokens_and_load(engine: VLLMEngine):
     # vLLM's gauges are published with its stats (seconds apart): they lag, so ">=", not "=="
     assert load.running >= 8, (load, engine.log_tail())
     assert (await _wait_kv(engine)).kv_usage > 0.0
-    await asyncio.sleep(1.0)  # let the requests produce tokens (vLLM's counters lag; see the pause test)
+    await _progress(engine)
     assert load.inflight_tokens >= 8 * LONG
     await engine.abort("ab0")
     first = await asyncio.wait_for(tasks[0], 10)
@@ -327,9 +335,7 @@ async def test_pause_aborts_and_holds_until_resume(engine: VLLMEngine):
     tasks = await _long_requests(engine, 8, "pa")
     load = await _wait_running(engine, 8)
     assert load.running >= 8, (load, engine.log_tail())
-    # vLLM's counters and gauges lag by seconds; a fixed second lets the requests produce tokens
-    # while staying far from the end of their 4,000-token budget (~13 s here).
-    await asyncio.sleep(1.0)
+    await _progress(engine)  # far from the end of their 4,000-token budget (~13 s here)
     t0 = time.monotonic()
     await engine.pause()
     outs = await asyncio.wait_for(asyncio.gather(*tasks), 10)
@@ -461,7 +467,7 @@ async def test_killed_server_is_reported_dead_then_shutdown_leaves_no_orphans(en
     running = asyncio.create_task(
         engine.generate("k", PROMPT, {"max_tokens": LONG, "ignore_eos": True, "temperature": 1.0})
     )
-    await asyncio.sleep(0.5)
+    await _progress(engine)
     t0 = time.monotonic()
     os.kill(pid, signal.SIGKILL)
     with pytest.raises(EngineDead):

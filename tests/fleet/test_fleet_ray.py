@@ -216,7 +216,7 @@ async def test_killed_replica_process_drops_its_connections_and_no_trajectory_is
     clients' connections drop, pending requests come back ReplicaUnavailable and are re-routed."""
     import ray
 
-    from rollfleet.client.direct import DirectHandle
+    from rollfleet.server.direct import DirectHandle
 
     m = await LLMServerManager.create(fleet_config(num_replicas=2))
     try:

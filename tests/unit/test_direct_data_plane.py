@@ -9,7 +9,7 @@ import pickle
 
 import pytest
 
-from rollfleet.client.direct import DirectHandle, close_connections, get_connection
+from rollfleet.server.direct import DirectHandle, close_connections, get_connection
 from rollfleet.config import RolloutConfig, SimEngineConfig
 from rollfleet.errors import InvalidRequest, ReplicaUnavailable
 from rollfleet.server import wire

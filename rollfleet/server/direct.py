@@ -1,5 +1,5 @@
-"""The client's side of the direct data plane: one multiplexed connection per replica, and a
-handle that sends ``generate`` over it while every other call still goes to the Ray actor.
+"""The caller's side of a replica's direct data plane: one multiplexed connection per replica,
+and a handle that sends ``generate`` over it while every other call still goes to the Ray actor.
 
 :class:`DirectHandle` is what the fleet controller hands to clients in its snapshots: it pickles
 to (actor handle, data-plane address, replica id, token), so it travels to any process (agent-loop
