@@ -151,12 +151,7 @@ async def _open(address: str, replica_id: str, token: str) -> DirectConnection:
         )
     except (OSError, asyncio.TimeoutError) as exc:
         raise ReplicaUnavailable(replica_id or address, f"cannot reach its data plane at {address}: {exc!r}") from exc
-    sock = conn._transport.get_extra_info("socket") if conn._transport is not None else None
-    if sock is not None:
-        import socket
-
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return conn
+    return conn  # asyncio sets TCP_NODELAY on TCP transports: small frames are not delayed
 
 
 def close_connections() -> None:
