@@ -199,6 +199,7 @@ async def main_async(args: argparse.Namespace, console: Console) -> list[Result]
                 "max_model_len": 512,
                 "response_length": MAX_TOKENS,
                 "sim": {"time_scale": 1e5},
+                "data_plane": args.data_plane,
             },
             "ray": {"num_cpus": 2},
             "gateway": {"port": 0},
@@ -270,7 +271,7 @@ async def main_async(args: argparse.Namespace, console: Console) -> list[Result]
 def render(results: list[Result], args: argparse.Namespace, console: Console) -> None:
     base = results[0]
     table = Table(
-        title=f"gateway vs client: sim fleet of {args.replicas}, max_tokens {MAX_TOKENS}, "
+        title=f"gateway vs client: sim fleet of {args.replicas} ({args.data_plane} data plane), max_tokens {MAX_TOKENS}, "
         f"{args.concurrency} concurrent, {os.cpu_count()} cores, JSON: {JSON_BACKEND}"
     )
     for col in (
@@ -308,6 +309,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--requests", type=int, default=6400, help="per throughput measurement")
     parser.add_argument("--sequential", type=int, default=400, help="sequential requests for the latency columns")
+    parser.add_argument(
+        "--data-plane", choices=["direct", "ray"], default="direct", help="how requests reach the replicas (ray: verl's way)"
+    )
     args = parser.parse_args(argv)
     console = Console(width=max(150, Console().width))
     try:
