@@ -168,12 +168,26 @@ class RolloutConfig(_Section):
         "client process and replica, JSON frames) or 'ray' (one Ray actor call per request, as verl does). "
         "Control operations always go through Ray.",
     )
+    data_plane_ports: Optional[tuple[int, int]] = Field(
+        None,
+        description="Inclusive port range [low, high] the replicas' data planes listen on (open it between "
+        "nodes, like Ray's worker ports); None: any free port. A client that cannot reach a data plane "
+        "sends its requests through Ray instead.",
+    )
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     retry: RetryConfig = Field(default_factory=RetryConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
     sim: SimEngineConfig = Field(default_factory=SimEngineConfig)
     vllm: VLLMEngineConfig = Field(default_factory=VLLMEngineConfig)
     sglang: SGLangEngineConfig = Field(default_factory=SGLangEngineConfig)
+
+    @model_validator(mode="after")
+    def _ports(self) -> "RolloutConfig":
+        if self.data_plane_ports is not None:
+            low, high = self.data_plane_ports
+            if not 1 <= low <= high <= 65535:
+                raise ValueError(f"data_plane_ports must satisfy 1 <= low <= high <= 65535, got {self.data_plane_ports}")
+        return self
 
     @model_validator(mode="after")
     def _lengths(self) -> "RolloutConfig":

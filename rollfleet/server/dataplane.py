@@ -13,8 +13,10 @@ in-flight count) behind on the replica.
 from __future__ import annotations
 
 import asyncio
+import errno
 import hmac
 import logging
+import random
 import secrets
 from typing import Any, Optional, Protocol
 
@@ -104,10 +106,13 @@ class DataPlaneServer:
     """Listens on ``host:port`` (port 0: any free one) and serves ``target.generate_with_load``
     to connections that open with its :attr:`token`."""
 
-    def __init__(self, target: GeneratesWithLoad, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self, target: GeneratesWithLoad, host: str = "127.0.0.1", port: int = 0, port_range: Optional[tuple[int, int]] = None
+    ) -> None:
         self.target = target
         self.host = host
         self.port = port
+        self.port_range = port_range
         #: What a client must say first (see :mod:`rollfleet.server.wire`); it reaches clients
         #: only through the controller, over Ray.
         self.token = secrets.token_hex(16)
@@ -115,8 +120,27 @@ class DataPlaneServer:
         self._connections: set[_Connection] = set()
 
     async def start(self) -> str:
+        """Bind (a free port of ``port_range`` when given, tried from a random start so that the
+        replicas of one node rarely collide) and listen."""
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _Connection(self.target, self), self.host, self.port)
+        if self.port_range is None:
+            candidates = [self.port]
+        else:
+            low, high = self.port_range
+            span = high - low + 1
+            first = random.randrange(span)
+            candidates = [low + (first + i) % span for i in range(span)]
+        for port in candidates:
+            try:
+                self._server = await loop.create_server(lambda: _Connection(self.target, self), self.host, port)
+                break
+            except OSError as exc:
+                if self.port_range is None or exc.errno != errno.EADDRINUSE:
+                    raise
+        else:
+            raise OSError(
+                errno.EADDRINUSE, f"rollout.data_plane_ports: every port of {self.port_range} is taken on {self.host}"
+            )
         self.port = self._server.sockets[0].getsockname()[1]
         return self.address
 

@@ -89,7 +89,7 @@ class Replica:
         from rollfleet.server.dataplane import DataPlaneServer
 
         if self._data_plane is None:
-            self._data_plane = DataPlaneServer(self, host, port)
+            self._data_plane = DataPlaneServer(self, host, port, port_range=self.config.data_plane_ports)
             await self._data_plane.start()
         return self._data_plane.address
 

@@ -218,11 +218,12 @@ async def test_killed_replica_process_drops_its_connections_and_no_trajectory_is
 
     from rollfleet.server.direct import DirectHandle
 
-    m = await LLMServerManager.create(fleet_config(num_replicas=2))
+    m = await LLMServerManager.create(fleet_config(num_replicas=2, data_plane_ports=(42000, 42199)))
     try:
         client = m.get_client(FullyAsyncLLMServerClient)
         handles = client.balancer.get_all_servers()
         assert all(isinstance(h, DirectHandle) and h.address for h in handles.values())
+        assert all(42000 <= int(h.address.rpartition(":")[2]) <= 42199 for h in handles.values())
         rollout = asyncio.ensure_future(asyncio.gather(*(run_trajectory(client, 9000 + i, turns=2) for i in range(40))))
         await asyncio.sleep(0.4)
         ray.kill(handles["replica-0"].actor, no_restart=True)

@@ -216,3 +216,27 @@ def test_direct_handle_pickles_to_actor_address_and_id():
     assert (back.actor, back.address, back.replica_id, back.token) == ("actor-placeholder", "10.0.0.5:4242", "replica-3", "secret")
     assert back == handle and hash(back) == hash(handle)
     assert back != DirectHandle("actor-placeholder", "10.0.0.5:4243", "replica-3")
+
+
+async def test_data_plane_binds_inside_the_configured_port_range():
+    import socket
+
+    from rollfleet.config import RolloutConfig as _RC
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    busy = taken.getsockname()[1]
+    r = Replica("r0", _RC(name="sim"), 0)
+    try:
+        with pytest.raises(OSError, match=r"rollout.data_plane_ports: every port of"):
+            await DataPlaneServer(r, "127.0.0.1", port_range=(busy, busy)).start()
+        server = DataPlaneServer(r, "127.0.0.1", port_range=(busy, busy + 3))
+        address = await server.start()  # never the busy port, always inside the range
+        assert busy < int(address.rpartition(":")[2]) <= busy + 3
+        await server.close()
+    finally:
+        taken.close()
+    assert _RC(data_plane_ports=(20000, 20099)).data_plane_ports == (20000, 20099)
+    with pytest.raises(ValueError, match="data_plane_ports must satisfy"):
+        _RC(data_plane_ports=(9000, 8000))
