@@ -84,10 +84,13 @@ class _Connection(asyncio.Protocol):
             response = await self._target.generate_with_load(request_id, prompt_ids, sampling_params, **kwargs)
         except asyncio.CancelledError:
             return  # the client cancelled (or went away); it expects no answer
-        except BaseException as exc:  # noqa: BLE001 - every error goes back to the caller, typed
+        except Exception as exc:  # every error goes back to the caller, typed
             frame = wire.error_frame(call_id, exc)
         else:
-            frame = wire.response_frame(call_id, response)
+            try:
+                frame = wire.response_frame(call_id, response)
+            except Exception as exc:  # an output neither JSON nor pickle can carry: say so, never hang
+                frame = wire.error_frame(call_id, exc)
         finally:
             self._tasks.pop(call_id, None)
         transport = self._transport

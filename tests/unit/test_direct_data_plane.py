@@ -240,3 +240,24 @@ async def test_data_plane_binds_inside_the_configured_port_range():
     assert _RC(data_plane_ports=(20000, 20099)).data_plane_ports == (20000, 20099)
     with pytest.raises(ValueError, match="data_plane_ports must satisfy"):
         _RC(data_plane_ports=(9000, 8000))
+
+
+async def test_an_output_that_cannot_be_sent_fails_the_call_instead_of_hanging():
+    class Unsendable:
+        def __reduce__(self):
+            raise TypeError("cannot pickle this")
+
+    class Target:
+        async def generate_with_load(self, request_id, prompt_ids, sampling_params=None, **kwargs):
+            out = TokenOutput(token_ids=[1], routed_experts=Unsendable())
+            return ReplicaResponse(out, LoadReport("t0"))
+
+    server = DataPlaneServer(Target(), "127.0.0.1")
+    address = await server.start()
+    try:
+        handle = DirectHandle(None, address, "t0", server.token)
+        with pytest.raises(TypeError, match="cannot pickle this"):
+            await asyncio.wait_for(handle.generate.remote("x", [1], {}), 5)
+    finally:
+        close_connections()
+        await server.close()
