@@ -86,12 +86,14 @@ class FleetController:
             record.data_plane = ""  # the old actor's port is gone; the new one reports its own
         self._membership_epoch += 1
         self._notify()
-        boot_is_current = not self._has_weights
-        info = await handle.start.remote(self.current_version if boot_is_current else None)
+        # The version the engine boots with is decided now: an update may land while it starts
+        # (vLLM takes ~45 s), and then the loop below must still load the new weights.
+        boot_version = None if self._has_weights else self.current_version
+        info = await handle.start.remote(boot_version)
         record.address = info.get("address", "")
         record.data_plane = info.get("data_plane") or ""
         record.data_plane_token = info.pop("data_plane_token", None) or ""
-        record.weight_version = self.current_version if boot_is_current else None
+        record.weight_version = boot_version
         # Never serve stale weights: a new or restarted replica loads the current ones first (again
         # if an update landed while it was loading).
         while record.weight_version != self.current_version:
