@@ -90,6 +90,10 @@ _STATS_METRICS = {
 }
 
 _LOG_TAIL_LINES = 40
+#: How long a server that answers /health too late still counts as healthy, if it is working on
+#: requests and the last one came back at most this long ago (a CPU-starved server is slow, not
+#: dead; restarting it would throw its in-flight work away).
+BUSY_GRACE_S = 30.0
 #: How long our idle connections to vLLM are kept: under its ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE`` (5 s).
 _KEEPALIVE_S = 2.0
 _METRIC_RUNNING = "vllm:num_requests_running"
@@ -325,6 +329,7 @@ class VLLMEngine(Engine):
         self._background: set[asyncio.Task] = set()
         self._last_metrics: dict[str, float] = {}
         self._counts = {"num_aborted": 0, "num_finished": 0, "num_errors": 0}
+        self._last_progress = float("-inf")  # when the last completion came back
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -732,6 +737,7 @@ class VLLMEngine(Engine):
                 rec.engine_id = f"{rec.engine_id}~r"
                 self._inflight[rec.engine_id] = rec
                 status, raw = await self._send(rec, body, retry_stale=False)
+            self._last_progress = time.monotonic()
             out = self._parse_completion(status, raw, prompt_ids, body)
             self._counts["num_aborted" if out.stop_reason == "aborted" else "num_finished"] += 1
             return out
@@ -1008,6 +1014,13 @@ class VLLMEngine(Engine):
             return EngineHealth(False, self._dead_reason)
         try:
             r = await self._client.get("/health", timeout=self.health_timeout_s)
+        except httpx.TimeoutException as e:
+            # A server starved of CPU answers late while it still generates: busy is not dead.
+            # Without completions for BUSY_GRACE_S, the silence counts (a hung server).
+            since = time.monotonic() - self._last_progress
+            if self._inflight and since < BUSY_GRACE_S:
+                return EngineHealth(True, f"busy: /health slow ({e!r}), last completion {since:.1f}s ago")
+            return EngineHealth(False, f"/health failed: {e!r}")
         except httpx.HTTPError as e:
             return EngineHealth(False, f"/health failed: {e!r}")
         if r.status_code != 200:

@@ -137,6 +137,40 @@ async def test_a_keep_alive_connection_closed_by_the_server_is_retried_once_unde
         server.close()
 
 
+@pytest.mark.asyncio
+async def test_a_server_too_starved_to_answer_health_is_busy_while_it_completes_requests():
+    """A CPU-starved vLLM answers /health late but still generates: reported healthy (busy) while
+    it has work and completed a request within BUSY_GRACE_S, unhealthy once it stops completing."""
+    from rollfleet.engines.vllm import BUSY_GRACE_S, _Inflight
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        await asyncio.sleep(3600)  # /health never answers in time
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    eng = VLLMEngine("tiny", max_model_len=64, health_timeout_s=0.2)
+    eng.port = server.sockets[0].getsockname()[1]
+    eng._proc = _AliveProc()
+    eng._dead = asyncio.Event()
+    eng._started = True
+    import httpx
+
+    eng._client = httpx.AsyncClient(base_url=eng.address())
+    try:
+        idle = await eng.health()
+        assert not idle.healthy and "/health failed" in idle.detail  # nothing in flight: silence counts
+        eng._inflight["x"] = _Inflight("r", "x", 3, 8)
+        eng._last_progress = time.monotonic() - 1.0
+        busy = await eng.health()
+        assert busy.healthy and busy.detail.startswith("busy")
+        eng._last_progress = time.monotonic() - BUSY_GRACE_S - 1.0
+        stuck = await eng.health()
+        assert not stuck.healthy
+    finally:
+        await eng._close_clients()
+        server.close()
+
+
 # ---------------------------------------------------------------------------- real vLLM
 def _children(pid: int) -> list[int]:
     import psutil
