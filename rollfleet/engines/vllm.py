@@ -814,16 +814,21 @@ class VLLMEngine(Engine):
             return resp.status, await resp.read()
 
     def _abort_in_background(self, vllm_ids: list[str]) -> None:
-        async def abort() -> None:
-            try:
-                await self._control("POST", "/abort_requests", json={"request_ids": vllm_ids})
-            except Exception:  # the server is gone or busy: nothing left to free
-                pass
-
         if self.is_alive():
-            task = asyncio.get_running_loop().create_task(abort())
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            self._spawn(self._post_abort_quietly(vllm_ids))
+
+    async def _post_abort_quietly(self, vllm_ids: list[str]) -> None:
+        """Best-effort ``/abort_requests``: a server that is gone or busy has nothing left to free."""
+        try:
+            await self._control("POST", "/abort_requests", json={"request_ids": vllm_ids})
+        except ReplicaUnavailable:
+            pass
+
+    def _spawn(self, coro: Any) -> None:
+        """Run ``coro`` in the background, owned by this engine (cancelled at shutdown)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _parse_completion(self, status: int, raw: bytes, prompt_ids: list[int], body: dict) -> TokenOutput:
         if status != 200:
@@ -909,18 +914,13 @@ class VLLMEngine(Engine):
             resp = await self._control("POST", "/abort_requests", json={"request_ids": ids})
             self._raise_for(resp, "abort")
             # A request still on the wire is unknown to vLLM, which ignores its abort: try once more.
-            task = asyncio.create_task(self._abort_again_later([r for r in recs if r.sent]))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            self._spawn(self._abort_again_later([r for r in recs if r.sent]))
 
     async def _abort_again_later(self, recs: list[_Inflight], delay_s: float = 0.2) -> None:
         await asyncio.sleep(delay_s)
         still = [r.vllm_id for r in recs if self._inflight.get(r.engine_id) is r]
         if still and self.is_alive():
-            try:
-                await self._control("POST", "/abort_requests", json={"request_ids": still})
-            except ReplicaUnavailable:
-                pass
+            await self._post_abort_quietly(still)
 
     async def pause(self) -> None:
         """Hold new requests here and abort running ones (they return ``aborted`` with their
