@@ -84,8 +84,7 @@ class FleetController:
         else:
             record.handle = handle
             record.data_plane = ""  # the old actor's port is gone; the new one reports its own
-        self._membership_epoch += 1
-        self._notify()
+        self._membership_changed()
         # The version the engine boots with is decided now: an update may land while it starts
         # (vLLM takes ~45 s), and then the loop below must still load the new weights.
         boot_version = None if self._has_weights else self.current_version
@@ -102,8 +101,7 @@ class FleetController:
             record.weight_version = version
         record.consecutive_failures = 0
         self._set_state(record, HealthState.HEALTHY, "started")
-        self._membership_epoch += 1
-        self._notify()
+        self._membership_changed()
         return {**info, "weight_version": self.current_version, "state": record.state.value}
 
     async def remove_replicas(self, replica_ids: list[str], drain_timeout_s: float = 30.0) -> list[str]:
@@ -115,16 +113,14 @@ class FleetController:
                 continue
             self._set_state(record, HealthState.DRAINING, "removal requested", force=True)
             removed.append(rid)
-        self._membership_epoch += 1
-        self._notify()
+        self._membership_changed()
         await asyncio.gather(*(self._drain_and_stop(rid, drain_timeout_s) for rid in removed))
         for rid in removed:
             self._records.pop(rid, None)
             task = self._restart_tasks.pop(rid, None)
             if task is not None:
                 task.cancel()
-        self._membership_epoch += 1
-        self._notify()
+        self._membership_changed()
         return removed
 
     async def _drain_and_stop(self, rid: str, timeout_s: float) -> None:
@@ -188,6 +184,11 @@ class FleetController:
         if self._changed is None:
             self._changed = asyncio.Event()
         return self._changed
+
+    def _membership_changed(self) -> None:
+        """A replica was added, removed or got a new actor: clients must fetch handles again."""
+        self._membership_epoch += 1
+        self._notify()
 
     def _notify(self) -> None:
         """Wake every watcher (they compare signatures and go back to waiting if nothing that
@@ -437,8 +438,7 @@ class FleetController:
             task.cancel()
         await asyncio.gather(*(self._stop_handle(r.handle) for r in self._records.values()), return_exceptions=True)
         self._records.clear()
-        self._membership_epoch += 1
-        self._notify()
+        self._membership_changed()
 
 
 def _route_handle(record: ReplicaRecord) -> Any:
