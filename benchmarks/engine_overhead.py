@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import os
 import statistics
@@ -74,31 +75,29 @@ async def direct_round(
     address: str, batch: list[list[int]], max_tokens: int, concurrency: int, http_client: str = "aiohttp"
 ) -> tuple[float, int]:
     """The batch straight to vLLM, with the best client we know (aiohttp + orjson) or httpx."""
-    if http_client == "httpx":
-        limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency * 2)
-        async with httpx.AsyncClient(base_url=address, timeout=600, limits=limits) as http:
+
+    def headers(i: int) -> dict[str, str]:
+        return {"X-Request-Id": f"direct-{i}-{time.monotonic_ns()}", "Content-Type": "application/json"}
+
+    async with contextlib.AsyncExitStack() as stack:
+        if http_client == "httpx":
+            limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency * 2)
+            http = await stack.enter_async_context(httpx.AsyncClient(base_url=address, timeout=600, limits=limits))
 
             async def post(i: int, prompt: list[int]) -> int:
-                resp = await http.post(
-                    "/v1/completions", json=_body(prompt, max_tokens), headers={"X-Request-Id": f"direct-{i}-{time.monotonic_ns()}"}
-                )
+                resp = await http.post("/v1/completions", json=_body(prompt, max_tokens), headers=headers(i))
                 resp.raise_for_status()
                 return len(resp.json()["choices"][0]["token_ids"])
 
-            start = time.perf_counter()
-            counts = await bounded(concurrency, [functools.partial(post, i, p) for i, p in enumerate(batch)])
-            return time.perf_counter() - start, sum(counts)
+        else:
+            session = await stack.enter_async_context(
+                aiohttp.ClientSession(address, connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(600))
+            )
 
-    async with aiohttp.ClientSession(address, connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(600)) as http:
-
-        async def post(i: int, prompt: list[int]) -> int:
-            async with http.post(
-                "/v1/completions",
-                data=orjson.dumps(_body(prompt, max_tokens)),
-                headers={"X-Request-Id": f"direct-{i}-{time.monotonic_ns()}", "Content-Type": "application/json"},
-            ) as resp:
-                resp.raise_for_status()
-                return len(orjson.loads(await resp.read())["choices"][0]["token_ids"])
+            async def post(i: int, prompt: list[int]) -> int:
+                async with session.post("/v1/completions", data=orjson.dumps(_body(prompt, max_tokens)), headers=headers(i)) as resp:
+                    resp.raise_for_status()
+                    return len(orjson.loads(await resp.read())["choices"][0]["token_ids"])
 
         start = time.perf_counter()
         counts = await bounded(concurrency, [functools.partial(post, i, p) for i, p in enumerate(batch)])
