@@ -4,8 +4,10 @@ client's retry rules rely on (typed errors, cancellation crossing the wire, lost
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import pickle
+from typing import AsyncIterator
 
 import pytest
 
@@ -21,7 +23,9 @@ from rollfleet.types import LoadReport, ReplicaResponse, TokenOutput
 pytestmark = pytest.mark.unit
 
 
-async def served_replica(time_scale: float = 1000.0) -> tuple[Replica, DirectHandle]:
+@contextlib.asynccontextmanager
+async def served_replica(time_scale: float = 1000.0) -> AsyncIterator[tuple[Replica, DirectHandle]]:
+    """A sim replica serving its data plane on loopback, and a handle to it; closed afterwards."""
     cfg = RolloutConfig(
         name="sim", prompt_length=64, response_length=64, max_model_len=4096,
         sim=SimEngineConfig(vocab_size=500, time_scale=time_scale, mean_response_tokens=20),
@@ -29,7 +33,20 @@ async def served_replica(time_scale: float = 1000.0) -> tuple[Replica, DirectHan
     r = Replica("r0", cfg, 0)
     await r.start(version=3)
     address = await r.serve_data_plane("127.0.0.1")
-    return r, DirectHandle(LocalHandle(r), address, "r0", r._data_plane.token)
+    try:
+        yield r, DirectHandle(LocalHandle(r), address, "r0", r._data_plane.token)
+    finally:
+        close_connections()
+        await r.shutdown()
+
+
+async def until(predicate, tries: int = 100, interval_s: float = 0.01) -> bool:
+    """Poll ``predicate`` until it holds (True) or ``tries`` run out (False)."""
+    for _ in range(tries):
+        if predicate():
+            return True
+        await asyncio.sleep(interval_s)
+    return predicate()
 
 
 def test_frames_survive_any_split_of_the_byte_stream():
@@ -72,8 +89,7 @@ def test_oversized_or_unknown_frames_are_refused():
 
 
 async def test_generate_over_the_socket_matches_the_in_process_call():
-    r, handle = await served_replica()
-    try:
+    async with served_replica() as (r, handle):
         params = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
         direct = await handle.generate_with_load.remote("s", [5, 6, 7], params)
         local = await LocalHandle(r).generate_with_load.remote("s", [5, 6, 7], params)
@@ -85,28 +101,20 @@ async def test_generate_over_the_socket_matches_the_in_process_call():
         assert isinstance(only_output, TokenOutput) and only_output.token_ids == local.output.token_ids
         # every other call is the actor's (here the in-process handle's)
         assert await handle.ping.remote() == "r0"
-    finally:
-        close_connections()
-        await r.shutdown()
 
 
 async def test_many_concurrent_requests_share_one_connection_and_leave_no_inflight():
-    r, handle = await served_replica(time_scale=1e5)
-    try:
+    async with served_replica(time_scale=1e5) as (r, handle):
         outs = await asyncio.gather(
             *(handle.generate.remote(f"s{i}", [1 + i % 400, 2, 3], {"max_tokens": 4}) for i in range(1000))
         )
         assert all(len(o.token_ids) >= 1 for o in outs)
         assert r._data_plane.num_connections == 1
         assert r._inflight == 0 and r._inflight_tokens == 0
-    finally:
-        close_connections()
-        await r.shutdown()
 
 
 async def test_bad_input_arrives_typed_and_the_connection_keeps_serving():
-    r, handle = await served_replica()
-    try:
+    async with served_replica() as (r, handle):
         with pytest.raises(InvalidRequest) as info:
             await handle.generate.remote("bad", [1, 2, 500], {"max_tokens": 4})
         assert info.value.field == "prompt_ids[2]" and "vocab_size (500)" in str(info.value)
@@ -116,40 +124,26 @@ async def test_bad_input_arrives_typed_and_the_connection_keeps_serving():
         out = await handle.generate.remote("good", [1, 2], {"max_tokens": 4})
         assert len(out.token_ids) >= 1
         assert r._counters["invalid"] == 2 and r._inflight == 0
-    finally:
-        close_connections()
-        await r.shutdown()
 
 
 async def test_cancelling_the_caller_aborts_the_request_on_the_replica():
-    r, handle = await served_replica(time_scale=20.0)
-    try:
+    async with served_replica(time_scale=20.0) as (r, handle):
         task = handle.generate.remote("long", [1, 2, 3], {"max_tokens": 3000, "ignore_eos": True})
-        for _ in range(100):
-            if r._inflight == 1:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: r._inflight == 1)
         assert r._inflight == 1
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        for _ in range(100):
-            if r._inflight == 0:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: r._inflight == 0)
         assert r._inflight == 0 and r._inflight_tokens == 0
         assert r.engine.stats()["num_aborted"] >= 1
         conn = await get_connection(handle.address, "r0", handle.token)
         assert conn._pending == {}
         assert len((await handle.generate.remote("next", [1], {"max_tokens": 2})).token_ids) >= 1
-    finally:
-        close_connections()
-        await r.shutdown()
 
 
 async def test_a_lost_connection_fails_pending_requests_as_replica_unavailable():
-    r, handle = await served_replica(time_scale=20.0)
-    try:
+    async with served_replica(time_scale=20.0) as (r, handle):
         pending = [handle.generate.remote(f"p{i}", [1, 2], {"max_tokens": 3000, "ignore_eos": True}) for i in range(5)]
         await asyncio.sleep(0.1)
         await r._data_plane.close()  # the replica's process went away
@@ -162,14 +156,8 @@ async def test_a_lost_connection_fails_pending_requests_as_replica_unavailable()
         no_actor = DirectHandle(None, handle.address, "r0", handle.token)
         with pytest.raises(ReplicaUnavailable, match="cannot reach its data plane"):
             await no_actor.generate.remote("again", [1], {"max_tokens": 2})
-        for _ in range(100):  # the replica cancelled the orphaned requests: no leaked count
-            if r._inflight == 0:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: r._inflight == 0)  # the replica cancelled the orphaned requests
         assert r._inflight == 0
-    finally:
-        close_connections()
-        await r.shutdown()
 
 
 class _Boom:
@@ -195,8 +183,7 @@ async def _refused(address: str, payload: bytes) -> bool:
 
 
 async def test_peers_without_the_token_or_speaking_garbage_are_dropped_and_others_keep_being_served():
-    r, handle = await served_replica()
-    try:
+    async with served_replica() as (r, handle):
         assert await _refused(handle.address, b"GET / HTTP/1.1\r\n\r\n")
         assert await _refused(handle.address, wire.hello_frame("not-the-token"))
         request = wire.generate_frame(1, "x", [1, 2], {"max_tokens": 3}, {})
@@ -205,9 +192,6 @@ async def test_peers_without_the_token_or_speaking_garbage_are_dropped_and_other
         assert _EXPLODED == []  # nothing was unpickled for a peer that had not said hello
         assert r._counters["requests"] == 0
         assert len((await handle.generate.remote("ok", [1, 2], {"max_tokens": 3})).token_ids) >= 1
-    finally:
-        close_connections()
-        await r.shutdown()
 
 
 def test_direct_handle_pickles_to_actor_address_and_id():
