@@ -52,6 +52,9 @@ class SimEngineConfig(_Section):
         1.0, gt=0, description="Simulated seconds per wall second (60 = a GPU minute in a second)."
     )
     seed: int = Field(0, description="Seed of the engine's deterministic choices.")
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="Devices one simulated replica stands for (what it reserves on a cluster with GPUs)."
+    )
 
 
 class VLLMEngineConfig(_Section):
@@ -90,6 +93,62 @@ class SGLangEngineConfig(_Section):
         description="Vocabulary size for input validation. SGLang's HTTP API does not report it; when "
         "None it is read from the model's config.json (local folder or Hugging Face cache).",
     )
+
+
+class PlacementConfig(_Section):
+    """Where replicas run on the Ray cluster (see :mod:`rollfleet.manager.placement`).
+
+    Each replica is one placement group with one bundle per device of its tensor-parallel group,
+    all on one node; across replicas ``strategy`` decides how they share nodes. The bundle of a GPU
+    device is ``{"GPU": 1, "CPU": cpus_per_device, **resources}``, of a CPU device
+    ``{"CPU": cpus_per_device, **resources}``.
+    """
+
+    device: Literal["auto", "gpu", "cpu", "none"] = Field(
+        "auto",
+        description="What a replica reserves per device. auto: 'gpu' when the cluster has GPUs, else 'cpu' for "
+        "real engines and 'none' for the sim engine (it uses no device); none: no placement group at all.",
+    )
+    strategy: Literal["PACK", "SPREAD", "STRICT_SPREAD"] = Field(
+        "PACK",
+        description="Across replicas: PACK fills a node before the next, SPREAD balances replicas over nodes, "
+        "STRICT_SPREAD puts at most one replica on a node.",
+    )
+    cpus_per_device: float = Field(
+        1.0, gt=0, description="CPUs reserved with each device (for a CPU device: the device itself)."
+    )
+    node_labels: dict[str, str] = Field(
+        default_factory=dict,
+        description="Ray label selector every bundle must match, e.g. {'pool': 'rollout'} or "
+        "{'ray.io/accelerator-type': 'H100'}; values may be 'x', '!x', 'in(x,y)' or '!in(x,y)'.",
+    )
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources added to every bundle, e.g. {'rollout_slot': 1}."
+    )
+    timeout_s: float = Field(
+        30.0, gt=0, description="Longest wait for Ray to place one replica before it fails (or stays pending)."
+    )
+    pending_retry_s: float = Field(
+        5.0, gt=0, description="How often a replica waiting for free devices (state 'pending') tries again."
+    )
+    colocate: bool = Field(
+        False,
+        description="The learner shares the replicas' bundles (verl's hybrid engine); set by the colocated "
+        "trainer modes, see trainer.colocate.",
+    )
+    colocate_fraction: float = Field(
+        0.5, gt=0, lt=1, description="Share of each colocated device the learner reserves; replicas take the rest."
+    )
+
+    @model_validator(mode="after")
+    def _resources(self) -> "PlacementConfig":
+        for name, amount in self.resources.items():
+            if name in ("CPU", "GPU") or amount <= 0:
+                raise ValueError(
+                    f"rollout.placement.resources['{name}'] must be a custom resource with an amount > 0 "
+                    "(CPU and GPU come from device and cpus_per_device)"
+                )
+        return self
 
 
 class RoutingConfig(_Section):
@@ -144,6 +203,24 @@ class HealthConfig(_Section):
     auto_restart: bool = Field(True, description="Restart dead replicas and sync them before serving.")
 
 
+class PrometheusSection(_Section):
+    """Scrape config the fleet controller writes and refreshes (verl's ``rollout.prometheus``)."""
+
+    enable: bool = Field(False, description="Write (and refresh on membership changes) a Prometheus scrape config.")
+    file: Optional[str] = Field(None, description="Where the scrape config is written (merged into an existing one).")
+    port: Optional[int] = Field(
+        None, ge=1, le=65535, description="Prometheus to ask for a reload (POST /-/reload); None: write only."
+    )
+    host: str = Field("127.0.0.1", description="Host of the Prometheus asked for a reload.")
+    scrape_interval: str = Field("10s", description="scrape_interval of the jobs written to file.")
+
+    @model_validator(mode="after")
+    def _file_when_enabled(self) -> "PrometheusSection":
+        if self.enable and not self.file:
+            raise ValueError("rollout.prometheus.enable=True requires rollout.prometheus.file")
+        return self
+
+
 class RolloutConfig(_Section):
     """The fleet: engine, model, replicas, lengths, routing, retries (verl's ``rollout`` section)."""
 
@@ -174,12 +251,14 @@ class RolloutConfig(_Section):
         "nodes, like Ray's worker ports); None: any free port. A client that cannot reach a data plane "
         "sends its requests through Ray instead.",
     )
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     retry: RetryConfig = Field(default_factory=RetryConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
     sim: SimEngineConfig = Field(default_factory=SimEngineConfig)
     vllm: VLLMEngineConfig = Field(default_factory=VLLMEngineConfig)
     sglang: SGLangEngineConfig = Field(default_factory=SGLangEngineConfig)
+    prometheus: PrometheusSection = Field(default_factory=PrometheusSection)
 
     @model_validator(mode="after")
     def _ports(self) -> "RolloutConfig":
@@ -188,6 +267,14 @@ class RolloutConfig(_Section):
             if not 1 <= low <= high <= 65535:
                 raise ValueError(f"data_plane_ports must satisfy 1 <= low <= high <= 65535, got {self.data_plane_ports}")
         return self
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """Devices per replica: the engine's own tensor-parallel setting."""
+        section = {"vllm": self.vllm, "sglang": self.sglang, "sim": self.sim}.get(self.name)
+        if section is None:
+            return 1
+        return int(getattr(section, "tensor_parallel_size", None) or getattr(section, "tp_size", 1))
 
     @model_validator(mode="after")
     def _lengths(self) -> "RolloutConfig":
@@ -201,8 +288,21 @@ class RolloutConfig(_Section):
 class RayConfig(_Section):
     """Where Ray runs. No address: an embedded local cluster is started."""
 
-    address: Optional[str] = Field(None, description="Ray cluster address; None starts a local one.")
-    num_cpus: Optional[int] = Field(None, ge=1)
+    address: Optional[str] = Field(
+        None,
+        description="An existing cluster ('auto', 'host:port' or 'ray://host:10001'); None starts an embedded "
+        "one on loopback.",
+    )
+    num_cpus: Optional[int] = Field(None, ge=1, description="Logical CPUs of the embedded cluster.")
+    num_gpus: Optional[int] = Field(None, ge=0, description="GPUs of the embedded cluster; None: what Ray detects.")
+    ship_package: bool = Field(
+        True,
+        description="When joining a cluster, ship this rollfleet package to every node (runtime_env py_modules) "
+        "so worker nodes need no install of their own.",
+    )
+    runtime_env: dict[str, Any] = Field(
+        default_factory=dict, description="Extra Ray runtime_env for the job (env_vars, pip, working_dir, ...)."
+    )
     namespace: str = "rollfleet"
     include_dashboard: bool = False
 
@@ -307,9 +407,11 @@ __all__ = [
     "SimEngineConfig",
     "VLLMEngineConfig",
     "SGLangEngineConfig",
+    "PlacementConfig",
     "RoutingConfig",
     "RetryConfig",
     "HealthConfig",
+    "PrometheusSection",
     "RolloutConfig",
     "RayConfig",
     "MultiTurnConfig",

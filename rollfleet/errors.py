@@ -100,6 +100,27 @@ class NotSupported(RollfleetError, NotImplementedError):
         return (type(self), (self.engine, self.op, self.reason))
 
 
+class InsufficientResources(RollfleetError, RuntimeError):
+    """The cluster cannot hold what the configuration asks for (devices, nodes, labels).
+
+    ``field`` names the setting that asked (``rollout.num_replicas``...), ``requested`` what it
+    asked for and ``available`` what the cluster has, so the fix is obvious from the message.
+    """
+
+    def __init__(self, field: str, requested: str, available: str, detail: str = "") -> None:
+        self.field = field
+        self.requested = requested
+        self.available = available
+        self.detail = detail
+        msg = f"'{field}' asks for {requested}, but the cluster has {available}"
+        if detail:
+            msg += f": {detail}"
+        super().__init__(msg)
+
+    def __reduce__(self):
+        return (type(self), (self.field, self.requested, self.available, self.detail))
+
+
 class RetriesExhausted(RollfleetError, RuntimeError):
     """The client's bounded retry policy gave up; ``last_error`` is the final cause."""
 
@@ -122,5 +143,6 @@ __all__ = [
     "ReplicaUnavailable",
     "EngineDead",
     "NotSupported",
+    "InsufficientResources",
     "RetriesExhausted",
 ]

@@ -22,6 +22,7 @@ class HealthState(str, enum.Enum):
     DEAD = "dead"
     RESTARTING = "restarting"
     SYNCING = "syncing"  # up, but waiting for the current weights
+    PENDING = "pending"  # waiting for free devices (its node died and no other has room yet)
     DRAINING = "draining"  # being removed: finishes in-flight work, takes no new requests
 
 
@@ -30,7 +31,8 @@ ALLOWED_TRANSITIONS: dict[HealthState, frozenset[HealthState]] = {
     HealthState.HEALTHY: frozenset({HealthState.SUSPECT, HealthState.DEAD, HealthState.SYNCING, HealthState.DRAINING}),
     HealthState.SUSPECT: frozenset({HealthState.HEALTHY, HealthState.DEAD, HealthState.DRAINING}),
     HealthState.DEAD: frozenset({HealthState.RESTARTING, HealthState.DRAINING}),
-    HealthState.RESTARTING: frozenset({HealthState.SYNCING, HealthState.DEAD}),
+    HealthState.RESTARTING: frozenset({HealthState.SYNCING, HealthState.DEAD, HealthState.PENDING}),
+    HealthState.PENDING: frozenset({HealthState.SYNCING, HealthState.DEAD, HealthState.DRAINING}),
     HealthState.SYNCING: frozenset({HealthState.HEALTHY, HealthState.DEAD}),
     HealthState.DRAINING: frozenset(),
 }
@@ -57,6 +59,12 @@ class ReplicaRecord:
     restarts: int = 0
     load: Optional[LoadReport] = None
     detail: str = ""
+    #: Where it runs: Ray node, that node's IP, accelerator ids (None: no devices reserved).
+    node_id: str = ""
+    node_ip: str = ""
+    devices: Optional[list[str]] = None
+    #: Its placement group (manager layer's ``ReplicaPlacement``); None when nothing is reserved.
+    placement: Any = field(default=None, repr=False)
 
     def routable(self, current_version: Optional[int]) -> bool:
         return self.state in (HealthState.HEALTHY, HealthState.SUSPECT) and self.weight_version == current_version

@@ -5,9 +5,12 @@ from __future__ import annotations
 import os
 
 import pytest
+from ray_support import start_session_ray
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# The session's cluster lives on loopback, as an embedded fleet's does (node IP 127.0.0.1).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
 @pytest.fixture(scope="session")
@@ -15,6 +18,6 @@ def ray_session():
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, namespace="rollfleet-tests", log_to_driver=False)
+        start_session_ray()
     yield ray
     ray.shutdown()

@@ -46,6 +46,16 @@ class Engine(abc.ABC):
 
     #: Registry name, e.g. ``"vllm"``; used in NotSupported messages.
     name: ClassVar[str] = "engine"
+    #: Address the engine's servers listen on: the node's IP on a cluster, loopback embedded.
+    bind_host: str = "127.0.0.1"
+    #: Accelerator ids this engine owns (as Ray assigned them); None: whatever the process sees.
+    devices: Optional[list[str]] = None
+
+    def assign(self, host: str, devices: Optional[list[str]] = None) -> None:
+        """Where the engine runs, decided by placement before :meth:`start`: it listens on ``host``
+        only (never on every interface) and uses exactly ``devices``."""
+        self.bind_host = host
+        self.devices = list(devices) if devices is not None else None
 
     @abc.abstractmethod
     async def start(self) -> None:

@@ -307,9 +307,9 @@ def _vocab_from_hf_config(model_path: Optional[str]) -> Optional[int]:
     return None
 
 
-def _free_port() -> int:
+def _free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return int(sock.getsockname()[1])
 
 
@@ -403,8 +403,8 @@ class SGLangEngine(Engine):
         self._closed = False
         self._update_gate()
         if self._launch:
-            port = _free_port()
-            self._base_url = f"http://127.0.0.1:{port}"
+            port = _free_port(self.bind_host)
+            self._base_url = f"http://{self.bind_host}:{port}"
             self._spawn(port)
         # Idle connections expire before uvicorn's 5 s keep-alive: never reuse one it is closing.
         self._session = aiohttp.ClientSession(
@@ -452,7 +452,7 @@ class SGLangEngine(Engine):
         cmd = [
             sys.executable, "-m", "sglang.launch_server",
             "--model-path", self.model,
-            "--host", "127.0.0.1",
+            "--host", self.bind_host,
             "--port", str(port),
             "--tp-size", str(self._tp_size),
             "--mem-fraction-static", str(self._mem_fraction_static),
@@ -464,12 +464,20 @@ class SGLangEngine(Engine):
             cmd += ["--random-seed", str(self._seed)]
         return cmd + self._extra_args
 
+    def _launch_env(self) -> dict[str, str]:
+        """The server's environment: exactly the devices placement gave this replica."""
+        env = dict(os.environ)
+        if self.devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(self.devices)
+        return env
+
     def _spawn(self, port: int) -> None:
         fd, path = tempfile.mkstemp(prefix=f"rollfleet-{self.replica_id}-", suffix=".log")
         self._log_path = Path(path)
         with os.fdopen(fd, "wb") as log:
             self._process = subprocess.Popen(
                 self._launch_command(port),
+                env=self._launch_env(),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

@@ -1,4 +1,4 @@
-"""The real engine: a vLLM OpenAI server subprocess on loopback, supervised by the replica.
+"""The real engine: a vLLM OpenAI server subprocess on its node's address, supervised by the replica.
 
 Why a subprocess (``python -m vllm.entrypoints.openai.api_server``) and not an in-process
 ``AsyncLLM``:
@@ -181,9 +181,9 @@ def _proc_start_time(pid: int) -> str:
         return ""
 
 
-def _free_port() -> int:
+def _free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -259,7 +259,12 @@ class _Inflight:
 
 
 class VLLMEngine(Engine):
-    """One vLLM OpenAI server on loopback, driven over HTTP (see the module docstring)."""
+    """One vLLM OpenAI server, driven over HTTP (see the module docstring).
+
+    It listens on :attr:`bind_host` only (the node's IP on a cluster, loopback on an embedded one)
+    and sees exactly :attr:`devices` when placement assigned some (``CUDA_VISIBLE_DEVICES``); the
+    CPU build keeps its per-replica thread binding.
+    """
 
     name = "vllm"
 
@@ -374,7 +379,7 @@ class VLLMEngine(Engine):
     def address(self) -> str:
         if self.port is None:
             return "vllm://not-started"
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.bind_host}:{self.port}"
 
     def limits(self) -> EngineLimits:
         if self._limits is None:
@@ -403,7 +408,7 @@ class VLLMEngine(Engine):
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(self.model_path),
             "--served-model-name", self.model,
-            "--host", "127.0.0.1",
+            "--host", self.bind_host,
             "--port", str(self.port),
             "--dtype", dtype,
             "--max-model-len", str(self.max_model_len),
@@ -433,7 +438,7 @@ class VLLMEngine(Engine):
         env = dict(os.environ)
         env.update(
             {
-                "VLLM_HOST_IP": "127.0.0.1",
+                "VLLM_HOST_IP": self.bind_host,
                 "HF_HUB_OFFLINE": "1",
                 "TRANSFORMERS_OFFLINE": "1",
                 "VLLM_SERVER_DEV_MODE": "1",
@@ -442,6 +447,8 @@ class VLLMEngine(Engine):
                 "PYTHONUNBUFFERED": "1",
             }
         )
+        if self.devices is not None:  # exactly the devices placement gave this replica
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(self.devices)
         if self.device == "cpu":
             env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_space_gib)
             env["VLLM_CPU_OMP_THREADS_BIND"] = omp_threads_bind(
@@ -477,7 +484,7 @@ class VLLMEngine(Engine):
 
         last_error: Optional[Exception] = None
         for _attempt in range(2):  # a second try only if the picked port got taken meanwhile
-            self.port = _free_port()
+            self.port = _free_port(self.bind_host)
             try:
                 await self._launch_and_wait()
                 last_error = None

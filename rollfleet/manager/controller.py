@@ -5,14 +5,11 @@ sleep, profile) out to every replica, and publishes :class:`FleetSnapshot` recor
 poll. It is never on the data plane: generation goes client -> replica directly, so a slow
 controller can delay a client's view of the fleet but never a request.
 
-Health: every ``probe_interval_s`` each replica's ``load()`` is called with a timeout. A failed
-probe makes a healthy replica ``suspect``; ``failures_to_dead`` in a row make it ``dead``. A dead
-replica is restarted (new actor, same id) and stays ``syncing`` until it has the current weights;
-only then does it become ``healthy`` and routable again.
-
-Weight updates: pause every replica (in-flight requests come back ``aborted`` with their partial
-tokens; new ones wait at the replica's gate), load the weights everywhere, clear prefix caches,
-stamp the version, then resume in ``finally`` so a failed update never leaves the fleet paused.
+Placement: each replica is a placement group on one node (:mod:`rollfleet.manager.placement`),
+kept across restarts while the node lives. Health and restarts live in
+:mod:`rollfleet.manager.supervision`, the control fan-out and weight updates in
+:mod:`rollfleet.manager.fanout`; this module holds membership and what clients read. On every
+membership change the Prometheus scrape config follows (``rollout.prometheus``).
 """
 
 from __future__ import annotations
@@ -22,24 +19,32 @@ import logging
 import time
 from typing import Any, Callable, Optional
 
-from rollfleet.server.direct import DirectHandle
 from rollfleet.config import RolloutConfig
-from rollfleet.errors import NotSupported
-from rollfleet.health import FleetSnapshot, HealthState, ReplicaRecord, can_transition
+from rollfleet.errors import InsufficientResources
+from rollfleet.health import FleetSnapshot, HealthState, ReplicaRecord
+from rollfleet.manager.fanout import ControlFanOut
+from rollfleet.manager.placement import Placer, ReplicaPlacement, WorkerPlacement, release_group
+from rollfleet.manager.prometheus import ScrapeConfigWriter
+from rollfleet.manager.supervision import STOP_TIMEOUT_DEAD_S, HealthSupervisor
+from rollfleet.server.direct import DirectHandle
 
 logger = logging.getLogger(__name__)
 
-#: Grace given to a replica declared dead to stop its engine before its actor is killed.
-STOP_TIMEOUT_DEAD_S = 10.0
-
-#: Builds a replica actor handle: (replica_id, replica_index) -> handle.
+#: Builds a replica handle: (replica_id, replica_index) -> handle. A custom factory places its
+#: replicas itself (tests run them in-process); the default one places each in a placement group.
 ReplicaFactory = Callable[[str, int], Any]
 
 
-class FleetController:
+class FleetController(HealthSupervisor, ControlFanOut):
     def __init__(self, config: RolloutConfig, replica_factory: Optional[ReplicaFactory] = None) -> None:
         self.config = config
-        self._factory = replica_factory or _default_factory(config)
+        self._factory = replica_factory
+        self._placer = (
+            Placer(config.placement, config.tensor_parallel_size, config.name) if replica_factory is None else None
+        )
+        self._worker_groups: list[WorkerPlacement] = []  # learner groups of their own (separate mode)
+        self._scrape = ScrapeConfigWriter(config.prometheus, config.name)
+        self._background: set[asyncio.Task[Any]] = set()
         self._records: dict[str, ReplicaRecord] = {}
         self._indices: dict[str, int] = {}
         self._next_index = 0
@@ -58,12 +63,18 @@ class FleetController:
         """Start ``num_replicas`` replicas serving the engine's boot weights as ``initial_version``."""
         if self.current_version is None:
             self.current_version = initial_version
-        infos = await self.add_replicas(num_replicas)
+        infos = await self.add_replicas(num_replicas, field_name="rollout.num_replicas")
         self._ensure_prober()
         return infos
 
-    async def add_replicas(self, n: int) -> list[dict[str, Any]]:
-        """Start ``n`` more replicas; each serves only once it has the current weights."""
+    async def add_replicas(self, n: int, field_name: str = "add_replicas(n)") -> list[dict[str, Any]]:
+        """Start ``n`` more replicas; each serves only once it has the current weights.
+
+        Asking for more devices than the cluster has fails at once with
+        :class:`InsufficientResources` naming ``field_name``; nothing is started then.
+        """
+        if self._placer is not None:
+            await self._placer.check_capacity(len(self._records) + n, field_name)
         ids = []
         for _ in range(n):
             index = self._next_index
@@ -71,12 +82,44 @@ class FleetController:
             rid = f"replica-{index}"
             self._indices[rid] = index
             ids.append(rid)
-        infos = await asyncio.gather(*(self._start_replica(rid) for rid in ids))
+        results = await asyncio.gather(*(self._start_replica(rid) for rid in ids), return_exceptions=True)
+        failed = [(rid, r) for rid, r in zip(ids, results) if isinstance(r, BaseException)]
+        for rid, _ in failed:  # the others serve; these leave nothing behind
+            record = self._records.pop(rid, None)
+            if record is not None:
+                await self._stop_handle(record.handle, timeout_s=STOP_TIMEOUT_DEAD_S)
+            if self._placer is not None:
+                self._placer.release(rid)
+        if failed:
+            self._membership_changed()
+            raise failed[0][1]
         self._ensure_prober()
-        return list(infos)
+        return list(results)
+
+    async def _place(self, rid: str) -> Optional[ReplicaPlacement]:
+        """The replica's placement group: kept across restarts while its node lives, else a new one."""
+        if self._placer is None:
+            return None
+        current = self._placer.placements.get(rid)
+        if current is not None:
+            if current.node_id not in await self._placer.dead_nodes():
+                return current
+            self._placer.release(rid)
+        placement = self.config.placement
+        fraction = 1.0 - placement.colocate_fraction if placement.colocate else 1.0
+        return await self._placer.reserve(rid, fraction)
+
+    def _spawn(self, rid: str, placement: Optional[ReplicaPlacement]) -> Any:
+        if self._factory is not None:
+            return self._factory(rid, self._indices[rid])
+        from rollfleet.server.replica import ReplicaActor
+
+        options = placement.rank(0).actor_options() if placement is not None else {"num_cpus": 0}
+        return ReplicaActor.options(name=None, **options).remote(rid, self.config, self._indices[rid])
 
     async def _start_replica(self, rid: str) -> dict[str, Any]:
-        handle = self._factory(rid, self._indices[rid])
+        placement = await self._place(rid)
+        handle = self._spawn(rid, placement)
         record = self._records.get(rid)
         if record is None:
             record = ReplicaRecord(replica_id=rid, handle=handle, state=HealthState.SYNCING)
@@ -84,12 +127,20 @@ class FleetController:
         else:
             record.handle = handle
             record.data_plane = ""  # the old actor's port is gone; the new one reports its own
+            self._set_state(record, HealthState.SYNCING, "placed; starting, then loading current weights")
+        record.placement = placement
+        record.node_id = placement.node_id if placement is not None else ""
         self._membership_changed()
         # The version the engine boots with is decided now: an update may land while it starts
         # (vLLM takes ~45 s), and then the loop below must still load the new weights.
         boot_version = None if self._has_weights else self.current_version
-        info = await handle.start.remote(boot_version)
+        if placement is not None and self._placer is not None:
+            info = await handle.start.remote(boot_version, await self._placer.devices_of(placement))
+        else:
+            info = await handle.start.remote(boot_version)
         record.address = info.get("address", "")
+        record.node_ip = info.get("node_ip") or ""
+        record.devices = info.get("devices")
         record.data_plane = info.get("data_plane") or ""
         record.data_plane_token = info.pop("data_plane_token", None) or ""
         record.weight_version = boot_version
@@ -120,6 +171,8 @@ class FleetController:
             task = self._restart_tasks.pop(rid, None)
             if task is not None:
                 task.cancel()
+            if self._placer is not None:
+                self._placer.release(rid)
         self._membership_changed()
         return removed
 
@@ -186,9 +239,18 @@ class FleetController:
         return self._changed
 
     def _membership_changed(self) -> None:
-        """A replica was added, removed or got a new actor: clients must fetch handles again."""
+        """A replica was added, removed or got a new actor: clients must fetch handles again, and
+        Prometheus must scrape the new addresses."""
         self._membership_epoch += 1
         self._notify()
+        if self.config.prometheus.enable:
+            addresses = [r.address for r in self._records.values() if r.address]
+            self._run_in_background(self._scrape.refresh(addresses))
+
+    def _run_in_background(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _notify(self) -> None:
         """Wake every watcher (they compare signatures and go back to waiting if nothing that
@@ -206,9 +268,29 @@ class FleetController:
                 "state": r.state.value,
                 "weight_version": r.weight_version,
                 "restarts": r.restarts,
+                **_where(r),
             }
             for r in self._records.values()
         ]
+
+    async def replica_placements(self) -> dict[str, Optional[ReplicaPlacement]]:
+        """Each replica's placement group and node (for tools and tests that ask Ray about it)."""
+        return {rid: r.placement for rid, r in self._records.items()}
+
+    async def learner_placement(self) -> Optional[WorkerPlacement]:
+        """Where the learner goes: a share of the first replica's first bundle when colocated
+        (``placement.colocate``), else a device bundle of its own; None when nothing is placed."""
+        if self._placer is None or await self._placer.device() == "none":
+            return None
+        if self.config.placement.colocate:
+            placed = sorted(self._placer.placements.items(), key=lambda kv: self._indices.get(kv[0], 0))
+            if not placed:
+                raise InsufficientResources("placement.colocate", "a replica to share devices with", "no replica placed")
+            return placed[0][1].rank(0, fraction=self.config.placement.colocate_fraction)
+        group = await self._placer.reserve_worker("learner")
+        if group is not None:
+            self._worker_groups.append(group)
+        return group
 
     async def status(self) -> dict[str, Any]:
         return {
@@ -220,6 +302,7 @@ class FleetController:
                     "address": r.address,
                     "weight_version": r.weight_version,
                     "restarts": r.restarts,
+                    **_where(r),
                     "consecutive_failures": r.consecutive_failures,
                     "inflight": r.load.inflight if r.load else None,
                     "kv_usage": r.load.kv_usage if r.load else None,
@@ -241,195 +324,6 @@ class FleetController:
         results = await asyncio.gather(*(one(r) for r in records))
         return {r.replica_id: s for r, s in zip(records, results)}
 
-    # ------------------------------------------------------------------ health
-    def _ensure_prober(self) -> None:
-        if self._probe_task is None or self._probe_task.done():
-            self._probe_task = asyncio.get_running_loop().create_task(self._probe_forever())
-
-    async def _probe_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.health.probe_interval_s)
-            try:
-                await self.probe_all()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                logger.exception("health probe round failed")
-
-    async def probe_all(self) -> None:
-        records = [r for r in self._records.values() if r.state in (HealthState.HEALTHY, HealthState.SUSPECT)]
-        await asyncio.gather(*(self._probe(r) for r in records))
-        self._notify()  # a safety net: whatever changed without a notification shows now
-
-    async def _probe(self, record: ReplicaRecord) -> None:
-        handle = record.handle
-        try:
-            report = await asyncio.wait_for(handle.load.remote(), self.config.health.probe_timeout_s)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            if record.handle is not handle or record.state not in (HealthState.HEALTHY, HealthState.SUSPECT):
-                return
-            record.consecutive_failures += 1
-            detail = f"probe failed ({record.consecutive_failures}x): {type(exc).__name__}"
-            if record.consecutive_failures >= self.config.health.failures_to_dead:
-                self._set_state(record, HealthState.DEAD, detail)
-                self._schedule_restart(record)
-            else:
-                self._set_state(record, HealthState.SUSPECT, detail)
-            return
-        if record.handle is not handle:
-            return
-        record.load = report
-        record.consecutive_failures = 0
-        if record.state == HealthState.SUSPECT:
-            self._set_state(record, HealthState.HEALTHY, "probe ok")
-
-    async def report_failure(self, replica_id: str, reason: str = "") -> None:
-        """A client saw a call fail: probe that replica now instead of at the next round."""
-        record = self._records.get(replica_id)
-        if record is not None and record.state in (HealthState.HEALTHY, HealthState.SUSPECT):
-            asyncio.get_running_loop().create_task(self._probe(record))
-
-    def _schedule_restart(self, record: ReplicaRecord) -> None:
-        if not self.config.health.auto_restart or record.replica_id in self._restart_tasks:
-            return
-        task = asyncio.get_running_loop().create_task(self._restart(record.replica_id))
-        self._restart_tasks[record.replica_id] = task
-        task.add_done_callback(lambda _t, rid=record.replica_id: self._restart_tasks.pop(rid, None))
-
-    async def _restart(self, rid: str) -> None:
-        record = self._records.get(rid)
-        if record is None:
-            return
-        # Ask the old replica to stop its engine first: killing the actor outright would orphan
-        # an engine subprocess (vLLM's process group) that still holds memory and cores.
-        await self._stop_handle(record.handle, timeout_s=STOP_TIMEOUT_DEAD_S)
-        record.restarts += 1
-        self._set_state(record, HealthState.RESTARTING, f"restart #{record.restarts}")
-        try:
-            self._set_state(record, HealthState.SYNCING, "started, loading current weights")
-            await self._start_replica(rid)
-        except Exception as exc:
-            logger.exception("restart of %s failed", rid)
-            self._set_state(record, HealthState.DEAD, f"restart failed: {exc!r}", force=True)
-
-    def _set_state(self, record: ReplicaRecord, state: HealthState, detail: str, force: bool = False) -> None:
-        if not force and not can_transition(record.state, state):
-            logger.warning("replica %s: ignoring transition %s -> %s", record.replica_id, record.state, state)
-            return
-        if record.state != state:
-            self._events.append(
-                {"t": time.time(), "replica_id": record.replica_id, "from": record.state.value, "to": state.value, "detail": detail}
-            )
-            del self._events[:-500]
-        record.state = state
-        record.detail = detail
-        self._notify()
-
-    async def inject_fault(self, replica_id: str, kind: str, factor: float = 10.0) -> None:
-        await self._records[replica_id].handle.inject_fault.remote(kind, factor)
-
-    # ------------------------------------------------------------------ control fan-out
-    def _live(self) -> list[ReplicaRecord]:
-        return [r for r in self._records.values() if r.state in (HealthState.HEALTHY, HealthState.SUSPECT)]
-
-    async def _fan_out(self, method: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        records = self._live()
-
-        async def call(r: ReplicaRecord) -> Any:
-            try:
-                return await getattr(r.handle, method).remote(*args, **kwargs)
-            except Exception as exc:
-                return exc
-
-        results = await asyncio.gather(*(call(r) for r in records))
-        return {r.replica_id: res for r, res in zip(records, results)}
-
-    @staticmethod
-    def _raise_first(results: dict[str, Any], op: str) -> None:
-        errors = {rid: res for rid, res in results.items() if isinstance(res, BaseException)}
-        if not errors:
-            return
-        first = next(iter(errors.values()))
-        cause = getattr(first, "cause", first)
-        if isinstance(cause, NotSupported):
-            raise cause
-        raise RuntimeError(f"{op} failed on {sorted(errors)}: {first!r}")
-
-    async def abort_all(self) -> dict[str, Any]:
-        results = await self._fan_out("abort_all")
-        self._raise_first(results, "abort_all")
-        return {"aborted_count": sum(results.values()), "server_results": results}
-
-    async def pause(self) -> None:
-        self._raise_first(await self._fan_out("pause"), "pause")
-
-    async def resume(self) -> None:
-        self._raise_first(await self._fan_out("resume"), "resume")
-
-    async def sleep(self) -> None:
-        self._raise_first(await self._fan_out("sleep"), "sleep")
-
-    async def wake_up(self) -> None:
-        self._raise_first(await self._fan_out("wake_up"), "wake_up")
-
-    async def clear_kv_cache(self) -> None:
-        self._raise_first(await self._fan_out("clear_kv_cache"), "clear_kv_cache")
-
-    async def start_profile(self, **kwargs: Any) -> None:
-        self._raise_first(await self._fan_out("start_profile", **kwargs), "start_profile")
-
-    async def stop_profile(self) -> dict[str, Any]:
-        results = await self._fan_out("stop_profile")
-        self._raise_first(results, "stop_profile")
-        return results
-
-    async def script_responses(self, script: Any) -> None:
-        """Test hook: let ``script`` choose every response's tokens on every replica (sim engine)."""
-        self._raise_first(await self._fan_out("script_responses", script), "script_responses")
-
-    async def update_weights(self, weights: Any, version: int) -> dict[str, Any]:
-        """pause -> update -> clear cache -> stamp version -> resume, on every live replica."""
-        if self._update_lock is None:
-            self._update_lock = asyncio.Lock()
-        async with self._update_lock:
-            if self.current_version is not None and version <= self.current_version:
-                raise ValueError(f"weight version must increase: {version} <= current {self.current_version}")
-            started = time.monotonic()
-            records = self._live()
-            try:
-                await asyncio.gather(*(r.handle.pause.remote() for r in records))
-                paused = time.monotonic()
-                results = await asyncio.gather(
-                    *(r.handle.update_weights.remote(weights, version, resume=False) for r in records),
-                    return_exceptions=True,
-                )
-                failed = []
-                for r, res in zip(records, results):
-                    if isinstance(res, BaseException):
-                        failed.append(r.replica_id)
-                        self._set_state(r, HealthState.DEAD, f"weight update failed: {res!r}")
-                        self._schedule_restart(r)
-                    else:
-                        r.weight_version = version
-                # Publish atomically (no await between): every replica that has the new weights
-                # is routable under the new version, the others are not.
-                self._weights = weights
-                self._has_weights = True
-                self.current_version = version
-                self._notify()
-                loaded = time.monotonic()
-            finally:
-                await asyncio.gather(*(r.handle.resume.remote() for r in records), return_exceptions=True)
-            return {
-                "version": version,
-                "replicas": len(records),
-                "failed": failed,
-                "pause_s": paused - started,
-                "load_s": loaded - paused,
-                "total_s": time.monotonic() - started,
-            }
 
     async def shutdown(self) -> None:
         if self._probe_task is not None:
@@ -438,6 +332,11 @@ class FleetController:
             task.cancel()
         await asyncio.gather(*(self._stop_handle(r.handle) for r in self._records.values()), return_exceptions=True)
         self._records.clear()
+        if self._placer is not None:
+            self._placer.release_all()
+        for group in self._worker_groups:
+            release_group(group)
+        self._worker_groups.clear()
         self._membership_changed()
 
 
@@ -449,6 +348,10 @@ def _route_handle(record: ReplicaRecord) -> Any:
     return record.handle
 
 
+def _where(record: ReplicaRecord) -> dict[str, Any]:
+    return {"node_id": record.node_id, "node_ip": record.node_ip, "devices": record.devices}
+
+
 def _kill(handle: Any) -> None:
     try:
         import ray
@@ -456,17 +359,6 @@ def _kill(handle: Any) -> None:
         ray.kill(handle, no_restart=True)
     except Exception:
         pass
-
-
-def _default_factory(config: RolloutConfig) -> ReplicaFactory:
-    from rollfleet.server.replica import ReplicaActor
-
-    options: dict[str, Any] = {"num_cpus": 0}
-
-    def make(replica_id: str, index: int) -> Any:
-        return ReplicaActor.options(name=None, **options).remote(replica_id, config, index)
-
-    return make
 
 
 try:

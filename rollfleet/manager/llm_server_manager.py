@@ -40,17 +40,24 @@ class LLMServerManager:
 
         from rollfleet.manager.controller import FleetControllerActor
 
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
         self._started_ray = ensure_ray(self.ray_config)
-        self.controller = FleetControllerActor.options(name=f"rollfleet-controller-{uuid.uuid4().hex[:8]}").remote(
-            self.config
-        )
+        # The controller runs on the driver's node: the scrape config it writes lands where the
+        # driver's Prometheus reads it, and it lives exactly as long as the node the job lives on
+        # (Ray's soft affinity was seen placing it on another node, which may die). A Ray-client
+        # driver (ray://) is on no node of the cluster: Ray chooses.
+        options: dict[str, Any] = {"name": f"rollfleet-controller-{uuid.uuid4().hex[:8]}"}
+        if not ray.util.client.ray.is_connected():
+            here = ray.get_runtime_context().get_node_id()
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(here, soft=False)
+        self.controller = FleetControllerActor.options(**options).remote(self.config)
         try:
             await self.controller.launch.remote(self.config.num_replicas, 0)
         except BaseException:
             await self._teardown()
             raise
         logger.info("fleet up: %d %s replicas", self.config.num_replicas, self.config.name)
-        del ray
         return self
 
     # ------------------------------------------------------------------ clients
@@ -83,6 +90,14 @@ class LLMServerManager:
     @auto_await
     async def get_addresses(self) -> list[str]:
         return [r["address"] for r in await self.controller.get_replicas.remote()]
+
+    @auto_await
+    async def learner_placement(self) -> Any:
+        """Where the learner should run (a ``WorkerPlacement``: ``actor_options()`` for
+        ``Actor.options``): on the first replica's devices when ``rollout.placement.colocate``,
+        else on a device of its own that this fleet reserves (released at shutdown); None when
+        the fleet reserves nothing (sim engine without GPUs, ``placement.device: none``)."""
+        return await self.controller.learner_placement.remote()
 
     @auto_await
     async def add_replicas(self, n: int) -> list[dict[str, Any]]:

@@ -64,10 +64,14 @@ class Replica:
         self._counters = {"requests": 0, "invalid": 0, "aborted": 0, "errors": 0, "tokens_out": 0}
 
     # ------------------------------------------------------------------ lifecycle
-    async def start(self, version: Optional[int] = None) -> dict[str, Any]:
-        """Start the engine. With ``version``, the engine's boot weights are that version and the
-        replica serves at once; without it, it waits for :meth:`update_weights` (state ``syncing``)."""
+    async def start(
+        self, version: Optional[int] = None, *, host: str = "127.0.0.1", devices: Optional[list[str]] = None
+    ) -> dict[str, Any]:
+        """Start the engine on ``host`` with ``devices`` (placement's choice). With ``version``, the
+        engine's boot weights are that version and the replica serves at once; without it, it waits
+        for :meth:`update_weights` (state ``syncing``)."""
         self._gate = asyncio.Event()
+        self.engine.assign(host, devices)
         await self.engine.start()
         self._limits = self.engine.limits()
         if version is not None:
@@ -102,6 +106,8 @@ class Replica:
             "state": self._state,
             "data_plane": self._data_plane.address if self._data_plane is not None else None,
             "data_plane_token": self._data_plane.token if self._data_plane is not None else None,
+            "node_ip": self.engine.bind_host,
+            "devices": self.engine.devices,
             "weight_version": self._version,
             "vocab_size": limits.vocab_size if limits else None,
             "max_model_len": limits.max_model_len if limits else None,
@@ -298,6 +304,7 @@ class Replica:
             "state": self._state,
             "weight_version": self._version,
             "pid": os.getpid(),
+            "engine_devices": self.engine.devices,
         }
         out.update(self._counters)
         out.update(self.engine.stats())
@@ -333,10 +340,17 @@ try:  # Ray is a hard dependency, but keep the plain class importable without it
         the Ray methods stay available for everything, generate included.
         """
 
-        async def start(self, version: Optional[int] = None) -> dict[str, Any]:
-            await super().start(version)
+        async def start(  # type: ignore[override]
+            self, version: Optional[int] = None, peer_devices: Optional[list[str]] = None
+        ) -> dict[str, Any]:
+            """Start on this node's IP with the devices Ray assigned: this actor's own (rank 0)
+            followed by ``peer_devices`` (those of the group's other bundles)."""
+            host = ray.util.get_node_ip_address()
+            own = list(ray.get_runtime_context().get_accelerator_ids().get("GPU", []))
+            devices = own + list(peer_devices or []) if (own or peer_devices) else None
+            await super().start(version, host=host, devices=devices)
             if self.config.data_plane == "direct":
-                await self.serve_data_plane(ray.util.get_node_ip_address())
+                await self.serve_data_plane(host)
             return self.info()
 
 except ImportError:  # pragma: no cover

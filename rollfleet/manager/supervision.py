@@ -1,0 +1,151 @@
+"""Health supervision of the fleet's replicas (a base of :class:`FleetController`).
+
+Every ``probe_interval_s`` each replica's ``load()`` is called with a timeout. A failed probe makes
+a healthy replica ``suspect``; ``failures_to_dead`` in a row make it ``dead``, and so does Ray
+saying the actor died (its process or node is gone: no point asking twice). Each round also asks
+Ray which nodes live: the replicas of a dead node are dead at once, not after three probes.
+
+A dead replica is restarted (new actor, same id) and stays ``syncing`` until it has the current
+weights. When its node died and no other node has room, it waits as ``pending`` (visible in
+``status()``) and tries again every ``placement.pending_retry_s``, so a node that joins is used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from rollfleet.errors import InsufficientResources
+from rollfleet.health import HealthState, ReplicaRecord, can_transition
+
+logger = logging.getLogger(__name__)
+
+#: Grace given to a replica declared dead to stop its engine before its actor is killed.
+STOP_TIMEOUT_DEAD_S = 10.0
+
+
+class HealthSupervisor:
+    """Probes, declares dead, restarts. Needs from its subclass: ``config``, ``_records``,
+    ``_placer``, ``_restart_tasks``, ``_events``, ``_notify``, ``_start_replica``, ``_stop_handle``."""
+
+    def _ensure_prober(self) -> None:
+        if self._probe_task is None or self._probe_task.done():
+            self._probe_task = asyncio.get_running_loop().create_task(self._probe_forever())
+
+    async def _probe_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health.probe_interval_s)
+            try:
+                await self.probe_all()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("health probe round failed")
+
+    async def probe_all(self) -> None:
+        await self._check_nodes()
+        records = [r for r in self._records.values() if r.state in (HealthState.HEALTHY, HealthState.SUSPECT)]
+        await asyncio.gather(*(self._probe(r) for r in records))
+        self._notify()  # a safety net: whatever changed without a notification shows now
+
+    async def _check_nodes(self) -> None:
+        """A dead node takes its replicas with it: dead at once, restarted where there is room."""
+        if self._placer is None:
+            return
+        dead = await self._placer.dead_nodes()
+        for record in list(self._records.values()):
+            if record.node_id in dead and record.state in (HealthState.HEALTHY, HealthState.SUSPECT, HealthState.SYNCING):
+                self._set_state(record, HealthState.DEAD, f"node {record.node_id[:12]} died", force=True)
+                self._schedule_restart(record)
+
+    async def _probe(self, record: ReplicaRecord) -> None:
+        handle = record.handle
+        try:
+            report = await asyncio.wait_for(handle.load.remote(), self.config.health.probe_timeout_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if record.handle is not handle or record.state not in (HealthState.HEALTHY, HealthState.SUSPECT):
+                return
+            record.consecutive_failures += 1
+            detail = f"probe failed ({record.consecutive_failures}x): {type(exc).__name__}"
+            if record.consecutive_failures >= self.config.health.failures_to_dead or _actor_died(exc):
+                self._set_state(record, HealthState.DEAD, detail)
+                self._schedule_restart(record)
+            else:
+                self._set_state(record, HealthState.SUSPECT, detail)
+            return
+        if record.handle is not handle:
+            return
+        record.load = report
+        record.consecutive_failures = 0
+        if record.state == HealthState.SUSPECT:
+            self._set_state(record, HealthState.HEALTHY, "probe ok")
+
+    async def report_failure(self, replica_id: str, reason: str = "") -> None:
+        """A client saw a call fail: probe that replica now instead of at the next round."""
+        record = self._records.get(replica_id)
+        if record is not None and record.state in (HealthState.HEALTHY, HealthState.SUSPECT):
+            asyncio.get_running_loop().create_task(self._probe(record))
+
+    def _schedule_restart(self, record: ReplicaRecord) -> None:
+        if not self.config.health.auto_restart or record.replica_id in self._restart_tasks:
+            return
+        task = asyncio.get_running_loop().create_task(self._restart(record.replica_id))
+        self._restart_tasks[record.replica_id] = task
+        task.add_done_callback(lambda _t, rid=record.replica_id: self._restart_tasks.pop(rid, None))
+
+    async def _restart(self, rid: str) -> None:
+        record = self._records.get(rid)
+        if record is None:
+            return
+        # Ask the old replica to stop its engine first: killing the actor outright would orphan
+        # an engine subprocess (vLLM's process group) that still holds memory and cores.
+        await self._stop_handle(record.handle, timeout_s=STOP_TIMEOUT_DEAD_S)
+        record.restarts += 1
+        self._set_state(record, HealthState.RESTARTING, f"restart #{record.restarts}")
+        lost_placements = 0
+        while self._records.get(rid) is record:
+            try:
+                await self._start_replica(rid)
+                return
+            except InsufficientResources as exc:  # no room now: wait, visibly, and try again
+                self._set_state(record, HealthState.PENDING, f"waiting for devices: {exc}", force=True)
+                await asyncio.sleep(self.config.placement.pending_retry_s)
+            except Exception as exc:
+                if self._placer is not None and record.node_id in await self._placer.dead_nodes() and lost_placements < 3:
+                    lost_placements += 1  # its node died while it started: place it again
+                    await self._stop_handle(record.handle, timeout_s=STOP_TIMEOUT_DEAD_S)
+                    continue
+                logger.exception("restart of %s failed", rid)
+                self._set_state(record, HealthState.DEAD, f"restart failed: {exc!r}", force=True)
+                return
+
+    def _set_state(self, record: ReplicaRecord, state: HealthState, detail: str, force: bool = False) -> None:
+        if not force and not can_transition(record.state, state):
+            logger.warning("replica %s: ignoring transition %s -> %s", record.replica_id, record.state, state)
+            return
+        if record.state != state:
+            self._events.append(
+                {"t": time.time(), "replica_id": record.replica_id, "from": record.state.value, "to": state.value, "detail": detail}
+            )
+            del self._events[:-500]
+        record.state = state
+        record.detail = detail
+        self._notify()
+
+    async def inject_fault(self, replica_id: str, kind: str, factor: float = 10.0) -> None:
+        await self._records[replica_id].handle.inject_fault.remote(kind, factor)
+
+
+def _actor_died(exc: BaseException) -> bool:
+    """Ray says the actor is gone for good (its process or node died): no point probing again."""
+    try:
+        from ray.exceptions import ActorDiedError
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(exc, ActorDiedError)
+
+
+__all__ = ["HealthSupervisor", "STOP_TIMEOUT_DEAD_S"]

@@ -1,0 +1,107 @@
+"""Placement decisions without Ray: node choice per strategy, label selectors, capacity, the
+engine's launch arguments for its devices and address."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollfleet.config import PlacementConfig, RolloutConfig
+from rollfleet.engines.vllm import VLLMEngine
+from rollfleet.manager.placement import (
+    NodeInfo,
+    choose_node,
+    describe_cluster,
+    device_bundle,
+    label_matches,
+    replicas_that_fit,
+)
+
+pytestmark = pytest.mark.unit
+
+GPU = {"GPU": 1.0, "CPU": 1.0}
+
+
+def node(name: str, gpus: float = 4, free_gpus: float | None = None, labels=None, alive=True) -> NodeInfo:
+    free = gpus if free_gpus is None else free_gpus
+    return NodeInfo(name, "10.0.0." + name[-1], alive, {"GPU": gpus, "CPU": 8}, {"GPU": free, "CPU": 8}, labels or {})
+
+
+def place(nodes, n, strategy, tp=2, selector=None):
+    """Place n replicas one after the other, taking their resources, as the Placer does."""
+    nodes = list(nodes)
+    hosted: dict[str, int] = {}
+    out = []
+    for _ in range(n):
+        chosen = choose_node(nodes, GPU, tp, strategy, selector or {}, hosted)
+        out.append(chosen.node_id if chosen else None)
+        if chosen is None:
+            continue
+        hosted[chosen.node_id] = hosted.get(chosen.node_id, 0) + 1
+        i = next(i for i, x in enumerate(nodes) if x.node_id == chosen.node_id)
+        free = dict(chosen.free, GPU=chosen.free["GPU"] - tp, CPU=chosen.free["CPU"] - tp)
+        nodes[i] = NodeInfo(chosen.node_id, chosen.ip, True, chosen.total, free, chosen.labels)
+    return out
+
+
+def test_pack_fills_a_node_first_spread_balances_strict_spread_refuses_a_second():
+    nodes = [node("n1"), node("n2"), node("n3")]
+    assert place(nodes, 4, "PACK") == ["n1", "n1", "n2", "n2"]
+    assert place(nodes, 4, "SPREAD") == ["n1", "n2", "n3", "n1"]
+    assert place(nodes, 4, "STRICT_SPREAD") == ["n1", "n2", "n3", None]
+    assert place(nodes, 7, "PACK")[-1] is None  # 12 GPUs hold 6 replicas of tp=2
+
+
+def test_pack_prefers_the_tightest_fit_and_skips_dead_or_full_nodes():
+    nodes = [node("n1", free_gpus=4), node("n2", free_gpus=2), node("n3", alive=False), node("n4", free_gpus=1)]
+    assert place(nodes, 1, "PACK") == ["n2"]
+    assert place(nodes, 1, "SPREAD") == ["n1"]
+    assert choose_node([node("n1", free_gpus=1)], GPU, 2, "PACK", {}, {}) is None  # tp=2 never splits
+
+
+def test_label_selector_rules():
+    labels = {"pool": "rollout", "zone": "a"}
+    assert label_matches(labels, {"pool": "rollout"})
+    assert not label_matches(labels, {"pool": "train"})
+    assert label_matches(labels, {"pool": "!train", "zone": "in(a, b)"})
+    assert not label_matches(labels, {"zone": "!in(a,b)"})
+    assert not label_matches({}, {"pool": "rollout"}) and label_matches({}, {"pool": "!rollout"})
+    nodes = [node("n1", labels={"pool": "train"}), node("n2", labels={"pool": "rollout"})]
+    assert place(nodes, 3, "PACK", selector={"pool": "rollout"}) == ["n2", "n2", None]
+
+
+def test_capacity_counts_and_the_description_in_errors():
+    n = node("n1", gpus=8)
+    assert replicas_that_fit(n, GPU, 2, free=False) == 4
+    assert replicas_that_fit(n, {"GPU": 1.0, "CPU": 3.0}, 2, free=False) == 1  # 8 CPUs bound it
+    text = describe_cluster([node("n1"), node("n2", gpus=8), node("n3", alive=False)], {})
+    assert text == "2 live nodes with 12 GPU, 16 CPU (at most 8 GPU on one node)"
+    assert describe_cluster([node("n1")], {"pool": "x"}) == "no live node matching {'pool': 'x'}"
+
+
+def test_bundles_per_device_kind_and_custom_resources():
+    cfg = PlacementConfig(cpus_per_device=2, resources={"rollout_slot": 1})
+    assert device_bundle("gpu", cfg) == {"CPU": 2.0, "GPU": 1.0, "rollout_slot": 1}
+    assert device_bundle("cpu", cfg) == {"CPU": 2.0, "rollout_slot": 1}
+    with pytest.raises(ValueError, match="rollout.placement.resources"):
+        PlacementConfig(resources={"GPU": 1})
+
+
+def test_devices_per_replica_follow_the_engines_tensor_parallel_size():
+    assert RolloutConfig(name="vllm", vllm={"tensor_parallel_size": 4}).tensor_parallel_size == 4
+    assert RolloutConfig(name="sglang", sglang={"tp_size": 2}).tensor_parallel_size == 2
+    assert RolloutConfig(name="sim", sim={"tensor_parallel_size": 8}).tensor_parallel_size == 8
+
+
+def test_vllm_listens_on_its_node_and_sees_exactly_its_devices():
+    eng = VLLMEngine("tiny", max_model_len=64, device="cuda")
+    eng.assign("10.1.2.3", ["4", "5"])
+    eng.port = 8123
+    cmd = eng._command()
+    assert cmd[cmd.index("--host") + 1] == "10.1.2.3" and cmd[cmd.index("--tensor-parallel-size") + 1] == "1"
+    env = eng._env()
+    assert env["CUDA_VISIBLE_DEVICES"] == "4,5" and env["VLLM_HOST_IP"] == "10.1.2.3"
+    assert eng.address() == "http://10.1.2.3:8123"
+    cpu = VLLMEngine("tiny", max_model_len=64, device="cpu", num_replicas=2, replica_index=1)
+    cpu.assign("127.0.0.1", None)
+    env = cpu._env()
+    assert "VLLM_CPU_OMP_THREADS_BIND" in env and env.get("CUDA_VISIBLE_DEVICES") == __import__("os").environ.get("CUDA_VISIBLE_DEVICES")
