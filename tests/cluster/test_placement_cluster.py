@@ -202,3 +202,37 @@ async def wait_for(predicate, manager, timeout_s: float = 60.0):
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout_s} s: {status['replicas']}")
         await asyncio.sleep(0.2)
+
+
+async def test_joining_a_cluster_ships_this_package_to_its_nodes(cluster):
+    """``ray.address`` set: the job's runtime_env carries rollfleet, so a worker node has the shipped
+    copy on its path (here every node also sees the editable install, which Python's import
+    system prefers; on a real worker node without an install the shipped copy is the one found)
+    and a fleet comes up with no other change."""
+    import ray
+
+    from rollfleet.config import RayConfig
+    from rollfleet.manager.ray_runtime import ensure_ray
+
+    ray.shutdown()
+    assert ensure_ray(RayConfig(address=cluster.address, namespace="rollfleet-join-test")) is True
+
+    @ray.remote(num_cpus=0)
+    def shipped_copy() -> tuple[list, list]:
+        import os
+        import sys
+
+        uris = ray.get_runtime_context().runtime_env.get("py_modules", [])
+        copies = [
+            p for p in sys.path
+            if "runtime_resources" in p and os.path.isfile(os.path.join(p, "rollfleet", "manager", "placement.py"))
+        ]
+        return uris, copies
+
+    uris, copies = await shipped_copy.remote()
+    assert any(u.startswith("gcs://") for u in uris) and copies, (uris, copies)
+    manager = await LLMServerManager.create(sim_config(2))
+    try:
+        assert all(r["state"] == "healthy" for r in await manager.get_replicas())
+    finally:
+        await manager.shutdown()
