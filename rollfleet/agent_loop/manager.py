@@ -6,9 +6,11 @@ prefix cache of their common prompt), every worker runs its trajectories concurr
 ``agent.max_concurrent_trajectories``), and the outputs come back in batch order as one
 :class:`RolloutBatch`.
 
-Workers are Ray actors that build their own clients from the fleet controller's handle (see
-:mod:`rollfleet.agent_loop.worker` for why), or, when ``create`` gets a ready ``llm_client``,
-in-process workers sharing that client (no Ray needed beyond the fleet itself).
+Workers are Ray actors, each given the caller's ``llm_client`` (pickled, so rebuilt in the actor
+as a new client of the same fleet with the same settings: how a trainer hands out
+``get_llm_client()``) or building its own from the fleet controller's handle (see
+:mod:`rollfleet.agent_loop.worker` for why); or, when ``create`` gets a ready ``llm_client`` and
+no server manager, in-process workers sharing that client (no Ray needed beyond the fleet itself).
 """
 
 from __future__ import annotations
@@ -95,19 +97,32 @@ class AgentLoopManager:
     ) -> "AgentLoopManager":
         """Start the workers.
 
-        * ``llm_client`` given: ``agent.num_workers`` in-process workers share it (and
-          ``tokenizer``, loaded from ``rollout.model`` when None).
+        * ``llm_client`` and ``server_manager`` given: one Ray actor per worker, each receiving
+          ``llm_client`` pickled, i.e. rebuilt in the actor as a client of the same class and
+          settings on the same controller (``LLMServerClient.__reduce__``), which the actor owns
+          and closes. The caller still owns (and closes) its own ``llm_client``; a trainer's comes
+          from ``server_manager.get_client``, which closes it on ``shutdown``.
+        * only ``llm_client`` given: ``agent.num_workers`` in-process workers share it (and
+          ``tokenizer``, loaded from ``rollout.model`` when None); the caller closes it.
         * else ``server_manager`` given (or, when neither is, one is created and owned): one Ray
-          actor per worker, each building a ``client_cls`` client on ``server_manager.controller``
-          and loading ``rollout.model``'s tokenizer itself. ``tools`` are pickled to the actors:
-          their functions must be importable there (or registered with
-          ``ray.cloudpickle.register_pickle_by_value``).
+          actor per worker, each building a ``client_cls`` client (``client_kwargs`` to its
+          constructor) on ``server_manager.controller``.
+
+        Ray actors load ``rollout.model``'s tokenizer themselves. ``tools`` are pickled to the
+        actors: their functions must be importable there (or registered with
+        ``ray.cloudpickle.register_pickle_by_value``). ``client_cls``/``client_kwargs`` together
+        with ``llm_client`` is a ``ValueError``: the client already fixes both.
         """
         if isinstance(config, dict) or config is None:
             config = RollfleetConfig.model_validate(config or {})
+        if llm_client is not None and (client_cls is not None or client_kwargs is not None):
+            raise ValueError(
+                "pass either llm_client or client_cls/client_kwargs, not both: "
+                "a ready client already fixes its class and settings"
+            )
         num = config.agent.num_workers
         owns = False
-        if llm_client is not None:
+        if llm_client is not None and server_manager is None:
             tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.rollout.model)
             refs = [
                 WorkerRef(AgentLoopWorker(config, client=llm_client, tokenizer=tokenizer, tools=tools), remote=False)
@@ -119,18 +134,16 @@ class AgentLoopManager:
 
                 server_manager = await LLMServerManager.create(config)
                 owns = True
-            actor_cls = AgentLoopWorkerActor
+            if llm_client is not None:  # pickled per actor: each gets its own copy (owned there)
+                client_args: dict[str, Any] = {"client": llm_client}
+            else:
+                client_args = {
+                    "controller": server_manager.controller,
+                    "client_cls": client_cls or cls.default_client_cls,
+                    "client_kwargs": dict(client_kwargs or {}),
+                }
             refs = [
-                WorkerRef(
-                    actor_cls.remote(
-                        config,
-                        controller=server_manager.controller,
-                        client_cls=client_cls or cls.default_client_cls,
-                        client_kwargs=dict(client_kwargs or {}),
-                        tools=tools,
-                    ),
-                    remote=True,
-                )
+                WorkerRef(AgentLoopWorkerActor.remote(config, tools=tools, **client_args), remote=True)
                 for _ in range(num)
             ]
         infos = await asyncio.gather(*(r.call("ready") for r in refs))

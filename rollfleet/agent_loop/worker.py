@@ -1,13 +1,16 @@
 """``AgentLoopWorker``: runs agent loops for samples over one client, then scores them.
 
-How a worker gets its client (the decision, and why): a client is not shipped across processes.
-It holds an in-process balancer, sticky sessions and an asyncio refresher task, none of which
-survive pickling meaningfully, and the design wants sticky state to live where the trajectory
-runs. So a Ray worker actor receives the config and the fleet controller's handle
-(``server_manager.controller``) and builds its own client inside the actor (``client_cls``,
-``LLMServerClient`` by default), which fetches the fleet's replicas from the controller on first
-use and keeps them fresh. In-process use (tests, a single-process driver, another framework's
-event loop) passes a ready client instead.
+How a worker gets its client (the decision, and why): a client's state is not shipped across
+processes. It holds an in-process balancer, sticky sessions and an asyncio refresher task, none of
+which survive pickling meaningfully, and the design wants sticky state to live where the
+trajectory runs. So a client pickles as a recipe (its class, rollout config, the fleet
+controller's handle and its constructor settings; see ``LLMServerClient.__reduce__``), and a Ray
+worker actor that receives one (the trainer's ``get_llm_client()``, as in verl) holds a new client
+of the same fleet with the same settings, built in the actor, which fetches the replicas from the
+controller on first use and keeps them fresh. That client belongs to the worker's process, so the
+worker closes it. Without a client, an actor builds one itself from the controller's handle
+(``client_cls``, ``LLMServerClient`` by default). In-process use (tests, a single-process driver,
+another framework's event loop) passes a ready client that the caller owns and closes.
 
 Loops are built once per worker per name and reused (unless a loop class sets
 ``per_trajectory``); at most ``agent.max_concurrent_trajectories`` trajectories run at a time.
@@ -72,9 +75,12 @@ class AgentLoopWorker:
 
     Args:
         config: the whole config tree (the worker reads ``rollout`` and ``agent``).
-        client: a ready client (in-process use); else ``controller`` is required.
+        client: a ready client; else ``controller`` is required.
         controller: the fleet controller's Ray handle; the worker builds ``client_cls`` on it.
         client_cls: client class to build (``FullyAsyncLLMServerClient`` for partial rollouts).
+        owns_client: whether :meth:`close` closes the client. Default: only one built here; the
+            Ray actor also owns a client it was given (it arrived pickled, so it is a copy that
+            belongs to the actor's process).
         tokenizer: defaults to ``rollout.model``'s tokenizer.
         tools: tools or plain functions for tool-calling loops (plus ``multi_turn.tool_config_path``).
     """
@@ -89,11 +95,12 @@ class AgentLoopWorker:
         client_kwargs: Optional[Mapping[str, Any]] = None,
         tokenizer: Any = None,
         tools: ToolsLike = None,
+        owns_client: Optional[bool] = None,
     ) -> None:
         if isinstance(config, dict):
             config = RollfleetConfig.model_validate(config)
         self.config = config
-        self._owns_client = client is None
+        self._owns_client = client is None if owns_client is None else owns_client
         if client is None:
             if controller is None:
                 raise ValueError("AgentLoopWorker needs a client or the fleet controller's handle")
@@ -172,6 +179,16 @@ class AgentLoopWorker:
             output.reward_score = result.score
             output.extra_fields["reward_extra_info"] = result.info
 
+    async def client_info(self) -> dict[str, Any]:
+        """What client this worker routes through: its class (module-qualified), its
+        ``partial_rollout`` when it has one, and whether this worker owns (closes) it."""
+        client = self.client
+        info: dict[str, Any] = {"class": f"{type(client).__module__}.{type(client).__qualname__}"}
+        if hasattr(client, "partial_rollout"):
+            info["partial_rollout"] = client.partial_rollout
+        info["owns_client"] = self._owns_client
+        return info
+
     async def close(self) -> None:
         if self._owns_client:
             await self.client.close()
@@ -182,7 +199,13 @@ try:  # Ray is a hard dependency, but keep the plain class importable without it
 
     @ray.remote(num_cpus=0, max_concurrency=100_000)
     class AgentLoopWorkerActor(AgentLoopWorker):
-        """Ray actor around :class:`AgentLoopWorker` (asyncio; builds its own client in ``__init__``)."""
+        """Ray actor around :class:`AgentLoopWorker` (asyncio). Its client is its own: built in
+        ``__init__``, or given, in which case it arrived pickled and was rebuilt in this process."""
+
+        def __init__(self, config: RollfleetConfig, **kwargs: Any) -> None:
+            if kwargs.get("client") is not None:
+                kwargs.setdefault("owns_client", True)
+            super().__init__(config, **kwargs)
 
 except ImportError:  # pragma: no cover
     AgentLoopWorkerActor = None  # type: ignore[assignment,misc]

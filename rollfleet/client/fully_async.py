@@ -34,6 +34,7 @@ class FullyAsyncLLMServerClient(LLMServerClient):
     def __init__(self, *args: Any, partial_rollout: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.partial_rollout = partial_rollout
+        self.init_kwargs["partial_rollout"] = partial_rollout  # a pickled copy keeps the setting
 
     def _configured_response_length(self) -> Optional[int]:
         length = self.config.response_length

@@ -8,6 +8,10 @@ Compared with verl's client: routing is in-process (no actor round trip), acquir
 ``try`` and release in ``finally`` so cancellation never leaks a count, a caller's cancellation
 also aborts the request on the replica, a replica that fails mid-request is quarantined and the
 request re-routed under a bounded retry policy, and errors come back typed.
+
+A client can be sent to another process (a Ray agent-loop worker, so that every trainer hands
+its workers the client from ``Trainer.get_llm_client()``): it pickles as a recipe, not as state.
+See :meth:`LLMServerClient.__reduce__`.
 """
 
 from __future__ import annotations
@@ -54,6 +58,13 @@ class LLMServerClient:
             not, the client routes in-process (the default, and the fast path).
         servers: ``{replica_id: handle}`` to start from (the manager passes the fleet's).
         controller: the fleet controller's handle; the client refreshes its fleet view from it.
+        balancer: a ready in-process balancer (per-process state: a pickled copy builds its own).
+        retry_policy: defaults to one built from ``config.retry``.
+        **kwargs: extra options, kept in ``extra_options``.
+
+    The constructor arguments that define the client's settings (everything but ``config`` and
+    ``controller``, which have their own attributes, and the per-process ``servers`` and
+    ``balancer``) are recorded in :attr:`init_kwargs`; a subclass adds its own there.
     """
 
     def __init__(
@@ -89,6 +100,34 @@ class LLMServerClient:
         )
         self.retry = retry_policy or RetryPolicy(self.config.retry)
         self.extra_options = kwargs
+        #: Constructor keyword arguments a copy in another process is rebuilt with (``__reduce__``).
+        self.init_kwargs: dict[str, Any] = dict(kwargs)
+        if load_balancer_handle is not None:
+            self.init_kwargs["load_balancer_handle"] = load_balancer_handle
+        if retry_policy is not None:
+            self.init_kwargs["retry_policy"] = retry_policy
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle as "a new client of the same fleet with the same settings".
+
+        Agent-loop workers are separate processes (Ray actors), and the trainer hands them the
+        client it got from the fleet. What a client holds in memory (the balancer's replica
+        handles, in-flight counts and sticky sessions, the fleet view's refresher task bound to
+        this process's event loop) means nothing in another process, so it is not sent: the
+        receiving process rebuilds the same class with the same rollout config, controller handle
+        and :attr:`init_kwargs` (e.g. ``partial_rollout``), and that client fetches the fleet from
+        the controller on first use and keeps its own sessions and connections. Hence a client
+        without a controller (built on a fixed ``servers`` dict) cannot be pickled: the copy
+        would have no way to find the fleet.
+        """
+        controller = self.fleet.controller
+        if controller is None:
+            raise TypeError(
+                f"cannot pickle a {type(self).__name__} built without a controller: a copy in another "
+                "process finds the fleet through the controller's handle; build the client with "
+                "controller= (LLMServerManager.get_client does) rather than a fixed servers dict"
+            )
+        return (_rebuild_client, (type(self), self.config, controller, dict(self.init_kwargs)))
 
     # ------------------------------------------------------------------ public API
     async def generate(
@@ -204,6 +243,12 @@ class LLMServerClient:
 
     async def close(self) -> None:
         await self.fleet.close()
+
+
+def _rebuild_client(cls: type[LLMServerClient], config: RolloutConfig, controller: Any,
+                    init_kwargs: dict[str, Any]) -> LLMServerClient:
+    """Unpickle a client (see :meth:`LLMServerClient.__reduce__`): a fresh one, same settings."""
+    return cls(config, controller=controller, **init_kwargs)
 
 
 async def _await(ref: Any) -> Any:
