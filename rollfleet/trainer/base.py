@@ -4,7 +4,7 @@
 
     on_train_begin
     per step: on_step_begin -> sample (mode: where generation happens and what we wait for)
-              -> on_sample_end -> learner update (in a thread: the event loop keeps routing)
+              -> on_sample_end -> learner update (in the learner's actor: the event loop keeps routing)
               -> weight sync every parameter_sync_step steps (on_sync_begin / on_sync_end)
               -> on_step_end -> metrics, checkpoint
     on_train_end
@@ -13,13 +13,19 @@ A trainer gets its client from the fleet (``get_llm_client``): the plain client 
 fully-async client for the async modes, which make weight updates invisible to in-flight
 trajectories. Weight sync pushes the learner's weights with ``manager.update_weights(weights,
 version)``: pause -> load -> clear prefix caches -> stamp version -> resume on every replica.
+
+The learner runs in a Ray actor of its own (:mod:`rollfleet.trainer.remote_learner`), placed where
+the fleet says (``manager.learner_placement()``), so the fleet comes up first. Whether it shares
+the replicas' devices is the mode's ``colocated_by_default`` unless ``trainer.colocate`` says
+otherwise; the trainer writes the answer into ``rollout.placement.colocate`` of its copy of the
+config.
 """
 
 from __future__ import annotations
 
 import abc
-import asyncio
 import logging
+import os
 import statistics
 import time
 from pathlib import Path
@@ -30,6 +36,7 @@ from rollfleet.client import FullyAsyncLLMServerClient, LLMServerClient
 from rollfleet.config import RollfleetConfig
 from rollfleet.manager import LLMServerManager
 from rollfleet.trainer.config import TrainConfig
+from rollfleet.trainer.remote_learner import LearnerSpec, RemoteLearner
 from rollfleet.trainer.staleness import Group
 from rollfleet.trainer.tasks import make_task
 from rollfleet.trainer.tracking import RunTracker
@@ -43,14 +50,16 @@ class Trainer(abc.ABC):
     mode_name: ClassVar[str] = "base"
     #: The client the mode's trajectories use.
     client_cls: ClassVar[type[LLMServerClient]] = FullyAsyncLLMServerClient
+    #: Whether the learner shares the replicas' devices unless ``trainer.colocate`` says otherwise.
+    colocated_by_default: ClassVar[bool] = True
 
     def __init__(self, config: RollfleetConfig, *, progress: Any = None) -> None:
-        self.config = config
         self.train = TrainConfig.model_validate(config.trainer.model_dump())
+        self.config = self._with_colocation(config)
         self.run_dir = Path(self.train.output_dir) / self.train.run_name
         self.manager: Optional[LLMServerManager] = None
         self.agent_manager: Optional[FullyAsyncAgentLoopManager] = None
-        self.learner: Any = None
+        self.learner: Optional[RemoteLearner] = None
         self.tracker: Optional[RunTracker] = None
         self.stream = make_task(self.train.task, self.train.seed)
         self.step = 0
@@ -76,28 +85,39 @@ class Trainer(abc.ABC):
             return {"partial_rollout": self.train.partial_rollout}
         return {}
 
+    def _with_colocation(self, config: RollfleetConfig) -> RollfleetConfig:
+        """A copy of ``config`` whose ``rollout.placement.colocate`` is this run's answer."""
+        colocate = self.colocated_by_default if self.train.colocate is None else self.train.colocate
+        placement = config.rollout.placement.model_copy(update={"colocate": colocate})
+        rollout = config.rollout.model_copy(update={"placement": placement})
+        return config.model_copy(update={"rollout": rollout})
+
     def build_learner(self) -> Any:
+        """A picklable factory of the learner, called in the learner's actor (override to train
+        something else: any zero-argument picklable callable returning an object with ``update``,
+        ``state_dict_for_inference``, ``save`` and ``load``)."""
         if self.train.sim_learner.enabled:
-            from rollfleet.trainer.sim_learner import SimulatedLearner
-
-            return SimulatedLearner(self.train.sim_learner)
-        from rollfleet.trainer.learner import Learner
-
+            return LearnerSpec("sim", self.train.sim_learner)
         learner_cfg = self.train.learner
         temperature = self.config.rollout.temperature
         if temperature > 0 and learner_cfg.temperature != temperature:
             learner_cfg = learner_cfg.model_copy(update={"temperature": temperature})
-        return Learner(self.config.rollout.model, learner_cfg)
+        model = self.config.rollout.model
+        if os.path.exists(os.path.expanduser(model)):  # a local folder: the actor's cwd may differ
+            model = os.path.abspath(os.path.expanduser(model))
+        return LearnerSpec("torch", learner_cfg, model)
 
     async def init(self) -> None:
         self.tracker = RunTracker(self.run_dir, resume=self.train.resume)
-        self.learner = await asyncio.to_thread(self.build_learner)
+        # The fleet first: it starts Ray and says where the learner goes.
         self.manager = await LLMServerManager.create(self.config)
+        self.learner = await RemoteLearner.create(self.build_learner(), await self.manager.learner_placement())
+        # As in verl: the workers get the trainer's client (each actor rebuilds it on the same
+        # fleet with the same class and settings); the manager closes this one on shutdown.
         self.agent_manager = await FullyAsyncAgentLoopManager.create(
             self.config,
+            llm_client=self.get_llm_client(),
             server_manager=self.manager,
-            client_cls=self.client_cls,
-            client_kwargs=self.client_kwargs(),
         )
         if self.train.resume:
             await self._resume()
@@ -109,13 +129,13 @@ class Trainer(abc.ABC):
         if find_latest(ckpt_root) is None:
             logger.warning("resume requested but no checkpoint under %s: starting fresh", ckpt_root)
             return
-        state = await asyncio.to_thread(self.learner.load, ckpt_root)
+        state = await self.learner.load(ckpt_root)
         self.step = int(state.get("step", 0))
         self.stream.position = int(state.get("data_position", 0))
         self._reissue = [int(i) for i in state.get("inflight_task_indices", [])]
         # The fleet booted on the base weights: push the checkpoint's under a new version.
         self.version = int(state.get("version", 0)) + 1
-        await self.manager.update_weights(self.learner.state_dict_for_inference(), self.version)
+        await self.manager.update_weights(await self.learner.state_dict_for_inference(), self.version)
         logger.info("resumed at step %d, weight version %d, re-issuing %d prompts", self.step, self.version, len(self._reissue))
 
     # ------------------------------------------------------------------ the loop
@@ -179,7 +199,7 @@ class Trainer(abc.ABC):
         if unscored.any():  # never train on a sample without a reward
             batch.response_mask[unscored] = 0
         with self.tracker.span("trainer", "train", step=self.step):
-            metrics = await asyncio.to_thread(self.learner.update, batch)
+            metrics = await self.learner.update(batch)
         metrics["reward/mean"] = float(batch.scores.mean())
         metrics["reward/max"] = float(batch.scores.max())
         metrics["response_length/mean"] = float(batch.response_lengths.float().mean())
@@ -207,7 +227,7 @@ class Trainer(abc.ABC):
         assert self.manager is not None and self.tracker is not None
         await self.on_sync_begin()
         with self.tracker.span("trainer", "sync", step=self.step):
-            weights = await asyncio.to_thread(self.learner.state_dict_for_inference)
+            weights = await self.learner.state_dict_for_inference()  # an ObjectRef
             self.version += 1
             paused_here = self._fleet_active_since is not None
             if paused_here:
@@ -267,7 +287,7 @@ class Trainer(abc.ABC):
             "inflight_task_indices": self.inflight_task_indices(),
             "mode": self.mode_name,
         }
-        return await asyncio.to_thread(self.learner.save, self.run_dir / "checkpoints", state)
+        return await self.learner.save(self.run_dir / "checkpoints", state)
 
     def summary(self) -> dict[str, Any]:
         rows = self.tracker.history if self.tracker else []
@@ -287,6 +307,12 @@ class Trainer(abc.ABC):
         }
 
     async def close(self) -> None:
+        if self.learner is not None:  # before the fleet: it may hold the learner's bundle
+            try:
+                self.learner.kill()
+            except Exception:
+                logger.exception("learner actor kill failed")
+            self.learner = None
         if self.agent_manager is not None:
             try:
                 await self.agent_manager.shutdown()

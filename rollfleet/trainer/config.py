@@ -57,6 +57,12 @@ class TrainConfig(BaseModel):
     num_warmup_batches: int = Field(1, ge=0, description="colocate_async: batches submitted ahead at start.")
     save_freq: int = Field(0, ge=0, description="Checkpoint every N steps (0: only at the end).")
     resume: bool = Field(False, description="Continue from the latest checkpoint of this run.")
+    colocate: Optional[bool] = Field(
+        None,
+        description="The learner shares the replicas' devices (True) or gets a device of its own (False); "
+        "None: the mode's default (sync, colocate_async: True; separate_async: False). Sets "
+        "rollout.placement.colocate; a fleet that reserves nothing (sim engine without GPUs) places no learner.",
+    )
     seed: int = 0
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     sim_learner: SimLearnerConfig = Field(default_factory=SimLearnerConfig)

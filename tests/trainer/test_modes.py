@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from rollfleet.client import FullyAsyncLLMServerClient
 from rollfleet.config import load_config
 from rollfleet.models.vocab import fit_sim_to_model
 from rollfleet.trainer import Trainer, get_trainer_cls, register_trainer
@@ -41,9 +42,10 @@ async def run(cfg) -> Trainer:
     trainer = get_trainer_cls(cfg.trainer.trainer_mode)(cfg)
     try:
         await trainer.init()
-        before = {k: v.clone() for k, v in trainer.learner.state_dict_for_inference().items()}
+        # The learner is an actor: its weights come as an ObjectRef, fetched here only to compare.
+        before = {k: v.clone() for k, v in (await (await trainer.learner.state_dict_for_inference())).items()}
         trainer.summary_ = await trainer.fit()
-        after = trainer.learner.state_dict_for_inference()
+        after = await (await trainer.learner.state_dict_for_inference())
         trainer.params_changed = any(not torch.equal(before[k], after[k]) for k in before)
         trainer.fleet_version = (await trainer.manager.status())["current_version"]
     finally:
@@ -77,8 +79,51 @@ async def test_each_mode_trains_and_the_fleet_follows(ray_session, tmp_path, mod
     assert (tmp_path / mode / "metrics.jsonl").exists()
     if mode == "sync":
         assert all(s == 0 for entry in trainer.trained_log for s in entry["staleness"])
-    expected_client = "LLMServerClient" if mode == "sync" else "FullyAsyncLLMServerClient"
-    assert trainer.client_cls.__name__ == expected_client
+
+
+@pytest.mark.parametrize(
+    ("mode", "partial_rollout", "expected"),
+    [
+        ("sync", True, {"class": "rollfleet.client.llm_client.LLMServerClient"}),
+        ("separate_async", False, {"class": "rollfleet.client.fully_async.FullyAsyncLLMServerClient",
+                                   "partial_rollout": False}),
+        ("separate_async", True, {"class": "rollfleet.client.fully_async.FullyAsyncLLMServerClient",
+                                  "partial_rollout": True}),
+    ],
+)
+async def test_every_worker_actor_runs_the_trainers_client(ray_session, tmp_path, mode, partial_rollout, expected):
+    """The workers' clients are the trainer's ``get_llm_client()``, rebuilt in each actor: asked,
+    every worker reports the mode's client class and its settings, and owns (closes) its copy."""
+    # The simulated learner: the learner plays no part here.
+    cfg = config(tmp_path, mode, partial_rollout=partial_rollout, **{"sim_learner.enabled": True})
+    cfg.agent.num_workers = 2
+    trainer = get_trainer_cls(mode)(cfg)
+    try:
+        await trainer.init()
+        workers = trainer.agent_manager.workers
+        assert len(workers) == 2 and all(w.remote for w in workers)
+        infos = [await w.call("client_info") for w in workers]
+    finally:
+        await trainer.close()
+    assert infos == [{**expected, "owns_client": True}] * 2
+
+
+async def test_workers_run_whatever_get_llm_client_returns(ray_session, tmp_path):
+    """``init`` hands the workers ``get_llm_client()``, not a class of its own choosing: a sync
+    trainer whose ``get_llm_client`` returns a fully-async client gets fully-async workers."""
+
+    class Custom(get_trainer_cls("sync")):
+        def get_llm_client(self):
+            return self.manager.get_client(client_cls=FullyAsyncLLMServerClient, partial_rollout=False)
+
+    trainer = Custom(config(tmp_path, "sync", **{"sim_learner.enabled": True}))
+    try:
+        await trainer.init()
+        infos = [await w.call("client_info") for w in trainer.agent_manager.workers]
+    finally:
+        await trainer.close()
+    assert infos == [{"class": "rollfleet.client.fully_async.FullyAsyncLLMServerClient", "partial_rollout": False,
+                      "owns_client": True}]
 
 
 async def test_separate_async_drop_discards_stale_groups_and_replaces_them(ray_session, tmp_path):

@@ -11,6 +11,7 @@ the long tail of one batch keeps generating into the next step instead of idling
 from __future__ import annotations
 
 import logging
+from typing import ClassVar
 
 from rollfleet.errors import NotSupported
 from rollfleet.trainer.modes.separate_async import SeparateAsyncTrainer
@@ -21,7 +22,9 @@ logger = logging.getLogger(__name__)
 
 @register_trainer("colocate_async")
 class ColocateAsyncTrainer(SeparateAsyncTrainer):
+    colocated_by_default: ClassVar[bool] = True  # rollout and training take turns on the same devices
     _sleep_supported = True
+    _asleep = False
 
     async def on_train_begin(self) -> None:
         t = self.train
@@ -37,13 +40,22 @@ class ColocateAsyncTrainer(SeparateAsyncTrainer):
         if self._sleep_supported:
             try:
                 await self.manager.sleep()
+                self._asleep = True
             except NotSupported as exc:
                 self._sleep_supported = False
                 logger.info("fleet cannot sleep (%s): training next to a paused, awake fleet", exc)
 
+    async def _wake(self) -> None:
+        if self._asleep:
+            assert self.manager is not None
+            await self.manager.wake_up()
+            self._asleep = False
+
+    async def on_sync_begin(self) -> None:
+        await self._wake()  # an engine loads new weights awake (vLLM's sleep frees them)
+
     async def on_step_end(self) -> None:
         assert self.manager is not None and self.tracker is not None
-        if self._sleep_supported:
-            await self.manager.wake_up()
+        await self._wake()  # no sync this step (parameter_sync_step > 1)
         await self.manager.resume()
         self.fleet_resumed()

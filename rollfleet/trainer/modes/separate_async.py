@@ -9,7 +9,7 @@ off, interrupted groups are regenerated instead of resumed.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from rollfleet.trainer.base import Trainer
 from rollfleet.trainer.registry import register_trainer
@@ -19,6 +19,7 @@ from rollfleet.trainer.staleness import Group, GroupBuffer
 
 @register_trainer("separate_async")
 class SeparateAsyncTrainer(Trainer):
+    colocated_by_default: ClassVar[bool] = False  # the learner trains while the fleet generates
     rollouter: Rollouter
     buffer: GroupBuffer
 

@@ -2,23 +2,33 @@
 
 On-policy (staleness 0) and simple, and the baseline the async modes are measured against: the
 learner idles while the slowest trajectory of the batch finishes, and the fleet idles while the
-learner trains.
+learner trains. So the fleet is paused and, where the engine can free memory, put to sleep while
+the learner trains on the same devices (the learner is colocated by default); it wakes before the
+weights load (an engine loads weights awake) and resumes at the end of the step.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import logging
+from typing import Any, ClassVar
 
 from rollfleet.client import LLMServerClient
+from rollfleet.errors import NotSupported
 from rollfleet.trainer.base import Trainer
 from rollfleet.trainer.registry import register_trainer
 from rollfleet.trainer.staleness import Group
+
+logger = logging.getLogger(__name__)
 
 
 @register_trainer("sync")
 class SyncTrainer(Trainer):
     client_cls = LLMServerClient
+    colocated_by_default: ClassVar[bool] = True
+    _sleep_supported = True
+    _held = False  # paused by on_sample_end, not yet resumed
+    _asleep = False
 
     async def sample(self) -> tuple[list[Group], dict[str, Any]]:
         assert self.agent_manager is not None
@@ -38,3 +48,38 @@ class SyncTrainer(Trainer):
             if lo is not None:
                 g.min_version = min(g.min_version, lo)
         return list(groups.values()), {"staleness/dropped": 0}
+
+    async def on_sample_end(self) -> None:
+        assert self.manager is not None
+        await self.manager.pause()
+        self._held = True
+        if self._sleep_supported:
+            try:
+                await self.manager.sleep()
+                self._asleep = True
+            except NotSupported as exc:
+                self._sleep_supported = False
+                logger.info("fleet cannot sleep (%s): training next to a paused, awake fleet", exc)
+
+    async def _wake(self) -> None:
+        if self._asleep:
+            assert self.manager is not None
+            await self.manager.wake_up()
+            self._asleep = False
+
+    async def on_sync_begin(self) -> None:
+        await self._wake()
+
+    async def on_step_end(self) -> None:
+        await self._wake()  # no sync this step (parameter_sync_step > 1)
+        if self._held:
+            assert self.manager is not None
+            await self.manager.resume()
+            self._held = False
+
+    async def on_train_end(self) -> None:
+        """A step that failed between sleep and resume must not leave the fleet asleep."""
+        try:
+            await self.on_step_end()
+        except Exception:
+            logger.exception("waking the fleet after training failed")
