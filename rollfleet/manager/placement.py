@@ -51,15 +51,16 @@ class NodeInfo:
     labels: Mapping[str, str] = field(default_factory=dict)
 
 
-def list_nodes() -> list[NodeInfo]:
-    """The cluster's nodes with their total and free resources (a GCS call: run off the loop)."""
+def list_nodes(with_free: bool = True) -> list[NodeInfo]:
+    """The cluster's nodes with their total and free resources (GCS calls: run off the loop)."""
     import ray
 
     free_by_node: dict[str, dict[str, float]] = {}
     try:  # free resources per node; without them the totals stand in and Ray's own wait decides
         from ray._private import state
 
-        free_by_node = state.available_resources_per_node()
+        if with_free:
+            free_by_node = state.available_resources_per_node()
     except Exception:  # pragma: no cover - private API moved
         logger.debug("per-node free resources unavailable", exc_info=True)
     nodes = []
@@ -213,8 +214,8 @@ class Placer:
         self._lock = asyncio.Lock()
 
     # ------------------------------------------------------------------ cluster view
-    async def nodes(self) -> list[NodeInfo]:
-        return await asyncio.to_thread(list_nodes)
+    async def nodes(self, with_free: bool = True) -> list[NodeInfo]:
+        return await asyncio.to_thread(list_nodes, with_free)
 
     async def device(self) -> str:
         """``gpu`` | ``cpu`` | ``none``, resolving ``auto`` against the cluster once."""
@@ -230,7 +231,7 @@ class Placer:
         """Ids of the nodes this fleet has replicas on that Ray reports dead."""
         if not self.placements:
             return set()
-        alive = {n.node_id for n in await self.nodes() if n.alive}
+        alive = {n.node_id for n in await self.nodes(with_free=False) if n.alive}
         return {p.node_id for p in self.placements.values() if p.node_id not in alive}
 
     async def check_capacity(self, total_replicas: int, field_name: str) -> None:

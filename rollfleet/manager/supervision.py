@@ -55,7 +55,8 @@ class HealthSupervisor:
             return
         dead = await self._placer.dead_nodes()
         for record in list(self._records.values()):
-            if record.node_id in dead and record.state in (HealthState.HEALTHY, HealthState.SUSPECT, HealthState.SYNCING):
+            # Only serving replicas: one still starting fails its start call and is re-placed there.
+            if record.node_id in dead and record.state in (HealthState.HEALTHY, HealthState.SUSPECT):
                 self._set_state(record, HealthState.DEAD, f"node {record.node_id[:12]} died", force=True)
                 self._schedule_restart(record)
 

@@ -81,6 +81,26 @@ async def test_serves_200_concurrent_requests(fleet):
     assert client.balancer.get_total_inflight() == 0
 
 
+async def test_vllm_servers_and_data_planes_listen_on_loopback_only(fleet):
+    """On this loopback cluster every listener of a replica's process tree (its data plane, its
+    vLLM API server and vLLM's own engine processes) is bound to 127.0.0.1."""
+    import ipaddress
+
+    import psutil
+
+    stats = await fleet.replica_stats()
+    found = []
+    for s in stats.values():
+        actor = psutil.Process(s["pid"])
+        for proc in [actor] + actor.children(recursive=True):
+            found += [c.laddr for c in proc.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+    addresses = [r["address"] for r in await fleet.get_replicas()]
+    ports = {a.port for a in found}
+    assert all(int(a.rsplit(":", 1)[1]) in ports for a in addresses)  # the vLLM servers were seen
+    wide = [a for a in found if not ipaddress.ip_address(a.ip.removeprefix("::ffff:")).is_loopback]
+    assert not wide, wide
+
+
 async def test_multi_turn_sessions_stick_and_hit_vllm_prefix_cache(fleet):
     client = fleet.get_client()
     addresses = {r["replica_id"]: r["address"] for r in await fleet.get_replicas()}
