@@ -121,6 +121,23 @@ class InsufficientResources(RollfleetError, RuntimeError):
         return (type(self), (self.field, self.requested, self.available, self.detail))
 
 
+class FleetOperationFailed(RollfleetError, RuntimeError):
+    """A control operation fanned out to the fleet failed on some replicas.
+
+    ``failures`` maps each failed replica id to its error's text; the replicas not named
+    succeeded.
+    """
+
+    def __init__(self, op: str, failures: dict[str, str]) -> None:
+        self.op = op
+        self.failures = dict(failures)
+        first = next(iter(self.failures.items()), ("?", ""))
+        super().__init__(f"{op} failed on {sorted(self.failures)}: {first[0]}: {first[1]}")
+
+    def __reduce__(self):
+        return (type(self), (self.op, self.failures))
+
+
 class RetriesExhausted(RollfleetError, RuntimeError):
     """The client's bounded retry policy gave up; ``last_error`` is the final cause."""
 
@@ -136,6 +153,60 @@ class RetriesExhausted(RollfleetError, RuntimeError):
         return (type(self), (self.request_id, self.attempts, self.last_error))
 
 
+class UnknownName(RollfleetError, KeyError, ValueError):
+    """A name that no registry of its plug-in family holds (``rollout.name: vlm``...).
+
+    Both a ``KeyError`` (a failed lookup, what the agent-loop, reward and tool-parser registries
+    raised) and a ``ValueError`` (a bad value, what the engine, policy, trainer and estimator
+    registries raised, and what pydantic turns into a ``ValidationError`` naming the field when a
+    config validator raises it). ``family`` is the plug-in family, ``valid`` the registered names.
+    """
+
+    def __init__(self, family: str, name: str, valid: "tuple[str, ...] | list[str]" = (), hint: str = "") -> None:
+        self.family = family
+        self.name = name
+        self.valid = tuple(valid)
+        self.hint = hint
+        msg = f"unknown {family} '{name}'; valid names: {list(self.valid)}"
+        if hint:
+            msg += f" ({hint})"
+        super().__init__(msg)
+
+    def __str__(self) -> str:  # KeyError would show the message quoted, as a key
+        return str(self.args[0]) if self.args else ""
+
+    def __reduce__(self):
+        return (type(self), (self.family, self.name, self.valid, self.hint))
+
+
+class AlreadyRegistered(RollfleetError, ValueError):
+    """A name registered twice with different targets (the same target again is a no-op)."""
+
+    def __init__(self, family: str, name: str, existing: str, new: str) -> None:
+        self.family = family
+        self.name = name
+        self.existing = existing
+        self.new = new
+        super().__init__(f"{family} '{name}' is already registered as {existing}; cannot register {new}")
+
+    def __reduce__(self):
+        return (type(self), (self.family, self.name, self.existing, self.new))
+
+
+class InvalidPlugin(RollfleetError, TypeError):
+    """A registered target is not what its family needs (not a subclass of ``Engine``, not callable...)."""
+
+    def __init__(self, family: str, name: str, target: str, expected: str) -> None:
+        self.family = family
+        self.name = name
+        self.target = target
+        self.expected = expected
+        super().__init__(f"{family} '{name}': {target} is not {expected}")
+
+    def __reduce__(self):
+        return (type(self), (self.family, self.name, self.target, self.expected))
+
+
 __all__ = [
     "RollfleetError",
     "InvalidRequest",
@@ -144,5 +215,9 @@ __all__ = [
     "EngineDead",
     "NotSupported",
     "InsufficientResources",
+    "FleetOperationFailed",
     "RetriesExhausted",
+    "UnknownName",
+    "AlreadyRegistered",
+    "InvalidPlugin",
 ]

@@ -26,6 +26,18 @@ class HealthState(str, enum.Enum):
     DRAINING = "draining"  # being removed: finishes in-flight work, takes no new requests
 
 
+class ReplicaState(str, enum.Enum):
+    """A replica's own lifecycle, as the replica reports it (``LoadReport.state``, ``info()``);
+    :class:`HealthState` is the controller's view of it."""
+
+    STARTING = "starting"
+    SYNCING = "syncing"  # started, waiting for the current weights before it serves
+    SERVING = "serving"
+    PAUSED = "paused"  # requests wait at its gate (weight update)
+    SLEEPING = "sleeping"  # memory released; requests wait at its gate
+    STOPPED = "stopped"
+
+
 #: Transitions the controller may make; anything else is a bug.
 ALLOWED_TRANSITIONS: dict[HealthState, frozenset[HealthState]] = {
     HealthState.HEALTHY: frozenset({HealthState.SUSPECT, HealthState.DEAD, HealthState.SYNCING, HealthState.DRAINING}),
@@ -102,4 +114,4 @@ class FleetSnapshot:
         ]
 
 
-__all__ = ["HealthState", "ALLOWED_TRANSITIONS", "can_transition", "ReplicaRecord", "FleetSnapshot"]
+__all__ = ["HealthState", "ReplicaState", "ALLOWED_TRANSITIONS", "can_transition", "ReplicaRecord", "FleetSnapshot"]

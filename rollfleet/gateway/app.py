@@ -28,7 +28,7 @@ from rollfleet.gateway.errors import GatewayError, from_exception
 from rollfleet.gateway.metrics import FleetCollector, GatewayMetrics
 from rollfleet.gateway.poller import AdminBackend, FleetStatusPoller
 from rollfleet.gateway.routes_admin import AdminRoutes
-from rollfleet.gateway.routes_openai import OpenAIRoutes
+from rollfleet.gateway.routes_openai import OpenAIRoutes, ServedModel
 from rollfleet.gateway.service import GenerationService
 
 logger = logging.getLogger(__name__)
@@ -98,9 +98,20 @@ class Gateway:
                     await self.poller.stop()
 
         app = FastAPI(title="rollfleet gateway", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
-        app.router.routes.extend(OpenAIRoutes(self).routes())
+        model = ServedModel(self.model_names, self.max_model_len, self.default_max_tokens, self.created)
+        openai = OpenAIRoutes(self.service, self.codec, model, self.config, self.metrics.registry, self.instrument)
+        app.router.routes.extend(openai.routes())
         if self.config.admin_token:
-            app.router.routes.extend(AdminRoutes(self, self.config.admin_token).routes())
+            if self.admin is None:
+                raise ValueError("gateway.admin_token is set but there is no admin backend (the fleet's manager)")
+            admin = AdminRoutes(
+                self.admin,
+                self.config.admin_token,
+                instrument=self.instrument,
+                gateway_status=self._gateway_status,
+                on_membership_change=self.on_membership_change,
+            )
+            app.router.routes.extend(admin.routes())
 
         async def http_error(request: Request, exc: Exception) -> Response:
             status = getattr(exc, "status_code", 500)
@@ -114,6 +125,14 @@ class Gateway:
         app.add_exception_handler(StarletteHTTPException, http_error)
         app.state.gateway = self
         return app
+
+    def _gateway_status(self) -> dict[str, Any]:
+        """The gateway's own part of ``/admin/status``."""
+        return {
+            "model": self.model_names[0],
+            "client": self.service.client.get_status(),
+            "status_poll_errors": self.poller.errors if self.poller else None,
+        }
 
     def instrument(self, route: str, handler: Endpoint) -> Endpoint:
         """Wrap a handler: OpenAI error shape for anything it raises, one count and one latency

@@ -198,11 +198,11 @@ class FleetCollector(Collector):
         )
         if snapshot is None:
             return
-        if snapshot.get("current_version") is not None:
+        if snapshot.current_version is not None:
             yield GaugeMetricFamily(
                 "rollfleet_fleet_weight_version",
                 "The fleet's current weight version.",
-                value=snapshot["current_version"],
+                value=snapshot.current_version,
             )
         health = GaugeMetricFamily(
             "rollfleet_replica_health_state",
@@ -213,12 +213,12 @@ class FleetCollector(Collector):
             "rollfleet_replica_weight_version", "Weight version each replica serves.", labels=["replica"]
         )
         restarts = CounterMetricFamily("rollfleet_replica_restarts", "Restarts of each replica.", labels=["replica"])
-        for rid, info in (snapshot.get("replicas") or {}).items():
+        for rid, info in snapshot.replicas.items():
             for state in HealthState:
-                health.add_metric([rid, state.value], 1.0 if info.get("state") == state.value else 0.0)
-            if info.get("weight_version") is not None:
-                version.add_metric([rid], info["weight_version"])
-            restarts.add_metric([rid], info.get("restarts") or 0)
+                health.add_metric([rid, state.value], 1.0 if info.state == state else 0.0)
+            if info.weight_version is not None:
+                version.add_metric([rid], info.weight_version)
+            restarts.add_metric([rid], info.restarts)
         yield health
         yield version
         yield restarts

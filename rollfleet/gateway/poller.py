@@ -14,16 +14,18 @@ import logging
 import time
 from typing import Any, Optional, Protocol
 
+from rollfleet.records import FleetStatus
+
 logger = logging.getLogger(__name__)
 
 
 class AdminBackend(Protocol):
     """The control-plane operations the gateway uses; :class:`LLMServerManager` has them all."""
 
-    def status(self) -> Any: ...
+    def status(self) -> Any: ...  # awaitable of FleetStatus
     def replica_stats(self) -> Any: ...
-    def get_replicas(self) -> Any: ...
-    def add_replicas(self, n: int) -> Any: ...
+    def get_replicas(self) -> Any: ...  # awaitable of list[ReplicaInfo]
+    def add_replicas(self, n: int) -> Any: ...  # awaitable of list[ReplicaInfo]
     def remove_replicas(self, replica_ids: list[str], drain_timeout_s: float = 30.0) -> Any: ...
     def update_weights(self, weights: Any, version: int) -> Any: ...
     def start_profile(self, **kwargs: Any) -> Any: ...
@@ -37,7 +39,7 @@ class FleetStatusPoller:
         self.backend = backend
         self.interval_s = interval_s
         self.timeout_s = timeout_s
-        self.status: Optional[dict[str, Any]] = None
+        self.status: Optional[FleetStatus] = None
         self.stats: Optional[dict[str, Any]] = None
         self.updated_at: Optional[float] = None
         self.errors = 0
@@ -60,8 +62,8 @@ class FleetStatusPoller:
         status, stats = await asyncio.wait_for(
             asyncio.gather(self.backend.status(), self.backend.replica_stats()), self.timeout_s
         )
-        status.pop("clients", None)  # the gateway reports its own client itself
-        self.status, self.stats = status, stats
+        # The gateway reports its own client itself.
+        self.status, self.stats = status.model_copy(update={"clients": []}), stats
         self.updated_at = time.monotonic()
 
     async def _run(self) -> None:

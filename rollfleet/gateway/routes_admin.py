@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hmac
 import logging
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -22,27 +22,38 @@ from rollfleet.gateway.protocol import AddReplicasRequest, ProfileRequest, Remov
 from rollfleet.gateway.routes_openai import json_response, parse_body
 
 if TYPE_CHECKING:  # pragma: no cover
-    from rollfleet.gateway.app import Gateway
+    from rollfleet.gateway.poller import AdminBackend
 
 logger = logging.getLogger(__name__)
 
 Handler = Callable[[Request], Awaitable[Response]]
 
 
-def _public(replica: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in replica.items() if k != "handle"}
-
-
 class AdminRoutes:
-    def __init__(self, gateway: "Gateway", token: str) -> None:
-        if gateway.admin is None:
+    """The admin handlers. They get the control plane (``admin``), the token, the gateway's own
+    part of ``/admin/status`` (``gateway_status``), what to run after a membership change, and
+    the wrapper that counts requests and shapes errors; only :mod:`rollfleet.gateway.app` knows
+    every part."""
+
+    def __init__(
+        self,
+        admin: "AdminBackend",
+        token: str,
+        *,
+        instrument: Callable[[str, Handler], Handler],
+        gateway_status: Callable[[], dict[str, Any]],
+        on_membership_change: Optional[Callable[[], Awaitable[Any]]] = None,
+    ) -> None:
+        if admin is None:
             raise ValueError("admin routes need an admin backend (the fleet's manager)")
-        self.gw = gateway
-        self.admin = gateway.admin
+        self.admin = admin
         self._token = token.encode()
+        self.instrument = instrument
+        self.gateway_status = gateway_status
+        self.on_membership_change = on_membership_change
 
     def routes(self) -> list[Route]:
-        wrap = self.gw.instrument
+        wrap = self.instrument
         table: list[tuple[str, Handler, str]] = [
             ("/admin/status", self.status, "GET"),
             ("/admin/replicas", self.replicas, "GET"),
@@ -78,30 +89,22 @@ class AdminRoutes:
     # ------------------------------------------------------------------ handlers
     async def status(self, request: Request) -> Response:
         fleet = await self.admin.status()
-        gw = self.gw
-        body = {
-            "gateway": {
-                "model": gw.model_names[0],
-                "client": gw.service.client.get_status(),
-                "status_poll_errors": gw.poller.errors if gw.poller else None,
-            },
-            "fleet": fleet,
-        }
+        body = {"gateway": self.gateway_status(), "fleet": fleet.to_json()}
         return json_response(body)
 
     async def replicas(self, request: Request) -> Response:
-        return json_response({"replicas": [_public(r) for r in await self.admin.get_replicas()]})
+        return json_response({"replicas": [r.to_json() for r in await self.admin.get_replicas()]})
 
     async def add_replicas(self, request: Request) -> Response:
         req = parse_body(AddReplicasRequest, await request.body())
         added = await self.admin.add_replicas(req.num_replicas)
-        body: dict[str, Any] = {"added": [_public(r) for r in added]}
+        body: dict[str, Any] = {"added": [r.to_json() for r in added]}
         await self._after_membership_change(body)
         return json_response(body)
 
     async def remove_replicas(self, request: Request) -> Response:
         req = parse_body(RemoveReplicasRequest, await request.body())
-        known = {r["replica_id"] for r in await self.admin.get_replicas()}
+        known = {r.replica_id for r in await self.admin.get_replicas()}
         unknown = [rid for rid in req.replica_ids if rid not in known]
         if unknown:
             raise GatewayError(
@@ -118,7 +121,7 @@ class AdminRoutes:
 
     async def _after_membership_change(self, body: dict[str, Any]) -> None:
         """Refresh the scrape config (when one is kept) so Prometheus follows the fleet."""
-        refresh = self.gw.on_membership_change
+        refresh = self.on_membership_change
         if refresh is None:
             return
         try:
@@ -129,7 +132,7 @@ class AdminRoutes:
 
     async def update_weights(self, request: Request) -> Response:
         req = parse_body(UpdateWeightsRequest, await request.body())
-        current = (await self.admin.status()).get("current_version")
+        current = (await self.admin.status()).current_version
         if current is not None and req.version <= current:
             raise GatewayError(
                 409,

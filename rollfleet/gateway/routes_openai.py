@@ -8,7 +8,8 @@ per-request cost. The token route never calls the tokenizer unless it is given s
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Optional, Sequence, TypeVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Iterator, Optional, Sequence, TypeVar
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
@@ -37,7 +38,11 @@ from rollfleet.gateway.sampling import field_mapper, sampling_params, token_budg
 from rollfleet.types import SamplingParams, TokenOutput
 
 if TYPE_CHECKING:  # pragma: no cover
-    from rollfleet.gateway.app import Gateway
+    from prometheus_client import CollectorRegistry
+
+    from rollfleet.config import GatewayConfig
+    from rollfleet.gateway.codec import TextCodec
+    from rollfleet.gateway.service import GenerationService
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -68,15 +73,39 @@ def sse_response(events: Iterator[dict[str, Any]], headers: dict[str, str]) -> S
     return StreamingResponse(_aiter(responses.sse(events)), media_type="text/event-stream", headers=headers)
 
 
-class OpenAIRoutes:
-    """Handlers bound to one :class:`Gateway`."""
+@dataclass(frozen=True)
+class ServedModel:
+    """What the routes say about the model they serve."""
 
-    def __init__(self, gateway: "Gateway") -> None:
-        self.gw = gateway
+    names: tuple[str, ...]
+    max_model_len: int
+    default_max_tokens: int
+    created: int
+
+
+class OpenAIRoutes:
+    """The OpenAI-compatible handlers. They get exactly what they use (the generation service,
+    the tokenizer, the served model, the gateway's settings, the metrics registry and the wrapper
+    that counts requests and shapes errors); only :mod:`rollfleet.gateway.app` knows every part."""
+
+    def __init__(
+        self,
+        service: "GenerationService",
+        codec: "TextCodec",
+        model: ServedModel,
+        config: "GatewayConfig",
+        registry: "CollectorRegistry",
+        instrument: Callable[[str, Callable[[Request], Awaitable[Response]]], Callable[[Request], Awaitable[Response]]],
+    ) -> None:
+        self.service = service
+        self.codec = codec
+        self.model = model
+        self.config = config
+        self.registry = registry
+        self.instrument = instrument
 
     def routes(self) -> list[Route]:
-        gw = self.gw
-        wrap = gw.instrument
+        wrap = self.instrument
         return [
             Route("/v1/models", wrap("/v1/models", self.models), methods=["GET"]),
             Route("/v1/completions", wrap("/v1/completions", self.completions), methods=["POST"]),
@@ -89,10 +118,10 @@ class OpenAIRoutes:
 
     # ------------------------------------------------------------------ helpers
     def _check(self, req: _GenerationRequest) -> None:
-        if req.model not in self.gw.model_names:
-            raise model_not_found(req.model, self.gw.model_names)
-        if req.n > self.gw.config.max_n:
-            raise bad_request("n", f"n must be <= {self.gw.config.max_n} on this gateway", code="invalid_value")
+        if req.model not in self.model.names:
+            raise model_not_found(req.model, self.model.names)
+        if req.n > self.config.max_n:
+            raise bad_request("n", f"n must be <= {self.config.max_n} on this gateway", code="invalid_value")
 
     @staticmethod
     def _session(request: Request, req: _GenerationRequest) -> Optional[str]:
@@ -108,7 +137,7 @@ class OpenAIRoutes:
         fields: FieldMap,
     ) -> list[TokenOutput]:
         try:
-            return await self.gw.service.generate(route, prompts, params, n=n, session_id=session_id)
+            return await self.service.generate(route, prompts, params, n=n, session_id=session_id)
         except Exception as exc:
             raise from_exception(exc, fields) from exc
 
@@ -123,28 +152,27 @@ class OpenAIRoutes:
         return headers
 
     def _budget(self, requested: Optional[int], prompt_len: int, prompt_param: str, budget_param: str) -> int:
-        gw = self.gw
         return token_budget(
             requested,
             prompt_len,
-            max_model_len=gw.max_model_len,
-            default=gw.default_max_tokens,
+            max_model_len=self.model.max_model_len,
+            default=self.model.default_max_tokens,
             prompt_param=prompt_param,
             budget_param=budget_param,
         )
 
     # ------------------------------------------------------------------ routes
     async def models(self, request: Request) -> Response:
-        gw = self.gw
+        model = self.model
         data = [
             {
                 "id": name,
                 "object": "model",
-                "created": gw.created,
+                "created": model.created,
                 "owned_by": "rollfleet",
-                "max_model_len": gw.max_model_len,
+                "max_model_len": model.max_model_len,
             }
-            for name in gw.model_names
+            for name in model.names
         ]
         return json_response({"object": "list", "data": data})
 
@@ -157,7 +185,7 @@ class OpenAIRoutes:
             )
         prompt = req.prompt_token_ids
         budget = self._budget(req.max_tokens, len(prompt), "prompt_token_ids", "max_tokens")
-        params = sampling_params(req, budget, self.gw.codec if req.stop else None)
+        params = sampling_params(req, budget, self.codec if req.stop else None)
         session = self._session(request, req)
         fields = field_mapper("prompt_token_ids", "max_tokens", keep_prompt_index=True)
         outputs = await self._generate("/v1/completions/tokens", [prompt], params, req.n, session, fields)
@@ -170,7 +198,7 @@ class OpenAIRoutes:
         self._check(req)
         if req.suffix:
             raise bad_request("suffix", "suffix (insertion) is not supported", code="unsupported_value")
-        codec = self.gw.codec
+        codec = self.codec
         prompts, texts = self._completion_prompts(req.prompt)
         budget = max_len = 0
         for prompt in prompts:  # one budget for the batch: the tightest prompt decides
@@ -191,7 +219,7 @@ class OpenAIRoutes:
                 outputs,
                 prompts,
                 req.n,
-                chunk_tokens=self.gw.config.stream_chunk_tokens,
+                chunk_tokens=self.config.stream_chunk_tokens,
                 logprobs=logprobs,
                 return_token_ids=req.return_token_ids,
                 include_usage=include_usage,
@@ -212,7 +240,7 @@ class OpenAIRoutes:
 
     def _completion_prompts(self, prompt: Any) -> tuple[list[list[int]], Optional[list[str]]]:
         """Text, a batch of texts, token ids or a batch of token ids -> token-id prompts."""
-        codec = self.gw.codec
+        codec = self.codec
         if isinstance(prompt, str):
             prompt = [prompt]
         if not prompt:
@@ -232,7 +260,7 @@ class OpenAIRoutes:
     async def chat(self, request: Request) -> Response:
         req = parse_body(ChatCompletionRequest, await request.body())
         self._check(req)
-        codec = self.gw.codec
+        codec = self.codec
         prompt = codec.render_chat(
             [_message_dict(i, m) for i, m in enumerate(req.messages)],
             tools=req.tools,
@@ -257,7 +285,7 @@ class OpenAIRoutes:
                 codec,
                 outputs,
                 prompt,
-                chunk_tokens=self.gw.config.stream_chunk_tokens,
+                chunk_tokens=self.config.stream_chunk_tokens,
                 logprobs=req.logprobs,
                 return_token_ids=req.return_token_ids,
                 include_usage=include_usage,
@@ -270,16 +298,16 @@ class OpenAIRoutes:
 
     async def finish_session(self, request: Request) -> Response:
         session_id = request.path_params["session_id"]
-        return json_response({"session_id": session_id, "finished": self.gw.service.finish_session(session_id)})
+        return json_response({"session_id": session_id, "finished": self.service.finish_session(session_id)})
 
     async def health(self, request: Request) -> Response:
-        status = self.gw.service.client.get_status()
+        status = self.service.client.get_status()
         healthy = status["active_servers"] > 0
         body = {"status": "ok" if healthy else "no_replica_available", "routable_replicas": status["active_servers"]}
         return json_response(body, status=200 if healthy else 503)
 
     async def metrics(self, request: Request) -> Response:
-        return Response(generate_latest(self.gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 def _message_dict(index: int, message: ChatMessage) -> dict[str, Any]:

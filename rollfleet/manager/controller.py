@@ -26,6 +26,7 @@ from rollfleet.manager.fanout import ControlFanOut
 from rollfleet.manager.placement import Placer, ReplicaPlacement, WorkerPlacement, release_group
 from rollfleet.manager.prometheus import ScrapeConfigWriter
 from rollfleet.manager.supervision import STOP_TIMEOUT_DEAD_S, HealthSupervisor
+from rollfleet.records import FleetEvent, FleetStatus, ReplicaInfo, ReplicaStatus
 from rollfleet.server.direct import DirectHandle
 
 logger = logging.getLogger(__name__)
@@ -54,12 +55,12 @@ class FleetController(HealthSupervisor, ControlFanOut):
         self._has_weights = False  # False: the engines' boot weights are the current version
         self._probe_task: Optional[asyncio.Task[None]] = None
         self._restart_tasks: dict[str, asyncio.Task[None]] = {}
-        self._events: list[dict[str, Any]] = []
+        self._events: list[FleetEvent] = []
         self._update_lock: Optional[asyncio.Lock] = None
         self._changed: Optional[asyncio.Event] = None  # set (and replaced) on every change
 
     # ------------------------------------------------------------------ membership
-    async def launch(self, num_replicas: int, initial_version: int = 0) -> list[dict[str, Any]]:
+    async def launch(self, num_replicas: int, initial_version: int = 0) -> list[ReplicaInfo]:
         """Start ``num_replicas`` replicas serving the engine's boot weights as ``initial_version``."""
         if self.current_version is None:
             self.current_version = initial_version
@@ -67,7 +68,7 @@ class FleetController(HealthSupervisor, ControlFanOut):
         self._ensure_prober()
         return infos
 
-    async def add_replicas(self, n: int, field_name: str = "add_replicas(n)") -> list[dict[str, Any]]:
+    async def add_replicas(self, n: int, field_name: str = "add_replicas(n)") -> list[ReplicaInfo]:
         """Start ``n`` more replicas; each serves only once it has the current weights.
 
         Asking for more devices than the cluster has fails at once with
@@ -117,7 +118,7 @@ class FleetController(HealthSupervisor, ControlFanOut):
         options = placement.rank(0).actor_options() if placement is not None else {"num_cpus": 0}
         return ReplicaActor.options(name=None, **options).remote(rid, self.config, self._indices[rid])
 
-    async def _start_replica(self, rid: str) -> dict[str, Any]:
+    async def _start_replica(self, rid: str) -> ReplicaInfo:
         placement = await self._place(rid)
         handle = self._spawn(rid, placement)
         record = self._records.get(rid)
@@ -153,7 +154,7 @@ class FleetController(HealthSupervisor, ControlFanOut):
         record.consecutive_failures = 0
         self._set_state(record, HealthState.HEALTHY, "started")
         self._membership_changed()
-        return {**info, "weight_version": self.current_version, "state": record.state.value}
+        return _info(record)
 
     async def remove_replicas(self, replica_ids: list[str], drain_timeout_s: float = 30.0) -> list[str]:
         """Stop routing to the replicas, let their in-flight work finish (bounded), then stop them."""
@@ -259,19 +260,8 @@ class FleetController(HealthSupervisor, ControlFanOut):
         if event is not None:
             event.set()
 
-    async def get_replicas(self) -> list[dict[str, Any]]:
-        return [
-            {
-                "replica_id": r.replica_id,
-                "address": r.address,
-                "handle": r.handle,
-                "state": r.state.value,
-                "weight_version": r.weight_version,
-                "restarts": r.restarts,
-                **_where(r),
-            }
-            for r in self._records.values()
-        ]
+    async def get_replicas(self) -> list[ReplicaInfo]:
+        return [_info(r) for r in self._records.values()]
 
     async def replica_placements(self) -> dict[str, Optional[ReplicaPlacement]]:
         """Each replica's placement group and node (for tools and tests that ask Ray about it)."""
@@ -292,26 +282,22 @@ class FleetController(HealthSupervisor, ControlFanOut):
             self._worker_groups.append(group)
         return group
 
-    async def status(self) -> dict[str, Any]:
-        return {
-            "current_version": self.current_version,
-            "membership_epoch": self._membership_epoch,
-            "replicas": {
-                r.replica_id: {
-                    "state": r.state.value,
-                    "address": r.address,
-                    "weight_version": r.weight_version,
-                    "restarts": r.restarts,
-                    **_where(r),
-                    "consecutive_failures": r.consecutive_failures,
-                    "inflight": r.load.inflight if r.load else None,
-                    "kv_usage": r.load.kv_usage if r.load else None,
-                    "detail": r.detail,
-                }
+    async def status(self) -> FleetStatus:
+        return FleetStatus(
+            current_version=self.current_version,
+            membership_epoch=self._membership_epoch,
+            replicas={
+                r.replica_id: ReplicaStatus(
+                    **_info(r).model_dump(),
+                    consecutive_failures=r.consecutive_failures,
+                    inflight=r.load.inflight if r.load else None,
+                    kv_usage=r.load.kv_usage if r.load else None,
+                    detail=r.detail,
+                )
                 for r in self._records.values()
             },
-            "events": self._events[-50:],
-        }
+            events=self._events[-50:],
+        )
 
     async def replica_stats(self) -> dict[str, Any]:
         async def one(r: ReplicaRecord) -> Any:
@@ -348,8 +334,11 @@ def _route_handle(record: ReplicaRecord) -> Any:
     return record.handle
 
 
-def _where(record: ReplicaRecord) -> dict[str, Any]:
-    return {"node_id": record.node_id, "node_ip": record.node_ip, "devices": record.devices}
+def _info(r: ReplicaRecord) -> ReplicaInfo:
+    return ReplicaInfo(
+        replica_id=r.replica_id, state=r.state, address=r.address, weight_version=r.weight_version,
+        restarts=r.restarts, node_id=r.node_id, node_ip=r.node_ip, devices=r.devices, handle=r.handle,
+    )
 
 
 def _kill(handle: Any) -> None:

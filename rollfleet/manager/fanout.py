@@ -11,7 +11,7 @@ import asyncio
 import time
 from typing import Any
 
-from rollfleet.errors import NotSupported
+from rollfleet.errors import FleetOperationFailed, NotSupported
 from rollfleet.health import HealthState, ReplicaRecord
 
 
@@ -37,14 +37,17 @@ class ControlFanOut:
 
     @staticmethod
     def _raise_first(results: dict[str, Any], op: str) -> None:
+        """Raise for the replicas where ``op`` failed: the engine's own ``NotSupported`` as is (the
+        caller decides, e.g. a fleet that cannot sleep trains awake), else one
+        :class:`FleetOperationFailed` naming every failed replica."""
         errors = {rid: res for rid, res in results.items() if isinstance(res, BaseException)}
         if not errors:
             return
-        first = next(iter(errors.values()))
-        cause = getattr(first, "cause", first)
-        if isinstance(cause, NotSupported):
-            raise cause
-        raise RuntimeError(f"{op} failed on {sorted(errors)}: {first!r}")
+        causes = {rid: getattr(exc, "cause", exc) for rid, exc in errors.items()}
+        for cause in causes.values():
+            if isinstance(cause, NotSupported):
+                raise cause
+        raise FleetOperationFailed(op, {rid: repr(cause) for rid, cause in causes.items()})
 
     async def abort_all(self) -> dict[str, Any]:
         results = await self._fan_out("abort_all")

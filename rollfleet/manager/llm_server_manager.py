@@ -13,6 +13,7 @@ from typing import Any, Optional, Union
 
 from rollfleet.config import RayConfig, RollfleetConfig, RolloutConfig
 from rollfleet.manager.ray_runtime import ensure_ray
+from rollfleet.records import FleetStatus, ReplicaInfo
 from rollfleet.utils.aio import auto_await
 
 logger = logging.getLogger(__name__)
@@ -84,12 +85,12 @@ class LLMServerManager:
 
     # ------------------------------------------------------------------ membership
     @auto_await
-    async def get_replicas(self) -> list[dict[str, Any]]:
+    async def get_replicas(self) -> list[ReplicaInfo]:
         return await self.controller.get_replicas.remote()
 
     @auto_await
     async def get_addresses(self) -> list[str]:
-        return [r["address"] for r in await self.controller.get_replicas.remote()]
+        return [r.address for r in await self.controller.get_replicas.remote()]
 
     @auto_await
     async def learner_placement(self) -> Any:
@@ -100,7 +101,7 @@ class LLMServerManager:
         return await self.controller.learner_placement.remote()
 
     @auto_await
-    async def add_replicas(self, n: int) -> list[dict[str, Any]]:
+    async def add_replicas(self, n: int) -> list[ReplicaInfo]:
         return await self.controller.add_replicas.remote(n)
 
     @auto_await
@@ -155,10 +156,9 @@ class LLMServerManager:
         return await self.controller.stop_profile.remote()
 
     @auto_await
-    async def status(self) -> dict[str, Any]:
-        status = await self.controller.status.remote()
-        status["clients"] = [c.get_status() for c in self._clients]
-        return status
+    async def status(self) -> FleetStatus:
+        status: FleetStatus = await self.controller.status.remote()
+        return status.model_copy(update={"clients": [c.get_status() for c in self._clients]})
 
     @auto_await
     async def replica_stats(self) -> dict[str, Any]:

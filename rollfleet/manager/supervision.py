@@ -18,6 +18,7 @@ import time
 
 from rollfleet.errors import InsufficientResources
 from rollfleet.health import HealthState, ReplicaRecord, can_transition
+from rollfleet.records import FleetEvent
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +130,7 @@ class HealthSupervisor:
             return
         if record.state != state:
             self._events.append(
-                {"t": time.time(), "replica_id": record.replica_id, "from": record.state.value, "to": state.value, "detail": detail}
+                FleetEvent(t=time.time(), replica_id=record.replica_id, from_state=record.state, to=state, detail=detail)
             )
             del self._events[:-500]
         record.state = state

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from rollfleet.config import RolloutConfig
 from rollfleet.engines import Engine, EngineLoad, build_engine
 from rollfleet.errors import NotSupported, ReplicaUnavailable
+from rollfleet.health import ReplicaState
 from rollfleet.server.validation import validate_prompt, validate_sampling_params
 from rollfleet.types import LoadReport, ReplicaResponse, SamplingParams, TokenOutput
 
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 
 #: States in which requests wait at the replica's gate rather than fail: a pause for a weight
 #: update or a sleep is short, and verl's contract is that requests queue on a paused engine.
-_HOLDING_STATES = ("paused", "sleeping")
+_HOLDING_STATES = (ReplicaState.PAUSED, ReplicaState.SLEEPING)
 
 #: How long a load poll may take before the replica answers with its last known load instead
 #: (the engine's health is then checked): shorter than the prober's timeout, long enough for a
@@ -51,7 +52,7 @@ class Replica:
         self.replica_index = replica_index
         self.config = config
         self.engine = engine if engine is not None else build_engine(config, replica_index)
-        self._state = "starting"
+        self._state = ReplicaState.STARTING
         self._version: Optional[int] = None
         self._epoch = 0
         self._gate: Optional[asyncio.Event] = None
@@ -76,13 +77,13 @@ class Replica:
         self._limits = self.engine.limits()
         if version is not None:
             self._version = version
-            self._set_state("serving")
+            self._set_state(ReplicaState.SERVING)
         else:
-            self._set_state("syncing")
+            self._set_state(ReplicaState.SYNCING)
         return self.info()
 
     async def shutdown(self) -> None:
-        self._set_state("stopped")
+        self._set_state(ReplicaState.STOPPED)
         if self._data_plane is not None:
             await self._data_plane.close()
         await self.engine.shutdown()
@@ -103,7 +104,7 @@ class Replica:
             "replica_id": self.replica_id,
             "address": self.engine.address(),
             "engine": self.engine.name,
-            "state": self._state,
+            "state": self._state.value,
             "data_plane": self._data_plane.address if self._data_plane is not None else None,
             "data_plane_token": self._data_plane.token if self._data_plane is not None else None,
             "node_ip": self.engine.bind_host,
@@ -113,10 +114,10 @@ class Replica:
             "max_model_len": limits.max_model_len if limits else None,
         }
 
-    def _set_state(self, state: str) -> None:
+    def _set_state(self, state: ReplicaState) -> None:
         self._state = state
         if self._gate is not None:
-            if state == "serving" or state not in _HOLDING_STATES:
+            if state == ReplicaState.SERVING or state not in _HOLDING_STATES:
                 self._gate.set()  # serving lets requests in; terminal states wake waiters to fail
             else:
                 self._gate.clear()
@@ -181,9 +182,9 @@ class Replica:
         return ReplicaResponse(output, self._report())
 
     def _check_accepting(self) -> None:
-        if self._state in ("serving",) + _HOLDING_STATES:
+        if self._state in (ReplicaState.SERVING, *_HOLDING_STATES):
             return
-        raise ReplicaUnavailable(self.replica_id, f"state is '{self._state}'")
+        raise ReplicaUnavailable(self.replica_id, f"state is '{self._state.value}'")
 
     def _stamp(self, output: TokenOutput, epoch: int, version: Optional[int]) -> None:
         if epoch == self._epoch or output.stop_reason == "aborted":
@@ -207,7 +208,7 @@ class Replica:
             waiting=load.waiting,
             kv_usage=load.kv_usage,
             weight_version=self._version,
-            state=self._state,
+            state=self._state.value,
         )
 
     async def abort(self, request_id: str) -> int:
@@ -223,24 +224,24 @@ class Replica:
 
     async def pause(self) -> None:
         """Hold new requests at the gate and abort in-flight ones (they return partial tokens)."""
-        if self._state == "serving":
-            self._set_state("paused")
+        if self._state == ReplicaState.SERVING:
+            self._set_state(ReplicaState.PAUSED)
         await self.engine.pause()
 
     async def resume(self) -> None:
         await self.engine.resume()
         if self._state in _HOLDING_STATES:
-            self._set_state("serving")
+            self._set_state(ReplicaState.SERVING)
 
     async def sleep(self) -> None:
         await self.engine.sleep()  # NotSupported propagates before the state changes
-        if self._state in ("serving", "paused"):
-            self._set_state("sleeping")
+        if self._state in (ReplicaState.SERVING, ReplicaState.PAUSED):
+            self._set_state(ReplicaState.SLEEPING)
 
     async def wake_up(self) -> None:
         await self.engine.wake_up()
-        if self._state == "sleeping":
-            self._set_state("paused")
+        if self._state == ReplicaState.SLEEPING:
+            self._set_state(ReplicaState.PAUSED)
 
     async def update_weights(self, weights: Any, version: int, *, resume: bool = True) -> None:
         """pause -> load weights -> clear the prefix cache -> stamp the version [-> resume].
@@ -248,27 +249,27 @@ class Replica:
         The engine is resumed in ``finally`` when asked to, so a failed update never leaves the
         replica paused; the version is stamped only after the weights really loaded.
         """
-        if self._state == "serving":
-            self._set_state("paused")
+        if self._state == ReplicaState.SERVING:
+            self._set_state(ReplicaState.PAUSED)
         try:
             await self.engine.pause()
             await self.engine.update_weights(weights)
             await self.engine.clear_kv_cache()
             self._version = version
             self._epoch += 1
-            if self._state == "syncing":
-                self._set_state("paused")  # a restarted replica now has the current weights
+            if self._state == ReplicaState.SYNCING:
+                self._set_state(ReplicaState.PAUSED)  # a restarted replica now has the current weights
         finally:
-            if resume and self._state == "paused":
+            if resume and self._state == ReplicaState.PAUSED:
                 await self.engine.resume()
-                self._set_state("serving")
+                self._set_state(ReplicaState.SERVING)
 
     async def set_version(self, version: int) -> None:
         """Stamp a version without loading weights (the weights were placed by other means)."""
         self._version = version
         self._epoch += 1
-        if self._state == "syncing":
-            self._set_state("paused")
+        if self._state == ReplicaState.SYNCING:
+            self._set_state(ReplicaState.PAUSED)
 
     async def clear_kv_cache(self) -> None:
         await self.engine.clear_kv_cache()
@@ -281,7 +282,7 @@ class Replica:
 
     async def health(self) -> dict[str, Any]:
         health = await self.engine.health()
-        return {"replica_id": self.replica_id, "healthy": health.healthy, "detail": health.detail, "state": self._state}
+        return {"replica_id": self.replica_id, "healthy": health.healthy, "detail": health.detail, "state": self._state.value}
 
     async def load(self) -> LoadReport:
         """Poll the engine and return the full report; this is also the controller's liveness probe.
@@ -301,7 +302,7 @@ class Replica:
     async def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "replica_id": self.replica_id,
-            "state": self._state,
+            "state": self._state.value,
             "weight_version": self._version,
             "pid": os.getpid(),
             "engine_devices": self.engine.devices,

@@ -87,7 +87,7 @@ async def test_weight_update_mid_turn_streams_groups(fleet, agents, tokenizer):
     texts = ["thinking " * 80 + '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>',
              "The answer is 5."]
     await fleet.script_responses(ScriptedTurns.from_texts(tokenizer, texts))
-    version = (await fleet.status())["current_version"]
+    version = (await fleet.status()).current_version
     assert len(await agents.get_replicas()) == 2
     prompts = [{"raw_prompt": QUESTION, "agent_name": "tool_agent", "reward": {"ground_truth": "5"}}] * 3
     groups = []

@@ -52,21 +52,21 @@ async def test_tp2_replicas_get_distinct_devices_on_one_node_each_and_spread_cov
     manager = await LLMServerManager.create(sim_config(6, strategy="SPREAD"))
     try:
         replicas = await manager.get_replicas()
-        pairs = [(r["node_id"], d) for r in replicas for d in r["devices"]]
+        pairs = [(r.node_id, d) for r in replicas for d in r.devices]
         assert len(pairs) == 12 and len(set(pairs)) == 12, pairs  # every GPU of the cluster, once
-        assert all(len(r["devices"]) == 2 for r in replicas)
-        assert {r["node_id"] for r in replicas} == set(alive_node_ids())
-        assert Counter(r["node_id"] for r in replicas) == Counter({n: 2 for n in alive_node_ids()})
+        assert all(len(r.devices) == 2 for r in replicas)
+        assert {r.node_id for r in replicas} == set(alive_node_ids())
+        assert Counter(r.node_id for r in replicas) == Counter({n: 2 for n in alive_node_ids()})
         stats = await manager.replica_stats()
         placements = await manager.controller.replica_placements.remote()
         for r in replicas:
             # Ray put both bundles of the replica's group on the node the fleet reports ...
-            assert pg_bundle_nodes(placements[r["replica_id"]].pg) == {r["node_id"]}
+            assert pg_bundle_nodes(placements[r.replica_id].pg) == {r.node_id}
             # ... and the engine was started with exactly the ids Ray assigned to those bundles.
-            assert stats[r["replica_id"]]["engine_devices"] == r["devices"]
-            assert r["node_ip"] == "127.0.0.1"
+            assert stats[r.replica_id]["engine_devices"] == r.devices
+            assert r.node_ip == "127.0.0.1"
         status = await manager.status()
-        assert all(s["devices"] and s["node_id"] for s in status["replicas"].values())
+        assert all(s.devices and s.node_id for s in status.replicas.values())
     finally:
         await manager.shutdown()
 
@@ -74,13 +74,13 @@ async def test_tp2_replicas_get_distinct_devices_on_one_node_each_and_spread_cov
 async def test_pack_fills_a_node_before_opening_the_next(cluster):
     manager = await LLMServerManager.create(sim_config(3, strategy="PACK"))
     try:
-        per_node = Counter(r["node_id"] for r in await manager.get_replicas())
+        per_node = Counter(r.node_id for r in await manager.get_replicas())
         assert sorted(per_node.values()) == [1, 2]  # 2 replicas x 2 GPUs fill one node, then the next
     finally:
         await manager.shutdown()
     manager = await LLMServerManager.create(sim_config(3, strategy="SPREAD"))
     try:
-        assert sorted(Counter(r["node_id"] for r in await manager.get_replicas()).values()) == [1, 1, 1]
+        assert sorted(Counter(r.node_id for r in await manager.get_replicas()).values()) == [1, 1, 1]
     finally:
         await manager.shutdown()
 
@@ -88,7 +88,7 @@ async def test_pack_fills_a_node_before_opening_the_next(cluster):
 async def test_strict_spread_puts_one_replica_per_node_and_refuses_a_fourth(cluster):
     manager = await LLMServerManager.create(sim_config(3, strategy="STRICT_SPREAD"))
     try:
-        assert len({r["node_id"] for r in await manager.get_replicas()}) == 3
+        assert len({r.node_id for r in await manager.get_replicas()}) == 3
         with pytest.raises(InsufficientResources) as err:
             await manager.add_replicas(1)
         assert err.value.field == "add_replicas(n)"
@@ -116,7 +116,7 @@ async def test_colocated_learner_shares_the_first_replicas_device(cluster):
     try:
         first = (await manager.get_replicas())[0]
         node, gpus = await learner_probe(manager)
-        assert node == first["node_id"] and gpus == first["devices"][:1]
+        assert node == first.node_id and gpus == first.devices[:1]
     finally:
         await manager.shutdown()
 
@@ -124,7 +124,7 @@ async def test_colocated_learner_shares_the_first_replicas_device(cluster):
 async def test_separate_learner_gets_devices_no_replica_has(cluster):
     manager = await LLMServerManager.create(sim_config(2))
     try:
-        taken = {(r["node_id"], d) for r in await manager.get_replicas() for d in r["devices"]}
+        taken = {(r.node_id, d) for r in await manager.get_replicas() for d in r.devices}
         node, gpus = await learner_probe(manager)
         assert len(gpus) == 1 and (node, gpus[0]) not in taken
     finally:
@@ -155,7 +155,7 @@ async def test_a_dead_nodes_replicas_resume_elsewhere_without_losing_a_trajector
     manager = await LLMServerManager.create(config)
     added = None
     try:
-        before = {r["replica_id"]: r["node_id"] for r in await manager.get_replicas()}
+        before = {r.replica_id: r.node_id for r in await manager.get_replicas()}
         assert set(before.values()) == {a.node_id, b.node_id}
         client = manager.get_client(FullyAsyncLLMServerClient)
         rollout = asyncio.gather(
@@ -165,10 +165,10 @@ async def test_a_dead_nodes_replicas_resume_elsewhere_without_losing_a_trajector
             )
         )
         doomed = next(rid for rid, node in before.items() if node == a.node_id)
-        busy = await wait_for(lambda s: (s["replicas"][doomed]["inflight"] or 0) > 0, manager, timeout_s=10)
+        busy = await wait_for(lambda s: (s.replicas[doomed].inflight or 0) > 0, manager, timeout_s=10)
         assert not rollout.done()
         await asyncio.to_thread(cluster.remove_node, a)  # a real node death, requests in flight on it
-        assert busy["replicas"][doomed]["inflight"] > 0
+        assert busy.replicas[doomed].inflight > 0
         outs = await asyncio.wait_for(rollout, 120)
         assert len(outs) == 500
         assert all(o.stop_reason in ("stop", "length") and len(o.token_ids) >= 1 for o in outs)
@@ -176,14 +176,14 @@ async def test_a_dead_nodes_replicas_resume_elsewhere_without_losing_a_trajector
         moved = [rid for rid, node in before.items() if node == a.node_id]
         assert moved and {o.extra_fields["replica_id"] for o in outs} == set(before)  # both served
         # The dead node's replica restarts on the remaining capacity (node b has room for one more).
-        await wait_for(lambda s: all(s["replicas"][rid]["state"] == "healthy" and s["replicas"][rid]["node_id"] == b.node_id for rid in moved), manager)
+        await wait_for(lambda s: all(s.replicas[rid].state == "healthy" and s.replicas[rid].node_id == b.node_id for rid in moved), manager)
         # Node b dies too: no node with the label has room now, so both wait, visibly.
         await asyncio.to_thread(cluster.remove_node, b)
-        status = await wait_for(lambda s: all(r["state"] == "pending" for r in s["replicas"].values()), manager)
-        assert "waiting for devices" in next(iter(status["replicas"].values()))["detail"]
+        status = await wait_for(lambda s: all(r.state == "pending" for r in s.replicas.values()), manager)
+        assert "waiting for devices" in next(iter(status.replicas.values())).detail
         # A node that joins is used: the pending replicas start there and serve again.
         added = cluster.add_node(labels={"pool": "elastic"}, **node_args)
-        await wait_for(lambda s: all(r["state"] == "healthy" and r["node_id"] == added.node_id for r in s["replicas"].values()), manager)
+        await wait_for(lambda s: all(r.state == "healthy" and r.node_id == added.node_id for r in s.replicas.values()), manager)
         out = await client.generate("after", prompt_ids=[5, 6, 7], sampling_params={"max_tokens": 8})
         assert out.stop_reason in ("stop", "length")
     finally:
@@ -233,6 +233,6 @@ async def test_joining_a_cluster_ships_this_package_to_its_nodes(cluster):
     assert any(u.startswith("gcs://") for u in uris) and copies, (uris, copies)
     manager = await LLMServerManager.create(sim_config(2))
     try:
-        assert all(r["state"] == "healthy" for r in await manager.get_replicas())
+        assert all(r.state == "healthy" for r in await manager.get_replicas())
     finally:
         await manager.shutdown()

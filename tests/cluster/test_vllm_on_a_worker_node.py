@@ -38,8 +38,8 @@ async def test_a_vllm_replica_on_a_labelled_worker_node_serves_and_updates(clust
     manager = await LLMServerManager.create(config)
     try:
         (replica,) = await manager.get_replicas()
-        assert replica["node_id"] == worker.node_id and replica["state"] == "healthy"
-        assert replica["address"].startswith("http://127.0.0.1:")
+        assert replica.node_id == worker.node_id and replica.state == "healthy"
+        assert replica.address.startswith("http://127.0.0.1:")
         import ray
 
         free = ray._private.state.available_resources_per_node()[worker.node_id]

@@ -60,7 +60,7 @@ async def wait_until(pred, timeout=20.0):
 
 async def test_rollout_survives_weight_updates(manager):
     client = manager.get_client(FullyAsyncLLMServerClient)
-    start_version = (await manager.status())["current_version"]
+    start_version = (await manager.status()).current_version
     rollout = asyncio.ensure_future(asyncio.gather(*(run_trajectory(client, i) for i in range(200))))
     versions = [start_version]
     for _ in range(3):
@@ -89,7 +89,7 @@ async def test_rollout_survives_weight_updates(manager):
     async def replicas_idle():
         stats = await manager.replica_stats()
         return all(s.get("state") == "serving" for s in stats.values()) and all(
-            r["inflight"] == 0 for r in (await manager.status())["replicas"].values()
+            r.inflight == 0 for r in (await manager.status()).replicas.values()
         )
 
     assert await wait_until(replicas_idle)
@@ -138,14 +138,14 @@ async def test_cancelled_request_releases_slots_on_both_sides(manager):
     assert client.balancer.get_total_inflight() == 0
 
     async def drained():
-        return all(r["inflight"] == 0 for r in (await manager.status())["replicas"].values())
+        return all(r.inflight == 0 for r in (await manager.status()).replicas.values())
 
     assert await wait_until(drained)
 
 
 async def test_control_ops_and_membership(manager, tmp_path):
     replicas = await manager.get_replicas()
-    assert len(replicas) == 4 and all(r["state"] == "healthy" for r in replicas)
+    assert len(replicas) == 4 and all(r.state == "healthy" for r in replicas)
     assert all(a.startswith("sim://") for a in await manager.get_addresses())
     await manager.clear_kv_cache()
     await manager.start_profile(trace_dir=str(tmp_path))
@@ -163,8 +163,8 @@ async def test_control_ops_and_membership(manager, tmp_path):
     # add: the new replica gets the current weights before it serves
     added = await manager.add_replicas(1)
     status = await manager.status()
-    assert added[0]["weight_version"] == status["current_version"]
-    new_id = added[0]["replica_id"]
+    assert added[0].weight_version == status.current_version
+    new_id = added[0].replica_id
     await client.fleet.refresh()
     assert new_id in client.balancer.get_all_servers()
     removed = await manager.remove_replicas([new_id])
@@ -177,7 +177,7 @@ async def test_control_ops_and_membership(manager, tmp_path):
 
 async def test_crashed_replica_loses_no_trajectory_and_rejoins_on_current_weights(manager):
     client = manager.get_client(FullyAsyncLLMServerClient)
-    version = (await manager.status())["current_version"] + 1
+    version = (await manager.status()).current_version + 1
     await manager.update_weights({"step": version}, version)
     rollout = asyncio.ensure_future(asyncio.gather(*(run_trajectory(client, 5000 + i, turns=2) for i in range(60))))
     await asyncio.sleep(0.3)
@@ -186,8 +186,8 @@ async def test_crashed_replica_loses_no_trajectory_and_rejoins_on_current_weight
     assert all(o.stop_reason in ("stop", "length") for t in trajectories for o in t)
 
     async def rejoined():
-        r = (await manager.status())["replicas"]["replica-2"]
-        return r["state"] == "healthy" and r["restarts"] >= 1 and r["weight_version"] == version
+        r = (await manager.status()).replicas["replica-2"]
+        return r.state == "healthy" and r.restarts >= 1 and r.weight_version == version
 
     assert await wait_until(rejoined)
     out = await client.generate("after", prompt_ids=[1, 2, 3], sampling_params={"max_tokens": 5})
@@ -201,8 +201,8 @@ async def test_hung_replica_is_detected_and_bypassed(ray_session):
         await m.inject_fault("replica-0", "hang")
 
         async def dead_or_restarted():
-            r = (await m.status())["replicas"]["replica-0"]
-            return r["restarts"] >= 1 or r["state"] in ("dead", "restarting", "syncing")
+            r = (await m.status()).replicas["replica-0"]
+            return r.restarts >= 1 or r.state in ("dead", "restarting", "syncing")
 
         assert await wait_until(dead_or_restarted, timeout=10)
         outs = await asyncio.gather(*(client.generate(f"h{i}", prompt_ids=[1, 2], sampling_params={"max_tokens": 5}) for i in range(20)))
@@ -233,8 +233,8 @@ async def test_killed_replica_process_drops_its_connections_and_no_trajectory_is
         assert client.balancer.get_total_inflight() == 0
 
         async def restarted():
-            r = (await m.status())["replicas"]["replica-0"]
-            return r["state"] == "healthy" and r["restarts"] >= 1
+            r = (await m.status()).replicas["replica-0"]
+            return r.state == "healthy" and r.restarts >= 1
 
         assert await wait_until(restarted, timeout=60)
         await client.fleet.refresh()
@@ -268,13 +268,13 @@ async def test_clients_learn_of_fleet_changes_at_once_by_watching_the_controller
         client = m.get_client()
         await client.generate("w", prompt_ids=[1, 2], sampling_params={"max_tokens": 2})  # starts the watch
         await asyncio.sleep(0.3)
-        added = (await m.add_replicas(1))[0]["replica_id"]
+        added = (await m.add_replicas(1))[0].replica_id
 
         async def sees_new_replica():
             return added in client.balancer.get_all_servers() and client.balancer.is_routable(added)
 
         assert await wait_until(sees_new_replica, timeout=5)
-        version = (await m.status())["current_version"] + 1
+        version = (await m.status()).current_version + 1
         await m.update_weights({"step": version}, version)
 
         async def sees_version():

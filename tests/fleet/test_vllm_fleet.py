@@ -94,7 +94,7 @@ async def test_vllm_servers_and_data_planes_listen_on_loopback_only(fleet):
         actor = psutil.Process(s["pid"])
         for proc in [actor] + actor.children(recursive=True):
             found += [c.laddr for c in proc.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
-    addresses = [r["address"] for r in await fleet.get_replicas()]
+    addresses = [r.address for r in await fleet.get_replicas()]
     ports = {a.port for a in found}
     assert all(int(a.rsplit(":", 1)[1]) in ports for a in addresses)  # the vLLM servers were seen
     wide = [a for a in found if not ipaddress.ip_address(a.ip.removeprefix("::ffff:")).is_loopback]
@@ -103,7 +103,7 @@ async def test_vllm_servers_and_data_planes_listen_on_loopback_only(fleet):
 
 async def test_multi_turn_sessions_stick_and_hit_vllm_prefix_cache(fleet):
     client = fleet.get_client()
-    addresses = {r["replica_id"]: r["address"] for r in await fleet.get_replicas()}
+    addresses = {r.replica_id: r.address for r in await fleet.get_replicas()}
     hits_before = {rid: await vllm_metric(a, "vllm:prefix_cache_hits_total") for rid, a in addresses.items()}
 
     async def session(s: int) -> set[str]:
@@ -130,7 +130,7 @@ async def test_greedy_outputs_change_only_with_a_weight_update(fleet):
     a = await client.generate("g1", prompt_ids=prompt, sampling_params=params)
     b = await client.generate("g2", prompt_ids=prompt, sampling_params=params)
     assert a.token_ids == b.token_ids
-    version = (await fleet.status())["current_version"] + 1
+    version = (await fleet.status()).current_version + 1
     state = model_state_dict()
     import torch
 
@@ -157,7 +157,7 @@ async def test_weight_update_mid_generation_is_resumed_with_exact_budget(fleet):
     ]
     await asyncio.sleep(1.5)
     assert not any(t.done() for t in tasks), "the generations should still be running"
-    version = (await fleet.status())["current_version"] + 1
+    version = (await fleet.status()).current_version + 1
     result = await fleet.update_weights(state, version)
     assert result["failed"] == []
     outs = await asyncio.gather(*tasks)
@@ -181,7 +181,7 @@ async def test_bad_input_is_rejected_and_replicas_keep_serving(fleet):
     assert err.value.field == "prompt_ids[1]"
     outs = await asyncio.gather(*(client.generate(f"ok{i}", prompt_ids=[5, 6, 7], sampling_params={"max_tokens": 4}) for i in range(8)))
     assert all(o.token_ids for o in outs)
-    assert vocab["state"] == "healthy"
+    assert vocab.state == "healthy"
 
 
 async def test_killed_vllm_process_is_reported_unavailable_quickly(fleet):
@@ -195,7 +195,7 @@ async def test_killed_vllm_process_is_reported_unavailable_quickly(fleet):
     started = time.monotonic()
 
     async def reported():
-        return (await fleet.status())["replicas"]["replica-1"]["state"] in ("suspect", "dead")
+        return (await fleet.status()).replicas["replica-1"].state in ("suspect", "dead")
 
     while not await reported():
         assert time.monotonic() - started < 15, "a killed vLLM must be reported within seconds, not hang"

@@ -81,7 +81,7 @@ async def test_metrics_cover_requests_tokens_routing_and_fleet_health(oai, http,
 
 
 async def test_inflight_per_replica_is_visible_while_requests_run(http, stack):
-    replicas = [r["replica_id"] for r in await stack.manager.get_replicas()]
+    replicas = [r.replica_id for r in await stack.manager.get_replicas()]
     for rid in replicas:  # slow the engines down so the requests are surely in flight when we look
         await stack.manager.inject_fault(rid, "slow", 20.0)
     tasks = [

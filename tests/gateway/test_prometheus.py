@@ -126,7 +126,7 @@ async def test_a_real_prometheus_scrapes_the_gateway(stack, tmp_path):
     )
     gateway_address = stack.url.split("://", 1)[1]
     prom = PrometheusConfig(file=str(config_file), port=free_port(), scrape_interval="1s")
-    replicas = [r["address"] for r in await stack.manager.get_replicas()]
+    replicas = [r.address for r in await stack.manager.get_replicas()]
     assert all(a.startswith("sim://") for a in replicas)
     update_prometheus_config(prom, replicas, "sim", gateway_address=gateway_address, reload=False)
 

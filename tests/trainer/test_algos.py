@@ -93,10 +93,11 @@ def test_uids_any_hashable_or_array():
 
 def test_registry_errors_name_valid_choices():
     assert {"grpo", "drgrpo", "rloo"} <= set(available_advantage_estimators())
-    with pytest.raises(ValueError, match="valid estimators: .*grpo"):
+    with pytest.raises(ValueError, match="valid names: .*grpo"):
         compute_advantages("ppo-gae", SCORES, UIDS, MASK)
     with pytest.raises(ValueError, match="already registered"):
-        register_advantage_estimator("grpo", grpo_advantages)
+        register_advantage_estimator("grpo", rloo_advantages)
+    register_advantage_estimator("grpo", grpo_advantages)  # the identical target again: a no-op
     with pytest.raises(ValueError, match="norm_adv_by_std"):
         check_advantage_options("grpo", {"norm_by_std": False})
     check_advantage_options("grpo", {"norm_adv_by_std": False})

@@ -47,7 +47,7 @@ async def run(cfg) -> Trainer:
         trainer.summary_ = await trainer.fit()
         after = await (await trainer.learner.state_dict_for_inference())
         trainer.params_changed = any(not torch.equal(before[k], after[k]) for k in before)
-        trainer.fleet_version = (await trainer.manager.status())["current_version"]
+        trainer.fleet_version = (await trainer.manager.status()).current_version
     finally:
         await trainer.close()
     return trainer

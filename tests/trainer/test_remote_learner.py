@@ -102,7 +102,7 @@ async def test_sim_learner_runs_in_its_own_process_and_the_trainer_still_trains(
         where = await trainer.learner.where()
         spy(trainer.manager, calls, "pause", "sleep", "wake_up", "resume", "update_weights")
         await trainer.fit()
-        fleet_version = (await trainer.manager.status())["current_version"]
+        fleet_version = (await trainer.manager.status()).current_version
         handle = trainer.learner.handle
     finally:
         await trainer.close()

@@ -34,8 +34,8 @@ async def test_short_real_run_completes_and_syncs_weights_to_vllm(ray_session, t
     finally:
         await trainer.close()
     assert summary["steps"] == 3 and summary["syncs"] == 3
-    assert status["current_version"] == 3
-    assert all(r["weight_version"] == 3 for r in status["replicas"].values())
+    assert status.current_version == 3
+    assert all(r.weight_version == 3 for r in status.replicas.values())
     rows = [json.loads(line) for line in (tmp_path / "vllm-short" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(0.0 <= r["reward/mean"] <= 1.0 and r["response_length/mean"] > 0 for r in rows)

@@ -45,7 +45,7 @@ async def test_an_update_during_a_replica_start_up_is_loaded_before_it_serves():
     await controller.update_weights({"step": 1}, 1)  # lands while replica-1 is still starting
     gate.set()
     (info,) = await adding
-    assert info["weight_version"] == 1
+    assert info.weight_version == 1
     out = await replicas["replica-1"].generate("s", [1, 2, 3], {"max_tokens": 4})
     assert out.extra_fields["global_steps"] == 1 and out.token_versions == [1] * len(out.token_ids)
     snapshot = await controller.snapshot()
