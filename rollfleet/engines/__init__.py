@@ -6,45 +6,47 @@ Built-ins: ``sim`` (simulated, for tests, benchmarks and capacity planning), ``v
 To add one: subclass :class:`rollfleet.engines.base.Engine`, implement every op (raise
 ``NotSupported`` for what it truly cannot do), give it a ``from_config(rollout_config,
 replica_index)`` classmethod, and call ``register_engine("name", "package.module:Class")``.
-Engines are imported lazily, so the ``sim`` engine never pulls in vLLM.
+An engine that drives an inference server over HTTP subclasses
+:class:`rollfleet.engines.http.HTTPEngine` instead and only says what its server does differently
+(see :mod:`rollfleet.engines.http`; ``vllm`` and ``sglang`` are built that way).
+Engines are imported lazily, so the ``sim`` engine never pulls in vLLM. ``rollout.name`` may name
+any registered engine (checked when the config is built); a third-party engine reads its
+settings from ``rollout.engine_args``. The registry is a :class:`rollfleet.registry.Registry`: an
+unknown name raises ``UnknownName`` listing the valid ones.
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
 
 from rollfleet.engines.base import Engine, EngineHealth, EngineLimits, EngineLoad
+from rollfleet.registry import Registry
 
 if TYPE_CHECKING:
     from rollfleet.config import RolloutConfig
 
-_ENGINES: dict[str, str] = {
-    "sim": "rollfleet.engines.sim:SimEngine",
-    "vllm": "rollfleet.engines.vllm:VLLMEngine",
-    "sglang": "rollfleet.engines.sglang:SGLangEngine",
-}
+#: Engines with a typed section of their own in ``RolloutConfig`` (``rollout.sim``...).
+BUILTIN_ENGINES = ("sim", "vllm", "sglang")
+
+ENGINES: Registry[type[Engine]] = Registry(
+    "engine",
+    kind=Engine,
+    builtins={
+        "sim": "rollfleet.engines.sim:SimEngine",
+        "vllm": "rollfleet.engines.vllm:VLLMEngine",
+        "sglang": "rollfleet.engines.sglang:SGLangEngine",
+    },
+)
 
 
 def register_engine(name: str, target: str | type[Engine]) -> None:
-    """Register an engine class (or its ``"module:Class"`` path) under ``name``."""
-    if name in _ENGINES:
-        raise ValueError(f"engine '{name}' is already registered ({_ENGINES[name]})")
-    if isinstance(target, type):
-        target = f"{target.__module__}:{target.__qualname__}"
-    _ENGINES[name] = target
+    """Register an engine class (or its ``"module:Class"`` path, imported on first use) as ``name``."""
+    ENGINES.register(name, target)
 
 
 def get_engine_cls(name: str) -> type[Engine]:
-    try:
-        target = _ENGINES[name]
-    except KeyError:
-        raise ValueError(f"unknown engine '{name}'; valid engines: {sorted(_ENGINES)}") from None
-    module_name, _, attr = target.partition(":")
-    cls = getattr(importlib.import_module(module_name), attr)
-    if not (isinstance(cls, type) and issubclass(cls, Engine)):
-        raise TypeError(f"engine '{name}' ({target}) is not a subclass of Engine")
-    return cls
+    """The engine class registered as ``name`` (imported now if registered by path)."""
+    return ENGINES.get(name)
 
 
 def build_engine(config: "RolloutConfig", replica_index: int) -> Engine:
@@ -53,11 +55,13 @@ def build_engine(config: "RolloutConfig", replica_index: int) -> Engine:
 
 
 def available_engines() -> list[str]:
-    return sorted(_ENGINES)
+    return ENGINES.names()
 
 
 __all__ = [
     "Engine",
+    "ENGINES",
+    "BUILTIN_ENGINES",
     "EngineHealth",
     "EngineLimits",
     "EngineLoad",

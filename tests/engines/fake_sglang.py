@@ -1,38 +1,32 @@
 """A small fake SGLang HTTP server that speaks the documented native-API shapes.
 
-It answers the routes and bodies listed in ``rollfleet/engines/sglang.py``'s docstring (taken from
-sgl-project/sglang ``http_server.py``, ``io_struct.py``, ``tokenizer_manager.py``), with simple,
-deterministic behaviour:
+It answers the routes and bodies listed in ``rollfleet/engines/sglang/`` (``engine.py`` and
+``wire.py`` docstrings; taken from sgl-project/sglang ``http_server.py``, ``io_struct.py``,
+``tokenizer_manager.py``), with the deterministic token model of ``fake_server.py``:
 
-* token ids follow ``next = (last * 31 + 7 + salt) % vocab_size`` starting from the last prompt id;
-  ``salt`` changes on every ``/update_weights_from_disk`` so tests can see new weights; the logprob
-  of token ``t`` is ``-((t * 7) % 50 + 1) / 10``;
-* ``token_delay_s`` seconds per token, so aborts and pauses land mid-generation;
 * ``max_new_tokens``, ``min_new_tokens``, ``stop_token_ids``, EOS (``eos_token_id``, unless
   ``ignore_eos``) are honoured; finish reasons are ``BaseFinishReason.to_json()`` dicts;
 * ``/pause_generation`` (mode ``abort``) aborts every running request, which answers with its
   partial tokens and ``{"type": "abort"}``, and holds new ``/generate`` calls until
   ``/continue_generation``;
+* ``/update_weights_from_disk`` changes the token model's salt (``salt_for(path)``);
 * validation errors answer ``400 {"error": {"message": ...}}`` like ``_create_error_response``.
-
-Every request is recorded (path and JSON body) in ``FakeSGLangServer.requests``.
-
-``FakeSGLangServer(...).start()`` runs it with uvicorn on a free loopback port in a background
-thread (real sockets); ``stop()`` shuts it down so the port refuses connections.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import socket
-import threading
 import time
 from typing import Any, Optional
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+try:
+    from tests.engines.fake_server import FakeServer, expected_tokens, next_token, run_generation, salt_for, token_logprob
+except ImportError:  # tests/ is not a package: pytest put this folder on sys.path
+    from fake_server import FakeServer, expected_tokens, next_token, run_generation, salt_for, token_logprob
 
 #: SGLang ``SamplingParams`` fields (sampling_params.py); anything else is rejected like SGLang does.
 SAMPLING_KEYS = frozenset(
@@ -46,29 +40,7 @@ SAMPLING_KEYS = frozenset(
 )  # fmt: skip
 
 
-def next_token(last: int, salt: int, vocab_size: int) -> int:
-    return (last * 31 + 7 + salt) % vocab_size
-
-
-def token_logprob(token: int) -> float:
-    return -(((token * 7) % 50) + 1) / 10.0
-
-
-def expected_tokens(prompt_ids: list[int], n: int, *, salt: int = 0, vocab_size: int = 1000) -> list[int]:
-    """The first ``n`` tokens the fake generates for ``prompt_ids`` under weights ``salt``."""
-    out, last = [], prompt_ids[-1]
-    for _ in range(n):
-        last = next_token(last, salt, vocab_size)
-        out.append(last)
-    return out
-
-
-def salt_for(model_path: str) -> int:
-    """The weight salt ``/update_weights_from_disk`` installs for ``model_path`` (never 0)."""
-    return sum(model_path.encode()) % 97 + 1
-
-
-class FakeSGLangServer:
+class FakeSGLangServer(FakeServer):
     def __init__(
         self,
         *,
@@ -80,88 +52,31 @@ class FakeSGLangServer:
         model_path: str = "fake/model",
         max_total_num_tokens: int = 100_000,
     ) -> None:
-        self.vocab_size = vocab_size
         self.context_length = context_length
-        self.token_delay_s = token_delay_s
         self.eos_token_id = eos_token_id
         self.metrics_enabled = metrics_enabled
         self.model_path = model_path
         self.max_total_num_tokens = max_total_num_tokens
         self.weight_version = "default"
-        self.salt = 0
         self.healthy = True
         #: When True, /generate answers ``finish_reason: null`` (to test the engine's fallback).
         self.drop_finish_reason = False
-
-        self.requests: list[tuple[str, Any]] = []
-        self.paused = False
         self.asleep = False
         self.profiling = False
         self.flushes = 0
-        self.running: dict[str, dict[str, Any]] = {}  # rid -> {"tokens": [...], "abort": bool, "prompt": n}
         self.held: set[str] = set()
+        super().__init__(vocab_size=vocab_size, token_delay_s=token_delay_s)
 
-        self.app = self._build_app()
-        self._server: Optional[uvicorn.Server] = None
-        self._thread: Optional[threading.Thread] = None
-        self.port: Optional[int] = None
-
-    # ------------------------------------------------------------------ running it
-
-    @property
-    def url(self) -> str:
-        assert self.port is not None, "server not started"
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> "FakeSGLangServer":
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        config = uvicorn.Config(
-            self.app, log_level="warning", lifespan="off", loop="asyncio", http="h11",
-            timeout_graceful_shutdown=1, access_log=False,
-        )  # fmt: skip
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(
-            target=self._server.run, kwargs={"sockets": [sock]}, daemon=True, name="fake-sglang"
-        )
-        self._thread.start()
-        deadline = time.monotonic() + 10
-        while not self._server.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError("fake SGLang server did not start")
-            time.sleep(0.01)
-        return self
-
-    def stop(self) -> None:
-        if self._server is None:
-            return
-        self._server.should_exit = True
-        # Let held/running generations end so shutdown is not delayed by them.
-        self.paused = False
-        for state in self.running.values():
-            state["abort"] = True
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-        self._server = None
-
-    def __enter__(self) -> "FakeSGLangServer":
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
+    def drain(self, timeout_s: float = 2.0) -> None:
+        super().drain(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while self.held and time.monotonic() < deadline:
+            time.sleep(0.005)
 
     def reset(self, **settings: Any) -> "FakeSGLangServer":
         """Back to a fresh state between tests (the server keeps running); ``settings`` override
         the constructor's knobs (``token_delay_s``, ``metrics_enabled``...)."""
-        # Leftovers of a failed test: release held requests, abort running ones, let them finish.
-        self.paused = False
-        for state in list(self.running.values()):
-            state["abort"] = True
-        deadline = time.monotonic() + 2.0
-        while (self.running or self.held) and time.monotonic() < deadline:
-            time.sleep(0.005)
+        self.drain()
         defaults = dict(token_delay_s=0.0, eos_token_id=None, metrics_enabled=True, model_path="fake/model")
         defaults.update(settings)
         for key, value in defaults.items():
@@ -177,32 +92,12 @@ class FakeSGLangServer:
         self.flushes = 0
         return self
 
-    # ------------------------------------------------------------------ inspection helpers
-
-    def bodies(self, path: str) -> list[Any]:
-        return [body for p, body in self.requests if p == path]
-
-    def paths(self) -> list[str]:
-        return [p for p, _ in self.requests]
-
     # ------------------------------------------------------------------ the app
 
     def _build_app(self) -> FastAPI:
         app = FastAPI()
         fake = self
-
-        async def record(request: Request) -> Any:
-            raw = await request.body()
-            body = None
-            if raw:
-                try:
-                    import json
-
-                    body = json.loads(raw)
-                except ValueError:
-                    body = raw.decode(errors="replace")
-            fake.requests.append((request.url.path, body))
-            return body
+        record = self.record
 
         def error(message: str, status: int = 400) -> JSONResponse:
             return JSONResponse({"error": {"message": message}}, status_code=status)
@@ -318,29 +213,17 @@ class FakeSGLangServer:
 
             state = {"tokens": [], "logprobs": [], "abort": False, "prompt": len(input_ids)}
             fake.running[rid] = state
-            finish: Optional[dict] = None
-            last = input_ids[-1]
             try:
-                while finish is None:
-                    if state["abort"]:
-                        finish = {"type": "abort", "message": "Abort before prefill" if not state["tokens"] else "Aborted", "status_code": None, "err_type": None}
-                        break
-                    if len(state["tokens"]) >= max_new:
-                        finish = {"type": "length", "length": max_new}
-                        break
-                    if fake.token_delay_s:
-                        await asyncio.sleep(fake.token_delay_s)
-                    else:
-                        await asyncio.sleep(0)
-                    if state["abort"]:
-                        continue
-                    last = next_token(last, fake.salt, fake.vocab_size)
-                    state["tokens"].append(last)
-                    state["logprobs"].append(token_logprob(last))
-                    if last in stop_ids and len(state["tokens"]) >= min_new:
-                        finish = {"type": "stop", "matched": last}
+                kind, matched = await run_generation(fake, state, input_ids[-1], max_new, min_new, stop_ids)
             finally:
                 fake.running.pop(rid, None)
+            if kind == "abort":
+                finish: dict[str, Any] = {"type": "abort", "message": "Aborted" if state["tokens"] else "Abort before prefill",
+                                          "status_code": None, "err_type": None}
+            elif kind == "length":
+                finish = {"type": "length", "length": max_new}
+            else:
+                finish = {"type": "stop", "matched": matched}
 
             meta: dict[str, Any] = {
                 "id": rid,
@@ -438,5 +321,8 @@ class FakeSGLangServer:
 
         return app
 
+
+if __name__ == "__main__":  # a launched "sglang.launch_server" for tests of the launch path
+    FakeSGLangServer.main()
 
 __all__ = ["FakeSGLangServer", "expected_tokens", "next_token", "token_logprob", "salt_for"]

@@ -1,21 +1,30 @@
-"""Contract tests of the SGLang engine against a fake SGLang HTTP server (real sockets)."""
+"""Contract tests of the SGLang engine against a fake SGLang HTTP server (real sockets). What every
+HTTP engine shares (pause, abort of held requests, a server that goes away) is tested for both
+engines in ``test_http_engines.py``."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import pytest_asyncio
 
 from rollfleet.config import RolloutConfig
 from rollfleet.engines.sglang import SGLangEngine, normalize_finish_reason, translate_sampling_params
+from rollfleet.engines.sglang import wire
 from rollfleet.errors import EngineDead, InvalidRequest, NotSupported, ReplicaUnavailable
 
 try:
+    from tests.engines.fake_server import wait_until
     from tests.engines.fake_sglang import FakeSGLangServer, expected_tokens, salt_for, token_logprob
 except ImportError:  # tests/ is not a package: pytest put this folder on sys.path
+    from fake_server import wait_until
     from fake_sglang import FakeSGLangServer, expected_tokens, salt_for, token_logprob
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
@@ -44,14 +53,6 @@ def fake(shared_fake):
     shared_fake.paused = False  # never leave a test's held requests hanging
 
 
-@pytest.fixture
-def own_fake():
-    """A fake server of the test's own, for tests that stop it."""
-    server = FakeSGLangServer(vocab_size=VOCAB, context_length=256).start()
-    yield server
-    server.stop()
-
-
 @pytest_asyncio.fixture
 async def engine(fake):
     eng = SGLangEngine.from_config(make_config(fake.url), replica_index=0)
@@ -71,14 +72,6 @@ def socket_port():
             yield s.getsockname()[1]
 
     return cm()
-
-
-async def wait_until(predicate, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.005)
 
 
 # ---------------------------------------------------------------------------------------- pure
@@ -103,6 +96,30 @@ def test_normalize_finish_reason():
     assert normalize_finish_reason(None, 10, 10) == "length"
     assert normalize_finish_reason(None, 4, 10) == "aborted"
     assert normalize_finish_reason({}, 0, None) == "aborted"
+
+
+def test_wire_parses_answers_errors_and_load():
+    triples = [[-0.1, 5, None], [-0.2, 6, None]]
+    out = wire.parse_generate([{"output_ids": [5], "meta_info": {"finish_reason": {"type": "length"},
+                                                                 "output_token_logprobs": triples, "cached_tokens": 2}}], 2)
+    assert out.token_ids == [5, 6] and out.log_probs == [-0.1, -0.2]  # aligned on the logprob ids
+    assert out.stop_reason == "length" and out.extra_fields["engine_cached_tokens"] == 2
+    rejected = {"output_ids": [], "meta_info": {"finish_reason": {"type": "abort", "status_code": 400, "message": "top_p bad"}}}
+    with pytest.raises(InvalidRequest) as err:
+        wire.parse_generate(rejected, 4)
+    assert err.value.field == "sampling_params.top_p"
+    with pytest.raises(ValueError):
+        wire.parse_generate("nope", 4)
+    assert wire.field_from_message("x", "max_new_tokens") == "sampling_params.max_tokens"
+    assert wire.field_from_message("The input (300 tokens) is longer than the model's context length") == "prompt_ids"
+    assert wire.field_from_message("nothing known") == "request"
+    assert wire.abort_bodies(["a", "b"], False) == [{"rid": "a"}, {"rid": "b"}]
+    assert wire.abort_bodies(["a"], True) == [{"rid": "", "abort_all": True}]
+    load = wire.load_from_metrics({"sglang:num_running_reqs": [1.0, 2.0], "sglang:token_usage": [0.2, 0.5]})
+    assert load.running == 3 and load.kv_usage == 0.5
+    assert wire.load_from_metrics({}) is None
+    newer = wire.load_from_get_load([{"num_running_reqs": 2, "num_waiting_reqs": 1, "num_tokens": 100, "num_pending_tokens": 75}])
+    assert (newer.running, newer.waiting, newer.inflight_tokens, newer.kv_usage) == (2, 1, 25, 0.25)
 
 
 # ---------------------------------------------------------------------------------------- start
@@ -250,46 +267,6 @@ async def test_duplicate_request_ids_in_flight_get_distinct_rids(fake, engine):
     assert sorted(b["rid"] for b in fake.bodies("/generate")) == ["same", "same#1"]
 
 
-# ---------------------------------------------------------------------------------------- pause / resume
-
-
-@pytest.mark.asyncio
-async def test_pause_aborts_in_flight_and_holds_new_requests_until_resume(fake, engine):
-    fake.token_delay_s = 0.01
-    first = asyncio.create_task(engine.generate("p1", PROMPT, {"max_tokens": 400}))
-    await wait_until(lambda: "p1" in fake.running and len(fake.running["p1"]["tokens"]) >= 3)
-
-    await engine.pause()
-    out = await asyncio.wait_for(first, 5)  # pause returns after the in-flight request is back
-    assert out.stop_reason == "aborted"
-    assert 3 <= len(out.token_ids) < 400
-    assert out.token_ids == expected_tokens(PROMPT, len(out.token_ids), vocab_size=VOCAB)
-    assert fake.bodies("/pause_generation") == [{"mode": "abort"}]
-
-    fake.token_delay_s = 0.0
-    held = asyncio.create_task(engine.generate("p2", PROMPT, {"max_tokens": 6}))
-    await asyncio.sleep(0.2)
-    assert not held.done()
-    assert [b["rid"] for b in fake.bodies("/generate")] == ["p1"]  # p2 never reached the server
-
-    await engine.resume()
-    out2 = await asyncio.wait_for(held, 5)
-    assert out2.stop_reason == "length" and len(out2.token_ids) == 6
-    assert fake.bodies("/continue_generation") == [{}]
-
-
-@pytest.mark.asyncio
-async def test_abort_releases_a_request_held_by_pause(fake, engine):
-    await engine.pause()
-    held = asyncio.create_task(engine.generate("h", PROMPT, {"max_tokens": 6}))
-    await asyncio.sleep(0.05)
-    assert await engine.abort_all() == 1
-    out = await asyncio.wait_for(held, 2)
-    assert out.stop_reason == "aborted" and out.token_ids == []
-    assert fake.bodies("/generate") == []
-    await engine.resume()
-
-
 # ---------------------------------------------------------------------------------------- weights / cache / memory
 
 
@@ -390,25 +367,6 @@ async def test_load_from_metrics_and_get_load(fake, engine):
 
 
 @pytest.mark.asyncio
-async def test_health_false_after_server_stops_and_generate_fails_fast(own_fake):
-    fake = own_fake
-    engine = SGLangEngine.from_config(make_config(fake.url), replica_index=0)
-    await engine.start()
-    assert (await engine.health()).healthy
-    assert (await engine.generate("x", PROMPT, {"max_tokens": 2})).stop_reason == "length"
-    fake.stop()
-    health = await engine.health()
-    assert not health.healthy and health.detail
-    t0 = time.monotonic()
-    with pytest.raises(ReplicaUnavailable) as err:
-        await engine.generate("y", PROMPT, {"max_tokens": 2})
-    assert time.monotonic() - t0 < 5
-    assert isinstance(err.value, EngineDead) and err.value.retryable
-    assert not (await engine.health()).healthy
-    await engine.shutdown()
-
-
-@pytest.mark.asyncio
 async def test_generate_before_start_is_a_typed_error(fake):
     eng = SGLangEngine.from_config(make_config(fake.url), replica_index=0)
     with pytest.raises(ReplicaUnavailable):
@@ -420,13 +378,18 @@ async def test_generate_before_start_is_a_typed_error(fake):
 def test_launch_command_has_documented_flags():
     cfg = RolloutConfig(name="sglang", model="/models/qwen", max_model_len=2048, sglang={"tp_size": 2, "mem_fraction_static": 0.5, "extra_args": ["--enable-memory-saver"]})
     eng = SGLangEngine.from_config(cfg, replica_index=0)
-    cmd = eng._launch_command(31000)
+    eng.port = 31000
+    cmd = eng._command()
     assert cmd[1:3] == ["-m", "sglang.launch_server"]
     joined = " ".join(cmd)
     for flag in ("--model-path /models/qwen", "--host 127.0.0.1", "--port 31000", "--tp-size 2",
                  "--mem-fraction-static 0.5", "--context-length 2048"):
         assert flag in joined
     assert cmd[-1] == "--enable-memory-saver"
+    assert eng._env().get("CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES")
+    eng.assign("10.0.0.2", ["3", "4"])
+    cmd = eng._command()
+    assert cmd[cmd.index("--host") + 1] == "10.0.0.2" and eng._env()["CUDA_VISIBLE_DEVICES"] == "3,4"
 
 
 @pytest.mark.asyncio
@@ -445,4 +408,35 @@ async def test_launch_failure_is_engine_dead_with_log_tail():
         await eng.start()
     assert time.monotonic() - t0 < 20
     assert "exited with code" in str(err.value) and "sglang" in str(err.value)
-    assert eng._process is None  # reaped by shutdown()
+    assert eng.pid is None  # reaped by shutdown()
+
+
+class LaunchedFakeSGLang(SGLangEngine):
+    """SGLang's launch path, with the fake server as the launched process."""
+
+    def _command(self) -> list[str]:
+        fake = Path(__file__).with_name("fake_sglang.py")
+        return [sys.executable, str(fake), "--host", self.bind_host, "--port", str(self.port), "--vocab-size", str(VOCAB)]
+
+
+@pytest.mark.asyncio
+async def test_a_launched_server_is_supervised_watched_and_restartable():
+    """What every HTTP engine gets from the shared core: the exit watcher reports a killed server
+    dead at once, shutdown kills the group and removes the work dir, start brings it back."""
+    eng = LaunchedFakeSGLang(model="fake/model", vocab_size=VOCAB, startup_timeout_s=30.0)
+    await eng.start()
+    pid, workdir = eng.pid, eng.workdir
+    assert pid and eng.address() == f"http://127.0.0.1:{eng.port}" and eng.stats()["sglang_pid"] == pid
+    assert (await eng.generate("a", PROMPT, {"max_tokens": 3})).token_ids == expected_tokens(PROMPT, 3, vocab_size=VOCAB)
+    os.kill(pid, signal.SIGKILL)
+    await wait_until(lambda: not eng.is_alive(), timeout=5)
+    health = await eng.health()
+    assert not health.healthy and "exited with code -9" in health.detail
+    with pytest.raises(EngineDead):
+        await eng.generate("b", PROMPT, {"max_tokens": 3})
+    await eng.start()  # a restart clears what is left of the dead server
+    assert eng.pid != pid and not workdir.exists()
+    assert (await eng.generate("c", PROMPT, {"max_tokens": 2})).stop_reason == "length"
+    workdir = eng.workdir
+    await eng.shutdown()
+    assert eng.pid is None and not workdir.exists()

@@ -1,5 +1,6 @@
 """The vLLM engine: unit tests of its pure parts, and (marked ``vllm``) tests against one real
 vLLM server (CPU build) started once for the module. The kill test runs last: it kills that server.
+(The wire and control paths against a fake server: ``test_vllm_fake.py``.)
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import pytest_asyncio
 
 from rollfleet.config import RolloutConfig, VLLMEngineConfig
 from rollfleet.engines import get_engine_cls
-from rollfleet.engines.vllm import VLLMEngine, VLLMStartupError, omp_threads_bind, parse_metrics
+from rollfleet.engines.vllm import VLLMEngine, VLLMStartupError, omp_threads_bind
+from rollfleet.engines.vllm.wire import completion_body, invalid_request
 from rollfleet.errors import EngineDead, InvalidRequest, NotSupported, ReplicaUnavailable
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -45,130 +47,30 @@ def test_omp_threads_bind():
     assert omp_threads_bind(None, 0, 4, cpus=[0, 2, 3, 5, 6, 7, 8, 9]) == "0,2"
 
 
-def test_parse_metrics_sums_label_sets():
-    text = (
-        "# HELP vllm:num_requests_running n\n# TYPE vllm:num_requests_running gauge\n"
-        'vllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
-        'vllm:num_requests_running{engine="1",model_name="m"} 2.0\n'
-        "# HELP vllm:kv_cache_usage_perc k\n# TYPE vllm:kv_cache_usage_perc gauge\n"
-        'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n'
-    )
-    m = parse_metrics(text)
-    assert m["vllm:num_requests_running"] == 5.0
-    assert m["vllm:kv_cache_usage_perc"] == 0.25
-    text += (
-        "# HELP vllm:num_requests_running_x x\n# TYPE vllm:num_requests_running_x gauge\n"
-        'vllm:num_requests_running_x{engine="0"} 7.0\n'
-        "# HELP vllm:prefix_cache_hits_total h\n# TYPE vllm:prefix_cache_hits_total counter\n"
-        'vllm:prefix_cache_hits_total{engine="0"} 9.0\n'
-        'vllm:prefix_cache_hits_created{engine="0"} 1.7e9\n'
-    )
-    only = parse_metrics(text, ["vllm:num_requests_running", "vllm:prefix_cache_hits_total"])
-    assert only == {"vllm:num_requests_running": 5.0, "vllm:prefix_cache_hits_total": 9.0}
-    assert parse_metrics(text)["vllm:num_requests_running_x"] == 7.0
-
-
 def test_from_config_and_body():
     cfg = RolloutConfig(name="vllm", model="tiny", num_replicas=2, max_model_len=64, seed=7)
     eng = VLLMEngine.from_config(cfg, 1)
     assert eng.max_model_len == 64 and eng.seed == 7 and eng.replica_index == 1
-    body, max_tokens = eng._body([1, 2, 3], {"max_new_tokens": 5, "temperature": 0.0, "top_k": -1,
-                                             "logprobs": True, "n": 4, "stop_token_ids": [2], "seed": None})
+    body, max_tokens = completion_body(eng.model, [1, 2, 3], {"max_new_tokens": 5, "temperature": 0.0, "top_k": -1,
+                                                              "logprobs": True, "n": 4, "stop_token_ids": [2], "seed": None},
+                                       eng.max_model_len)
     assert max_tokens == 5 and body["max_tokens"] == 5
     assert body["n"] == 1 and body["logprobs"] == 0 and body["return_token_ids"] is True
     assert body["prompt"] == [1, 2, 3] and body["stop_token_ids"] == [2] and "seed" not in body
     assert "max_new_tokens" not in body
+    assert completion_body("m", [1, 2, 3], {}, 64)[1] == 61  # no budget: the rest of the context
     with pytest.raises(ReplicaUnavailable):
         eng.limits()
 
 
-class _AliveProc:
-    pid = 0
-
-    def poll(self):
-        return None
-
-
-@pytest.mark.asyncio
-async def test_a_keep_alive_connection_closed_by_the_server_is_retried_once_under_a_new_id():
-    """vLLM drops idle keep-alive connections after 5 s; a request written into one as it closes
-    must not fail (it used to quarantine the replica for seconds): it is sent again, once."""
-    seen: list[str] = []
-    completion = (
-        b'{"choices":[{"token_ids":[7,8,9],"logprobs":{"token_logprobs":[-0.1,-0.2,-0.3]},'
-        b'"finish_reason":"length"}],"usage":{}}'
-    )
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = await reader.readuntil(b"\r\n\r\n")
-        lines = head.decode().split("\r\n")
-        path = lines[0].split()[1]
-        headers = dict(line.split(": ", 1) for line in lines[1:] if ": " in line)
-        await reader.readexactly(int(headers.get("Content-Length", headers.get("content-length", "0"))))
-        if path == "/v1/completions":
-            seen.append(headers.get("X-Request-Id", ""))
-            if len(seen) == 1:  # the first one lands on a connection the server is closing
-                writer.close()
-                return
-        body = completion if path == "/v1/completions" else b"{}"
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
-        await writer.drain()
-        writer.close()
-
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    eng = VLLMEngine("tiny", max_model_len=64)
-    eng.port = server.sockets[0].getsockname()[1]
-    eng._proc = _AliveProc()
-    eng._dead, eng._resumed = asyncio.Event(), asyncio.Event()
-    eng._resumed.set()
-    eng._started = True
-    import aiohttp
-    import httpx
-
-    eng._session = aiohttp.ClientSession(base_url=eng.address())
-    eng._client = httpx.AsyncClient(base_url=eng.address())
-    try:
-        out = await eng.generate("s1", [1, 2, 3], {"max_tokens": 3})
-        assert out.token_ids == [7, 8, 9] and out.stop_reason == "length"
-        assert len(seen) == 2 and seen[1] == seen[0] + "~r"
-        assert eng._inflight == {} and eng.stats()["num_errors"] == 0
-    finally:
-        await eng._close_clients()
-        server.close()
-
-
-@pytest.mark.asyncio
-async def test_a_server_too_starved_to_answer_health_is_busy_while_it_completes_requests():
-    """A CPU-starved vLLM answers /health late but still generates: reported healthy (busy) while
-    it has work and completed a request within BUSY_GRACE_S, unhealthy once it stops completing."""
-    from rollfleet.engines.vllm import BUSY_GRACE_S, _Inflight
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        await asyncio.sleep(3600)  # /health never answers in time
-
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    eng = VLLMEngine("tiny", max_model_len=64, health_timeout_s=0.2)
-    eng.port = server.sockets[0].getsockname()[1]
-    eng._proc = _AliveProc()
-    eng._dead = asyncio.Event()
-    eng._started = True
-    import httpx
-
-    eng._client = httpx.AsyncClient(base_url=eng.address())
-    try:
-        idle = await eng.health()
-        assert not idle.healthy and "/health failed" in idle.detail  # nothing in flight: silence counts
-        eng._inflight["x"] = _Inflight("r", "x", 3, 8)
-        eng._last_progress = time.monotonic() - 1.0
-        busy = await eng.health()
-        assert busy.healthy and busy.detail.startswith("busy")
-        eng._last_progress = time.monotonic() - BUSY_GRACE_S - 1.0
-        stuck = await eng.health()
-        assert not stuck.healthy
-    finally:
-        await eng._close_clients()
-        server.close()
+def test_error_fields_of_a_rejected_completion():
+    prompt, body = [1, 2], {"temperature": -1.0}
+    assert invalid_request("Token id 99999 is out of vocabulary", None, prompt, body).field == "prompt_ids"
+    too_long = invalid_request("maximum context length is 64 tokens", "input_tokens", prompt, body)
+    assert too_long.field == "prompt_ids" and too_long.value == prompt
+    temp = invalid_request("temperature must be non-negative", "temperature", prompt, body)
+    assert temp.field == "sampling_params.temperature" and temp.value == -1.0
+    assert invalid_request("something else", None, prompt, body).field == "request"
 
 
 # ---------------------------------------------------------------------------- real vLLM
@@ -354,7 +256,7 @@ async def test_cancelled_generate_is_aborted_on_the_server(engine: VLLMEngine):
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    assert engine._inflight == {}
+    assert len(engine._table) == 0
     deadline = time.monotonic() + 60  # the gauge follows vLLM's stats interval
     while (await engine.load()).running and time.monotonic() < deadline:
         await asyncio.sleep(0.2)

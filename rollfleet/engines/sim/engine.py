@@ -1,32 +1,8 @@
-"""A simulated inference engine: the fleet's stand-in for GPUs in tests, benchmarks and planning.
+"""SimEngine: the simulated engine's :class:`~rollfleet.engines.base.Engine` face and its step loop.
 
-It is a discrete-time model of a continuous-batching engine (vLLM-like), run on asyncio:
-
-* **Step-time model.** One engine step costs ``step_base_ms + step_per_seq_ms * running +
-  prefill_per_token_ms * uncached_prompt_tokens`` of simulated time, divided by ``time_scale``
-  in wall time. Every running sequence emits one token per step.
-* **Prefix cache.** A bounded LRU over full KV blocks, keyed by a chained hash of the block's
-  tokens (as vLLM's automatic prefix caching does). A request's prefill only pays for the tokens
-  after its longest cached prefix, so the cache really decides the cost of the next turn of a
-  session: route a session elsewhere and it pays the whole prefill again. Finished (and aborted)
-  requests insert their blocks. A weight update or ``clear_kv_cache`` empties it.
-* **KV capacity and preemption.** Running sequences hold ``ceil(tokens / block_size)`` blocks of
-  ``kv_capacity_tokens``. When a sequence needs a block and none is free, the most recently
-  admitted sequence is preempted (recompute mode: its blocks are freed, it goes back to the head
-  of the queue keeping its tokens, and pays a re-prefill), and ``num_preempted`` counts it.
-* **Response lengths** are long-tailed (log-normal) and depend on the prompt: a prompt-derived
-  "difficulty" times per-sample noise, so GRPO siblings have related lengths, as Seer observed.
-* **Token ids** are a deterministic function of the weights (every update changes them), the
-  prompt and the position; ``temperature > 0`` without a seed adds per-request randomness.
-* **Control ops**: abort, abort_all, pause/resume, sleep/wake_up, update_weights, clear_kv_cache,
-  start/stop_profile (a Chrome trace of engine steps), health, load.
-* **Faults** for tests: ``inject_fault("crash" | "hang" | "slow", factor=...)``.
-* **Scripted mode**: ``script_responses(fn)`` lets a test decide the tokens of each response
-  (agent-loop tests use it to make tool calls appear).
-
-What was traded away: no chunked prefill, no speculative decoding, one token per step for every
-sequence, and the prefix cache is accounted apart from KV capacity (it models cached blocks that
-stay in free memory).
+The loop paces engine steps in simulated time (``time_scale`` faster than wall time) and calls the
+batching model (:mod:`.batch`) for each; the control ops (pause, sleep, weights, profile) and the
+fault hooks for tests live here. See the package docstring for the model.
 """
 
 from __future__ import annotations
@@ -39,98 +15,22 @@ import random
 import tempfile
 import time
 import zlib
-from array import array
 from collections import OrderedDict, deque
 from typing import Any, Callable, Optional, Sequence
 
 from rollfleet.config import RolloutConfig, SimEngineConfig
 from rollfleet.engines.base import Engine, EngineHealth, EngineLimits, EngineLoad
+from rollfleet.engines.sim.batch import BatchModel, _fingerprint, _int_bytes, _mix, _Request
 from rollfleet.errors import EngineDead
-from rollfleet.types import SamplingParams, StopReason, TokenOutput
+from rollfleet.types import SamplingParams, TokenOutput
 
 #: A script maps (request_id, prompt_ids, sampling_params) to the exact response tokens. The
 #: response ends with ``stop`` after those tokens unless ``max_tokens`` cuts it first.
 ResponseScript = Callable[[str, list[int], SamplingParams], Sequence[int]]
 
-_MASK64 = (1 << 64) - 1
 
-
-def _mix(*values: int) -> int:
-    """A fast, process-independent 64-bit mix of integers (splitmix64 steps)."""
-    h = 0x9E3779B97F4A7C15
-    for v in values:
-        h = (h ^ (v & _MASK64)) * 0xBF58476D1CE4E5B9 & _MASK64
-        h ^= h >> 31
-    return h
-
-
-def _fingerprint(weights: Any) -> int:
-    """A stable number for a weights object: what changes it changes the simulated tokens."""
-    if weights is None:
-        return 0
-    if isinstance(weights, int):
-        return weights
-    if isinstance(weights, (str, bytes)):
-        data = weights.encode() if isinstance(weights, str) else weights
-        return zlib.crc32(data)
-    if isinstance(weights, dict):
-        h = 0
-        for key in sorted(weights, key=str):
-            value = weights[key]
-            summary = repr(getattr(value, "shape", None))
-            try:  # torch tensors and numpy arrays: use a checksum of a few values
-                flat = value.reshape(-1)[:16]
-                summary += repr([float(x) for x in flat])
-            except Exception:
-                summary += repr(value)[:200]
-            h = _mix(h, zlib.crc32(f"{key}:{summary}".encode()))
-        return h
-    return zlib.crc32(repr(weights).encode())
-
-
-class _Request:
-    __slots__ = (
-        "request_id",
-        "prompt_ids",
-        "max_tokens",
-        "target_len",
-        "stop_ids",
-        "ignore_eos",
-        "token_seed",
-        "generated",
-        "log_probs",
-        "future",
-        "blocks",
-        "num_preempted",
-        "admitted_seq",
-        "scripted",
-        "prefilled",
-    )
-
-    def __init__(self, request_id: str, prompt_ids: list[int], max_tokens: int) -> None:
-        self.request_id = request_id
-        self.prompt_ids = prompt_ids
-        self.max_tokens = max_tokens
-        self.target_len = max_tokens
-        self.stop_ids: frozenset[int] = frozenset()
-        self.ignore_eos = False
-        self.token_seed = 0
-        self.generated: list[int] = []
-        self.log_probs: list[float] = []
-        self.future: asyncio.Future[TokenOutput] = asyncio.get_running_loop().create_future()
-        self.blocks = 0
-        self.num_preempted = 0
-        self.admitted_seq = 0
-        self.scripted: Optional[list[int]] = None
-        self.prefilled = False
-
-    @property
-    def context_len(self) -> int:
-        return len(self.prompt_ids) + len(self.generated)
-
-
-class SimEngine(Engine):
-    """Simulated continuous-batching engine; see the module docstring for the model."""
+class SimEngine(BatchModel, Engine):
+    """Simulated continuous-batching engine; see the package docstring for the model."""
 
     name = "sim"
 
@@ -366,164 +266,6 @@ class SimEngine(Engine):
         if self._dead is not None:
             raise EngineDead(f"sim-{self.replica_index}", self._dead)
 
-    def _fail_all(self, error: BaseException) -> None:
-        for req in list(self._requests.values()):
-            self._release(req)
-            if not req.future.done():
-                req.future.set_exception(error)
-        self._requests.clear()
-        self._waiting.clear()
-        self._running.clear()
-
-    def _release(self, req: _Request) -> None:
-        self._kv_blocks_free += req.blocks
-        req.blocks = 0
-
-    def _finish(self, req: _Request, reason: StopReason) -> None:
-        if self._requests.pop(req.request_id, None) is None:
-            return
-        if req in self._running:
-            self._running.remove(req)
-        else:
-            try:
-                self._waiting.remove(req)
-            except ValueError:
-                pass
-        self._release(req)
-        self._insert_prefix(req.prompt_ids + req.generated)
-        self._stats["num_aborted" if reason == "aborted" else "num_finished"] += 1
-        if not req.future.done():
-            req.future.set_result(
-                TokenOutput(
-                    token_ids=list(req.generated),
-                    log_probs=list(req.log_probs),
-                    stop_reason=reason,
-                    num_preempted=req.num_preempted,
-                )
-            )
-
-    def _block_hashes(self, tokens: list[int]) -> list[int]:
-        bs = self.config.block_size
-        hashes = []
-        h = 0
-        for start in range(0, len(tokens) - bs + 1, bs):
-            h = hash((h, tuple(tokens[start : start + bs])))  # int tuples hash the same in every process
-            hashes.append(h)
-        return hashes
-
-    def _cached_prefix_tokens(self, tokens: list[int]) -> int:
-        if self.config.prefix_cache_blocks == 0:
-            return 0
-        hits = 0
-        for h in self._block_hashes(tokens):
-            if h not in self._prefix_cache:
-                break
-            self._prefix_cache.move_to_end(h)
-            hits += 1
-        return hits * self.config.block_size
-
-    def _insert_prefix(self, tokens: list[int]) -> None:
-        cap = self.config.prefix_cache_blocks
-        if cap == 0:
-            return
-        for h in self._block_hashes(tokens):
-            self._prefix_cache[h] = None
-            self._prefix_cache.move_to_end(h)
-        while len(self._prefix_cache) > cap:
-            self._prefix_cache.popitem(last=False)
-
-    def _blocks_for(self, tokens: int) -> int:
-        return -(-tokens // self.config.block_size)
-
-    def _admit(self) -> int:
-        """Move waiting requests into the running batch; return the prefill tokens to pay."""
-        prefill = 0
-        while self._waiting and len(self._running) < self.config.max_num_seqs:
-            req = self._waiting[0]
-            need = self._blocks_for(req.context_len + 1)
-            if need > self._kv_blocks_free:
-                if not self._running and need > self._kv_blocks_total:
-                    self._waiting.popleft()
-                    self._finish_after_pop(req, "length")
-                    continue
-                break
-            self._waiting.popleft()
-            req.blocks = need
-            self._kv_blocks_free -= need
-            context = req.prompt_ids + req.generated
-            cached = self._cached_prefix_tokens(context)
-            self._stats["prefix_cache_query_tokens"] += len(context)
-            self._stats["prefix_cache_hit_tokens"] += cached
-            if not req.prefilled:
-                self._stats["prompt_tokens"] += len(req.prompt_ids)
-            req.prefilled = True
-            prefill += len(context) - cached
-            self._admit_counter += 1
-            req.admitted_seq = self._admit_counter
-            self._running.append(req)
-        return prefill
-
-    def _finish_after_pop(self, req: _Request, reason: StopReason) -> None:
-        # ``req`` has left the queue already; finish it through the common path.
-        self._waiting.appendleft(req)
-        self._finish(req, reason)
-
-    def _preempt_one(self) -> bool:
-        """Preempt the most recently admitted running sequence (recompute mode)."""
-        if not self._running:
-            return False
-        victim = max(self._running, key=lambda r: r.admitted_seq)
-        self._running.remove(victim)
-        self._release(victim)
-        victim.num_preempted += 1
-        self._stats["num_preemptions"] += 1
-        self._waiting.appendleft(victim)
-        return True
-
-    def _next_token(self, req: _Request) -> tuple[int, float]:
-        pos = len(req.generated)
-        if req.scripted is not None:
-            tok = req.scripted[pos]
-        else:
-            tok = _mix(req.token_seed, pos) % self.config.vocab_size
-            if pos + 1 >= req.target_len and not req.ignore_eos:
-                tok = self.config.eos_token_id
-            elif tok == self.config.eos_token_id or tok in req.stop_ids:
-                tok = (tok + 1) % self.config.vocab_size
-                if tok == self.config.eos_token_id or tok in req.stop_ids:
-                    tok = (tok + 1) % self.config.vocab_size
-        logprob = -((_mix(req.token_seed, pos, 7) % 10_000) / 2_000.0)  # in (-5, 0]
-        return tok, logprob
-
-    def _emit(self) -> None:
-        cfg = self.config
-        for req in list(self._running):
-            if req not in self._running:
-                continue  # preempted by an earlier sequence in this step
-            if self._blocks_for(req.context_len + 1) > req.blocks:
-                while self._kv_blocks_free == 0:
-                    if not self._preempt_one():
-                        break
-                    if req not in self._running:
-                        break
-                if req not in self._running:
-                    continue
-                req.blocks += 1
-                self._kv_blocks_free -= 1
-            tok, lp = self._next_token(req)
-            req.generated.append(tok)
-            req.log_probs.append(lp)
-            self._stats["generation_tokens"] += 1
-            n = len(req.generated)
-            if req.scripted is not None and n >= len(req.scripted):
-                self._finish(req, "stop")
-            elif n >= req.max_tokens:
-                self._finish(req, "length")
-            elif not req.ignore_eos and (tok == cfg.eos_token_id or tok in req.stop_ids):
-                self._finish(req, "stop")
-            elif req.context_len >= self._max_model_len:
-                self._finish(req, "length")
-
     async def _run(self) -> None:
         assert self._work is not None
         anchor: Optional[tuple[float, float]] = None  # (wall, simulated) time when busy began
@@ -572,10 +314,6 @@ class SimEngine(Engine):
                         "args": {"running": len(self._running), "prefill_tokens": prefill, "sim_ms": step_ms},
                     }
                 )
-
-
-def _int_bytes(ids: Sequence[int]) -> bytes:
-    return array("q", ids).tobytes()
 
 
 def _has_loop() -> bool:

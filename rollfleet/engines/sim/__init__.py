@@ -1,0 +1,34 @@
+"""A simulated inference engine: the fleet's stand-in for GPUs in tests, benchmarks and planning.
+
+It is a discrete-time model of a continuous-batching engine (vLLM-like), run on asyncio:
+
+* **Step-time model.** One engine step costs ``step_base_ms + step_per_seq_ms * running +
+  prefill_per_token_ms * uncached_prompt_tokens`` of simulated time, divided by ``time_scale``
+  in wall time. Every running sequence emits one token per step.
+* **Prefix cache.** A bounded LRU over full KV blocks, keyed by a chained hash of the block's
+  tokens (as vLLM's automatic prefix caching does). A request's prefill only pays for the tokens
+  after its longest cached prefix, so the cache really decides the cost of the next turn of a
+  session: route a session elsewhere and it pays the whole prefill again. Finished (and aborted)
+  requests insert their blocks. A weight update or ``clear_kv_cache`` empties it.
+* **KV capacity and preemption.** Running sequences hold ``ceil(tokens / block_size)`` blocks of
+  ``kv_capacity_tokens``. When a sequence needs a block and none is free, the most recently
+  admitted sequence is preempted (recompute mode: its blocks are freed, it goes back to the head
+  of the queue keeping its tokens, and pays a re-prefill), and ``num_preempted`` counts it.
+* **Response lengths** are long-tailed (log-normal) and depend on the prompt: a prompt-derived
+  "difficulty" times per-sample noise, so GRPO siblings have related lengths, as Seer observed.
+* **Token ids** are a deterministic function of the weights (every update changes them), the
+  prompt and the position; ``temperature > 0`` without a seed adds per-request randomness.
+* **Control ops**: abort, abort_all, pause/resume, sleep/wake_up, update_weights, clear_kv_cache,
+  start/stop_profile (a Chrome trace of engine steps), health, load.
+* **Faults** for tests: ``inject_fault("crash" | "hang" | "slow", factor=...)``.
+* **Scripted mode**: ``script_responses(fn)`` lets a test decide the tokens of each response
+  (agent-loop tests use it to make tool calls appear).
+
+What was traded away: no chunked prefill, no speculative decoding, one token per step for every
+sequence, and the prefix cache is accounted apart from KV capacity (it models cached blocks that
+stay in free memory).
+"""
+
+from rollfleet.engines.sim.engine import ResponseScript, SimEngine
+
+__all__ = ["SimEngine", "ResponseScript"]
