@@ -5,15 +5,32 @@ Keys follow verl's ``actor_rollout_ref.rollout.*`` where verl has one (``name``,
 its own section (the sim engine gets ``SimEngineConfig``, the router ``RoutingConfig``), never the
 whole tree. Every field is validated at construction, so a typo or a negative length fails at
 start-up with the field named, not in the middle of a rollout.
+
+Names of plug-ins are checked against their registries at construction: ``rollout.name`` against
+the engines (:data:`rollfleet.engines.ENGINES`; any registered engine, a third-party one taking
+its settings from ``rollout.engine_args``), ``rollout.routing.policy`` against the routing
+policies. Those registries hold import paths, so checking a name imports no implementation.
+
+The ``trainer`` section is the exception, checked by :func:`load_config` rather than at
+construction: its schema (``rollfleet.trainer.config.TrainConfig``) lives in the trainer layer,
+which imports torch (seconds), and a ``RollfleetConfig`` is rebuilt from a dict in every Ray
+worker that never trains. So this bottom layer keeps ``trainer`` as an open section and holds a
+registry of section validators, by import path: ``load_config`` (every CLI command goes through
+it) runs the validator of each section the input gives, before anything starts; a trainer built
+in Python parses the section again with ``TrainConfig``. Tools that add top-level sections can
+register theirs with :func:`register_section_validator`.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Callable, Literal, Mapping, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import InitErrorDetails
+
+from rollfleet.registry import Registry
 
 
 class _Section(BaseModel):
@@ -152,11 +169,12 @@ class PlacementConfig(_Section):
 
 
 class RoutingConfig(_Section):
-    """The routing policy and its knobs."""
+    """The routing policy and the balancer's knobs (no built-in policy has knobs of its own)."""
 
     policy: str = Field(
         "least_tokens",
-        description="least_inflight | least_tokens | power_of_two | rendezvous (see rollfleet.routing).",
+        description="A registered routing policy: least_inflight | least_tokens | power_of_two | rendezvous, or "
+        "one added with rollfleet.routing.register_policy (checked at construction).",
     )
     max_cache_size: int = Field(10_000, ge=1, description="Sticky sessions remembered per client (LRU).")
     sticky: bool = Field(True, description="Keep all turns of a request_id on one replica.")
@@ -173,6 +191,13 @@ class RoutingConfig(_Section):
         "and weight versions reach clients at once (they watch the controller); loads are polled at "
         "health.probe_interval_s, so a shorter value buys little.",
     )
+
+    @field_validator("policy")
+    @classmethod
+    def _registered_policy(cls, policy: str) -> str:
+        from rollfleet.routing.policies import POLICIES  # names only: no policy is imported
+
+        return POLICIES.check_name(policy)
 
 
 class RetryConfig(_Section):
@@ -224,7 +249,11 @@ class PrometheusSection(_Section):
 class RolloutConfig(_Section):
     """The fleet: engine, model, replicas, lengths, routing, retries (verl's ``rollout`` section)."""
 
-    name: Literal["sim", "vllm", "sglang"] = Field("sim", description="Engine of every replica.")
+    name: str = Field(
+        "sim",
+        description="Engine of every replica: sim | vllm | sglang, or one added with "
+        "rollfleet.engines.register_engine (checked at construction).",
+    )
     model: str = Field("tiny", description="Built-in model name or a path to a Hugging Face folder.")
     num_replicas: int = Field(2, ge=0)
     prompt_length: int = Field(512, ge=1, description="Prompt padding width and prompt budget.")
@@ -258,7 +287,31 @@ class RolloutConfig(_Section):
     sim: SimEngineConfig = Field(default_factory=SimEngineConfig)
     vllm: VLLMEngineConfig = Field(default_factory=VLLMEngineConfig)
     sglang: SGLangEngineConfig = Field(default_factory=SGLangEngineConfig)
+    engine_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Settings of an engine added with register_engine (its from_config reads and validates "
+        "them; 'tensor_parallel_size' or 'tp_size' sets the devices per replica). The built-in engines take "
+        "theirs from rollout.sim / rollout.vllm / rollout.sglang, so this must stay empty for them.",
+    )
     prometheus: PrometheusSection = Field(default_factory=PrometheusSection)
+
+    @field_validator("name")
+    @classmethod
+    def _registered_engine(cls, name: str) -> str:
+        from rollfleet.engines import ENGINES  # names only: no engine is imported
+
+        return ENGINES.check_name(name)
+
+    @model_validator(mode="after")
+    def _engine_args(self) -> "RolloutConfig":
+        from rollfleet.engines import BUILTIN_ENGINES
+
+        if self.engine_args and self.name in BUILTIN_ENGINES:
+            raise ValueError(
+                f"rollout.engine_args is for engines added with register_engine; '{self.name}' takes its "
+                f"settings from rollout.{self.name}"
+            )
+        return self
 
     @model_validator(mode="after")
     def _ports(self) -> "RolloutConfig":
@@ -272,8 +325,8 @@ class RolloutConfig(_Section):
     def tensor_parallel_size(self) -> int:
         """Devices per replica: the engine's own tensor-parallel setting."""
         section = {"vllm": self.vllm, "sglang": self.sglang, "sim": self.sim}.get(self.name)
-        if section is None:
-            return 1
+        if section is None:  # a registered third-party engine
+            return int(self.engine_args.get("tensor_parallel_size") or self.engine_args.get("tp_size") or 1)
         return int(getattr(section, "tensor_parallel_size", None) or getattr(section, "tp_size", 1))
 
     @model_validator(mode="after")
@@ -370,7 +423,12 @@ class GatewayConfig(_Section):
 
 
 class TrainerConfig(_Section):
-    """Trainer selection (``trainer_mode``) and the knobs shared by all modes."""
+    """Trainer selection (``trainer_mode``) and the knobs shared by all modes.
+
+    An open section here: its keys are those of ``rollfleet.trainer.config.TrainConfig`` (the
+    trainer layer), checked by :func:`load_config` through the ``trainer`` section validator, not
+    at construction (see the module docstring for why).
+    """
 
     trainer_mode: str = Field("sync", description="Registered trainer name: sync | colocate_async | separate_async.")
     model_config = ConfigDict(extra="allow", validate_assignment=True)
@@ -388,8 +446,63 @@ class RollfleetConfig(BaseModel):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
 
 
+SectionValidator = Callable[[Mapping[str, Any]], None]
+
+#: Top-level section -> a validator of its content (raises ``pydantic.ValidationError`` or
+#: ``ValueError``), registered by import path so that this module imports no higher layer.
+SECTION_VALIDATORS: Registry[SectionValidator] = Registry(
+    "config section validator",
+    callable_only=True,
+    builtins={"trainer": "rollfleet.trainer.config:validate_trainer_section"},
+)
+
+
+def register_section_validator(section: str, validator: Union[SectionValidator, str]) -> None:
+    """Have :func:`load_config` check top-level ``section`` with ``validator`` (or its import path)."""
+    SECTION_VALIDATORS.register(section, validator)
+
+
+def validate_sections(config: RollfleetConfig) -> RollfleetConfig:
+    """Run the validator of every section ``config`` was given (a section left to its defaults is
+    skipped, and its validator never imported). Errors come back as one ``ValidationError`` whose
+    locations start with the section (``trainer.learnr``)."""
+    given = set(config.model_fields_set) | set(config.model_extra or {})
+    for section in SECTION_VALIDATORS.names():
+        if section not in given:
+            continue
+        value = getattr(config, section)
+        data = value.model_dump() if isinstance(value, BaseModel) else value
+        try:
+            SECTION_VALIDATORS.get(section)(data)
+        except ValidationError as exc:
+            raise _under(section, exc) from None
+        except ValueError as exc:
+            raise ValidationError.from_exception_data(
+                "RollfleetConfig",
+                [InitErrorDetails(type="value_error", loc=(section,), input=data, ctx={"error": exc})],
+            ) from None
+    return config
+
+
+def _under(section: str, exc: ValidationError) -> ValidationError:
+    """``exc`` with every error location prefixed by ``section``."""
+    details = []
+    for e in exc.errors():
+        detail = InitErrorDetails(type=e["type"], loc=(section, *e["loc"]), input=e["input"])
+        if "ctx" in e:
+            detail["ctx"] = e["ctx"]
+        details.append(detail)
+    try:
+        return ValidationError.from_exception_data("RollfleetConfig", details)
+    except (KeyError, TypeError, ValueError):  # an error type pydantic cannot rebuild: keep the original
+        return exc
+
+
 def load_config(path: str | Path | None = None, overrides: Optional[dict[str, Any]] = None) -> RollfleetConfig:
-    """Load a YAML file (or defaults) and apply nested ``overrides`` (dotted keys allowed)."""
+    """Load a YAML file (or defaults) and apply nested ``overrides`` (dotted keys allowed).
+
+    Validated in full: the tree at construction, then every given section that has a validator
+    registered (``trainer``), so a typo anywhere fails here, before Ray or any engine starts."""
     data: dict[str, Any] = {}
     if path is not None:
         with open(path) as f:
@@ -400,7 +513,7 @@ def load_config(path: str | Path | None = None, overrides: Optional[dict[str, An
         for part in parts[:-1]:
             node = node.setdefault(part, {})
         node[parts[-1]] = value
-    return RollfleetConfig.model_validate(data)
+    return validate_sections(RollfleetConfig.model_validate(data))
 
 
 __all__ = [
@@ -419,5 +532,8 @@ __all__ = [
     "GatewayConfig",
     "TrainerConfig",
     "RollfleetConfig",
+    "SECTION_VALIDATORS",
+    "register_section_validator",
+    "validate_sections",
     "load_config",
 ]

@@ -1,76 +1,69 @@
 """Agent-loop registry: loops by name, from ``@register`` or a YAML file of import paths.
 
 verl stores ``{"_target_": fqdn}`` and instantiates through hydra per trajectory; here the registry
-holds classes (or import paths resolved on first use) plus constructor kwargs, and the worker
-instantiates once. The YAML format accepts verl's files unchanged::
+(a :class:`rollfleet.registry.Registry`) holds classes, or import paths resolved on first use, with
+their constructor kwargs as the entry's options, and the worker instantiates once. The built-in
+loops are registered by path. The YAML format accepts verl's files unchanged::
 
     - name: my_agent
       _target_: my_pkg.loops.MyAgentLoop     # or ``class:`` / ``path:``
       some_option: 3                         # anything else: constructor kwargs
+
+Loading the same file twice is fine; naming a registered loop with another class or other kwargs
+raises ``AlreadyRegistered``, and an unknown name ``UnknownName`` (a ``KeyError``) listing the
+valid ones.
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
 import yaml
 
 from rollfleet.agent_loop.base import AgentLoopBase
+from rollfleet.registry import Registry, resolve
+
+#: Kept for callers of the old name: the one import-path resolver is :func:`rollfleet.registry.resolve`.
+import_object = resolve
+
+AGENT_LOOPS: Registry[type[AgentLoopBase]] = Registry(
+    "agent loop",
+    kind=AgentLoopBase,
+    builtins={
+        "single_turn_agent": "rollfleet.agent_loop.single_turn:SingleTurnAgentLoop",
+        "tool_agent": "rollfleet.agent_loop.tool_agent:ToolAgentLoop",
+    },
+)
 
 
 @dataclass
 class LoopSpec:
-    """A registered loop: its class (or import path, resolved lazily) and constructor kwargs."""
+    """A registered loop: its name, its class (or import path until first use) and constructor kwargs."""
 
+    name: str
     target: Union[type[AgentLoopBase], str]
     kwargs: dict[str, Any] = field(default_factory=dict)
 
     def resolve(self) -> type[AgentLoopBase]:
-        if isinstance(self.target, str):
-            cls = import_object(self.target)
-            if not (isinstance(cls, type) and issubclass(cls, AgentLoopBase)):
-                raise TypeError(f"'{self.target}' is not an AgentLoopBase subclass")
-            self.target = cls
+        """The loop's class, imported now if registered by path (``InvalidPlugin`` if it is not a loop)."""
+        self.target = AGENT_LOOPS.get(self.name)
         return self.target
-
-
-_REGISTRY: dict[str, LoopSpec] = {}
-
-
-def import_object(path: str) -> Any:
-    """``"pkg.mod.Name"`` or ``"pkg.mod:Name"`` -> the object."""
-    module, sep, attr = path.partition(":")
-    if not sep:
-        module, _, attr = path.rpartition(".")
-    if not module or not attr:
-        raise ValueError(f"'{path}' is not an import path (expected 'pkg.module.Name' or 'pkg.module:Name')")
-    return getattr(importlib.import_module(module), attr)
 
 
 def register(name: str, **kwargs: Any) -> Callable[[type[AgentLoopBase]], type[AgentLoopBase]]:
     """Class decorator: make a loop available as ``agent_name=name`` (kwargs go to its constructor)."""
-
-    def deco(cls: type[AgentLoopBase]) -> type[AgentLoopBase]:
-        if not (isinstance(cls, type) and issubclass(cls, AgentLoopBase)):
-            raise TypeError(f"@register('{name}') needs an AgentLoopBase subclass, got {cls!r}")
-        _REGISTRY[name] = LoopSpec(cls, dict(kwargs))
-        return cls
-
-    return deco
+    return AGENT_LOOPS.register(name, options=kwargs)
 
 
 def list_agent_loops() -> list[str]:
-    return sorted(_REGISTRY)
+    return AGENT_LOOPS.names()
 
 
 def get_agent_loop(name: str) -> LoopSpec:
-    """The spec registered as ``name``; an error listing the valid names otherwise."""
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise KeyError(f"unknown agent loop '{name}'; registered agent loops: {list_agent_loops()}") from None
+    """The spec registered as ``name`` (nothing imported yet); ``UnknownName`` listing the valid names otherwise."""
+    entry = AGENT_LOOPS.entry(name)
+    return LoopSpec(name, entry.target, dict(entry.options))
 
 
 def load_agent_loop_config(path: Optional[str]) -> list[str]:
@@ -92,9 +85,17 @@ def load_agent_loop_config(path: Optional[str]) -> list[str]:
         target = entry.pop("_target_", None) or entry.pop("class", None) or entry.pop("path", None)
         if not name or not target:
             raise ValueError(f"{path}: every agent loop needs 'name' and '_target_' (got {entry})")
-        _REGISTRY[name] = LoopSpec(str(target), entry)
+        AGENT_LOOPS.register(name, str(target), options=entry)
         names.append(name)
     return names
 
 
-__all__ = ["LoopSpec", "register", "get_agent_loop", "list_agent_loops", "load_agent_loop_config", "import_object"]
+__all__ = [
+    "AGENT_LOOPS",
+    "LoopSpec",
+    "register",
+    "get_agent_loop",
+    "list_agent_loops",
+    "load_agent_loop_config",
+    "import_object",
+]

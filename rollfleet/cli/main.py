@@ -9,9 +9,25 @@ import os
 import sys
 from typing import Optional
 
+from pydantic import ValidationError
 from rich.console import Console
 
-from rollfleet.config import load_config
+from rollfleet.config import RollfleetConfig, load_config
+from rollfleet.errors import RollfleetError
+
+
+class _ConfigRejected(Exception):
+    """The config did not validate; already reported on stderr."""
+
+
+def _load(path: Optional[str], overrides: dict) -> RollfleetConfig:
+    """``load_config`` for a command: a bad config is reported (every bad field named) and the
+    command exits with status 2 before it starts Ray or any engine."""
+    try:
+        return load_config(path, overrides)
+    except (ValidationError, RollfleetError) as exc:
+        print(f"rollfleet: invalid config{f' {path}' if path else ''}:\n{exc}", file=sys.stderr)
+        raise _ConfigRejected() from exc
 
 
 def _simulate(args: argparse.Namespace) -> int:
@@ -22,7 +38,7 @@ def _simulate(args: argparse.Namespace) -> int:
         overrides["rollout.num_replicas"] = args.replicas
     if args.time_scale is not None:
         overrides["rollout.sim.time_scale"] = args.time_scale
-    config = load_config(args.config, overrides)
+    config = _load(args.config, overrides)
     if config.rollout.name != "sim":
         print(f"rollfleet simulate runs the sim engine; the config names '{config.rollout.name}'", file=sys.stderr)
         return 2
@@ -53,7 +69,7 @@ def _serve(args: argparse.Namespace) -> int:
     ):
         if value is not None:
             overrides[key] = value
-    config = load_config(args.config, overrides)
+    config = _load(args.config, overrides)
     if config.gateway.admin_token is None:
         print("admin routes off (set gateway.admin_token or ROLLFLEET_ADMIN_TOKEN to enable /admin)", file=sys.stderr)
 
@@ -85,7 +101,7 @@ def _train(args: argparse.Namespace) -> int:
     ):
         if value is not None:
             overrides[key] = value
-    config = load_config(args.config, overrides)
+    config = _load(args.config, overrides)  # the trainer section too: a typo fails before Ray starts
     if config.rollout.name == "sim":
         from rollfleet.models.vocab import fit_sim_to_model
 
@@ -125,7 +141,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     trn = sub.add_parser("train", help="RL training (GRPO) on the fleet: sync | colocate_async | separate_async")
     trn.add_argument("--config", default=None, help="YAML config (defaults if omitted)")
-    trn.add_argument("--engine", default=None, choices=["sim", "vllm", "sglang"], help="overrides rollout.name")
+    trn.add_argument("--engine", default=None, help="overrides rollout.name (a registered engine: sim | vllm | sglang...)")
     trn.add_argument("--mode", default=None, help="overrides trainer.trainer_mode")
     trn.add_argument("--steps", type=int, default=None, help="overrides trainer.total_steps")
     trn.add_argument("--run-name", default=None, help="overrides trainer.run_name")
@@ -133,7 +149,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     trn.set_defaults(func=_train)
 
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except _ConfigRejected:
+        return 2
 
 
 if __name__ == "__main__":

@@ -12,7 +12,9 @@ a changed recipe never reuses stale files. Builds are atomic (a temporary folder
 place) and serialised across processes by a file lock.
 
 ``get_model_path(name_or_path)`` is the one entry point: a built-in name returns its (built) cache
-folder, an existing path is returned as is.
+folder, an existing path is returned as is. The built-ins live in a
+:class:`rollfleet.registry.Registry` of :class:`BuiltinModel` records (their builders import lazily
+already); anything else raises ``UnknownName`` (a ``ValueError``) listing the valid names.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from rollfleet.models.tiny import build_tiny_model
+from rollfleet.registry import Registry
 
 DEFAULT_MODEL = "tiny"
 
@@ -60,14 +63,12 @@ def _smollm2_recipe() -> dict[str, Any]:
     return recipe()
 
 
-_REGISTRY: dict[str, BuiltinModel] = {}
+MODELS: Registry[BuiltinModel] = Registry("model", hint="not an existing path either")
 
 
 def register_model(model: BuiltinModel) -> None:
     """Register a built-in model (name must be new)."""
-    if model.name in _REGISTRY:
-        raise ValueError(f"model '{model.name}' is already registered")
-    _REGISTRY[model.name] = model
+    MODELS.register(model.name, model)
 
 
 register_model(
@@ -90,7 +91,7 @@ register_model(
 
 def builtin_models() -> list[str]:
     """Names of the built-in models."""
-    return sorted(_REGISTRY)
+    return MODELS.names()
 
 
 def cache_root() -> Path:
@@ -109,13 +110,7 @@ def cache_dir(name: str) -> Path:
 
 
 def _get(name: str) -> BuiltinModel:
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown model '{name}': not an existing path and not a built-in; "
-            f"valid built-in names: {builtin_models()}"
-        ) from None
+    return MODELS.get(name)
 
 
 _DONE_MARKER = ".rollfleet-complete"
@@ -149,7 +144,7 @@ def ensure_built(name: str) -> str:
 def get_model_path(name_or_path: str) -> str:
     """Resolve a model: a built-in name builds (once) and returns its cache folder; an existing
     path is returned as is; anything else raises ``ValueError`` listing the valid names."""
-    if name_or_path in _REGISTRY:
+    if name_or_path in MODELS:
         return ensure_built(name_or_path)
     expanded = os.path.expanduser(str(name_or_path))
     if os.path.exists(expanded):
@@ -161,6 +156,7 @@ def get_model_path(name_or_path: str) -> str:
 __all__ = [
     "DEFAULT_MODEL",
     "BuiltinModel",
+    "MODELS",
     "register_model",
     "builtin_models",
     "cache_root",

@@ -12,44 +12,52 @@ Built in: ``exact_match``, ``numeric_match`` (alias ``math``), ``format``. To ad
     def my_reward(solution_str: str, ground_truth, **kwargs) -> float: ...
 
 The module defining it must be imported in the worker process (import it from the module that
-defines your agent loop or tools, or name it by import path: ``{"name": "pkg.mod:fn"}``).
+defines your agent loop or tools, or name it by import path: ``{"name": "pkg.mod:fn"}``). Names are
+unique: registering a name again with another function raises ``AlreadyRegistered``; an unknown
+name raises ``UnknownName`` (a ``KeyError``) listing the registered ones.
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import Any, Callable, Mapping, Optional
 
+from rollfleet.errors import InvalidPlugin
+from rollfleet.registry import Registry, resolve
 from rollfleet.reward.answers import extract_answer, extract_boxed, extract_gsm8k, extract_last_number, parse_number
 from rollfleet.reward.base import RewardFn, RewardResult, RewardValue, to_result
 from rollfleet.reward.rules import answer_format, exact_match, numeric_match
 
-_REGISTRY: dict[str, RewardFn] = {}
+REWARDS: Registry[RewardFn] = Registry(
+    "reward",
+    callable_only=True,
+    hint="or use 'pkg.module:function'",
+    builtins={
+        "exact_match": "rollfleet.reward.rules:exact_match",
+        "numeric_match": "rollfleet.reward.rules:numeric_match",
+        "math": "rollfleet.reward.rules:numeric_match",
+        "format": "rollfleet.reward.rules:answer_format",
+    },
+)
 
 
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
-    """Decorator: register ``fn`` under ``name`` (a second registration of a name replaces it)."""
-
-    def deco(fn: RewardFn) -> RewardFn:
-        _REGISTRY[name] = fn
-        return fn
-
-    return deco
+    """Decorator: register ``fn`` as ``name`` (names are unique; the same function again is a no-op)."""
+    return REWARDS.register(name)
 
 
 def list_rewards() -> list[str]:
-    return sorted(_REGISTRY)
+    return REWARDS.names()
 
 
 def get_reward_fn(name: str) -> RewardFn:
-    """The reward registered as ``name``, or ``"pkg.module:function"`` imported; a clear error
+    """The reward registered as ``name``, or ``"pkg.module:function"`` imported; ``UnknownName``
     listing the registered names otherwise."""
-    if name in _REGISTRY:
-        return _REGISTRY[name]
-    if ":" in name:
-        module, _, attr = name.partition(":")
-        return getattr(importlib.import_module(module), attr)
-    raise KeyError(f"unknown reward '{name}'; registered rewards: {list_rewards()} (or use 'pkg.module:function')")
+    if name not in REWARDS and ":" in name:
+        fn = resolve(name)
+        if not callable(fn):
+            raise InvalidPlugin("reward", name, f"'{name}'", "callable")
+        return fn
+    return REWARDS.get(name)
 
 
 def compute_reward(
@@ -66,15 +74,11 @@ def compute_reward(
     return to_result(get_reward_fn(name)(solution_str, ground_truth, **kwargs))
 
 
-register_reward("exact_match")(exact_match)
-register_reward("numeric_match")(numeric_match)
-register_reward("math")(numeric_match)
-register_reward("format")(answer_format)
-
 __all__ = [
     "RewardFn",
     "RewardValue",
     "RewardResult",
+    "REWARDS",
     "register_reward",
     "get_reward_fn",
     "list_rewards",

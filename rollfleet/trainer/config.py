@@ -1,16 +1,21 @@
 """The trainer's configuration (the ``trainer`` section of the config tree).
 
 Parsed from ``RollfleetConfig.trainer`` when a trainer is built, so the learner's settings live
-next to the modes' without the bottom config layer importing the trainer.
+next to the modes' without the bottom config layer importing the trainer. ``load_config`` checks
+the section earlier, when the file loads, through :func:`validate_trainer_section` (registered by
+import path in :data:`rollfleet.config.SECTION_VALIDATORS`): a misspelt key or an unknown
+``trainer_mode`` fails before Ray starts, with the key named.
 """
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from collections.abc import Mapping
+from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rollfleet.trainer.learner import LearnerConfig
+from rollfleet.trainer.registry import TRAINER_REGISTRY
 
 
 class SimLearnerConfig(BaseModel):
@@ -67,6 +72,11 @@ class TrainConfig(BaseModel):
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     sim_learner: SimLearnerConfig = Field(default_factory=SimLearnerConfig)
 
+    @field_validator("trainer_mode")
+    @classmethod
+    def _registered_mode(cls, mode: str) -> str:
+        return TRAINER_REGISTRY.check_name(mode)  # names only: no mode is imported
+
     @model_validator(mode="after")
     def _defaults(self) -> "TrainConfig":
         if self.max_queue_groups is None:
@@ -76,4 +86,10 @@ class TrainConfig(BaseModel):
         return self
 
 
-__all__ = ["TrainConfig", "SimLearnerConfig"]
+def validate_trainer_section(section: Mapping[str, Any]) -> None:
+    """The ``trainer`` section validator of :func:`rollfleet.config.load_config`: raises
+    ``pydantic.ValidationError`` naming the first bad key (unknown keys are errors)."""
+    TrainConfig.model_validate(dict(section))
+
+
+__all__ = ["TrainConfig", "SimLearnerConfig", "validate_trainer_section"]

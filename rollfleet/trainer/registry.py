@@ -1,28 +1,41 @@
 """Trainers by name: ``@register_trainer("name")`` and ``get_trainer_cls(name)``.
 
 To add a mode: subclass :class:`rollfleet.trainer.base.Trainer`, implement ``sample`` (and the
-hooks you need), decorate it with ``@register_trainer("my_mode")`` and set
-``trainer.trainer_mode: my_mode``.
+hooks you need), decorate it with ``@register_trainer("my_mode")`` (or call
+``register_trainer("my_mode", "pkg.module:MyTrainer")`` to have it imported on first use) and set
+``trainer.trainer_mode: my_mode``. The built-in modes are registered here by import path, so
+``trainer.trainer_mode`` is checked when the config loads without importing any mode (nor torch).
 """
 
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+from typing import Any, Callable, Optional, TypeVar, Union
+
+from rollfleet.registry import Registry
 
 T = TypeVar("T", bound=type)
 
-TRAINER_REGISTRY: dict[str, type] = {}
+#: name -> trainer class; a :class:`rollfleet.registry.Registry` (``"sync" in TRAINER_REGISTRY``,
+#: ``TRAINER_REGISTRY["sync"]`` and ``.names()`` work; lookups import lazily registered modes).
+TRAINER_REGISTRY: Registry[type] = Registry(
+    "trainer",
+    kind="rollfleet.trainer.base:Trainer",
+    builtins={
+        "sync": "rollfleet.trainer.modes.sync:SyncTrainer",
+        "colocate_async": "rollfleet.trainer.modes.colocate_async:ColocateAsyncTrainer",
+        "separate_async": "rollfleet.trainer.modes.separate_async:SeparateAsyncTrainer",
+    },
+)
 
 
-def register_trainer(name: str) -> Callable[[T], T]:
+def register_trainer(name: str, target: Optional[Union[type, str]] = None) -> Callable[[T], T] | Any:
+    """Decorator registering a :class:`Trainer` subclass as mode ``name`` (sets its ``mode_name``);
+    with ``target`` (a class or ``"pkg.module:Class"``), registers it directly."""
+    if target is not None:
+        return TRAINER_REGISTRY.register(name, target)
+
     def deco(cls: T) -> T:
-        from rollfleet.trainer.base import Trainer
-
-        if not (isinstance(cls, type) and issubclass(cls, Trainer)):
-            raise TypeError(f"register_trainer('{name}'): {cls!r} is not a subclass of Trainer")
-        if name in TRAINER_REGISTRY and TRAINER_REGISTRY[name] is not cls:
-            raise ValueError(f"trainer '{name}' is already registered as {TRAINER_REGISTRY[name].__qualname__}")
-        TRAINER_REGISTRY[name] = cls
+        TRAINER_REGISTRY.register(name, cls)
         cls.mode_name = name
         return cls
 
@@ -30,12 +43,11 @@ def register_trainer(name: str) -> Callable[[T], T]:
 
 
 def get_trainer_cls(name: str) -> type:
-    import rollfleet.trainer.modes  # noqa: F401  (registers the built-in modes)
-
-    try:
-        return TRAINER_REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown trainer '{name}'; registered trainers: {sorted(TRAINER_REGISTRY)}") from None
+    """The trainer registered as ``name``; ``UnknownName`` (a ``ValueError``) lists the valid ones."""
+    cls = TRAINER_REGISTRY.get(name)
+    if cls.__dict__.get("mode_name") is None:  # registered by path, without the decorator
+        cls.mode_name = name
+    return cls
 
 
 __all__ = ["register_trainer", "get_trainer_cls", "TRAINER_REGISTRY"]

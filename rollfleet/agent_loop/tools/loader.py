@@ -16,9 +16,9 @@ from typing import Any, Iterable, Optional, Union
 
 import yaml
 
-from rollfleet.agent_loop.registry import import_object
 from rollfleet.agent_loop.tools.base import BaseTool
 from rollfleet.agent_loop.tools.function_tool import FunctionTool, as_tool
+from rollfleet.registry import resolve
 
 ToolsLike = Union[None, str, Iterable[Any], dict[str, Any]]
 
@@ -30,13 +30,13 @@ def load_tool_config(path: str) -> list[BaseTool]:
     tools: list[BaseTool] = []
     for entry in entries:
         if "function" in entry and isinstance(entry["function"], str):
-            tools.append(FunctionTool(import_object(entry["function"]), name=entry.get("name"),
+            tools.append(FunctionTool(resolve(entry["function"]), name=entry.get("name"),
                                       description=entry.get("description")))
             continue
         target = entry.get("class_name") or entry.get("class") or entry.get("_target_")
         if not target:
             raise ValueError(f"{path}: a tool entry needs 'class_name' or 'function' (got {entry})")
-        cls = import_object(target)
+        cls = resolve(target)
         if not (isinstance(cls, type) and issubclass(cls, BaseTool)):
             raise TypeError(f"{path}: '{target}' is not a BaseTool subclass")
         schema = entry.get("tool_schema")

@@ -1,50 +1,52 @@
 """Routing policies, chosen by name.
 
 Built-ins: ``least_inflight`` (verl's baseline), ``least_tokens`` (default), ``power_of_two``,
-``rendezvous`` (deterministic; used for ``full_determinism``). To add one: subclass
-:class:`RoutingPolicy` in a module of its own, implement ``select``, and call
-``register_policy("name", cls)``; the config's ``routing.policy`` can then name it.
+``rendezvous`` (deterministic; used for ``full_determinism``). They are registered by import path
+and imported when first used.
+
+To add one: subclass :class:`RoutingPolicy` in a module of its own, implement ``select``, and call
+``register_policy("name", cls)`` (or ``register_policy("name", "pkg.module:Class")``); the config's
+``routing.policy`` can then name it (checked when the config is built). Every policy is built as
+``cls(seed=seed)``: a policy without randomness simply ignores the seed (the base class accepts it).
+No built-in policy has knobs of its own today, so ``routing`` has no per-policy sections.
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
+from rollfleet.registry import Registry
 from rollfleet.routing.policies.base import ReplicaView, RoutingPolicy
-from rollfleet.routing.policies.least_inflight import LeastInflightPolicy
-from rollfleet.routing.policies.least_tokens import LeastTokensPolicy
-from rollfleet.routing.policies.power_of_two import PowerOfTwoPolicy
-from rollfleet.routing.policies.rendezvous import RendezvousPolicy, rendezvous_score
+from rollfleet.routing.policies.rendezvous import rendezvous_score
 
-_POLICIES: dict[str, type[RoutingPolicy]] = {}
+POLICIES: Registry[type[RoutingPolicy]] = Registry(
+    "routing policy",
+    kind=RoutingPolicy,
+    builtins={
+        "least_inflight": "rollfleet.routing.policies.least_inflight:LeastInflightPolicy",
+        "least_tokens": "rollfleet.routing.policies.least_tokens:LeastTokensPolicy",
+        "power_of_two": "rollfleet.routing.policies.power_of_two:PowerOfTwoPolicy",
+        "rendezvous": "rollfleet.routing.policies.rendezvous:RendezvousPolicy",
+    },
+)
 
 
-def register_policy(name: str, cls: type[RoutingPolicy]) -> None:
-    if not (isinstance(cls, type) and issubclass(cls, RoutingPolicy)):
-        raise TypeError(f"routing policy '{name}' must subclass RoutingPolicy, got {cls!r}")
-    if name in _POLICIES:
-        raise ValueError(f"routing policy '{name}' is already registered")
-    _POLICIES[name] = cls
+def register_policy(name: str, cls: type[RoutingPolicy] | str) -> None:
+    """Make ``cls`` (a :class:`RoutingPolicy` subclass or its import path) available as ``name``."""
+    POLICIES.register(name, cls)
 
 
 def get_policy(name: str, seed: Optional[int] = None, **kwargs: Any) -> RoutingPolicy:
-    try:
-        cls = _POLICIES[name]
-    except KeyError:
-        raise ValueError(f"unknown routing policy '{name}'; valid policies: {sorted(_POLICIES)}") from None
-    if cls is LeastInflightPolicy:
-        return cls(**kwargs)
-    return cls(seed=seed, **kwargs)
+    """A new instance of policy ``name``; ``UnknownName`` (a ``ValueError``) lists the valid ones."""
+    return POLICIES.get(name)(seed=seed, **kwargs)
 
 
 def available_policies() -> list[str]:
-    return sorted(_POLICIES)
+    return POLICIES.names()
 
-
-for _cls in (LeastInflightPolicy, LeastTokensPolicy, PowerOfTwoPolicy, RendezvousPolicy):
-    register_policy(_cls.name, _cls)
 
 __all__ = [
+    "POLICIES",
     "ReplicaView",
     "RoutingPolicy",
     "register_policy",

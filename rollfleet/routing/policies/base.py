@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import ClassVar, Sequence
+from typing import ClassVar, Optional, Sequence
 
 
 @dataclass(slots=True)
@@ -29,6 +29,9 @@ class RoutingPolicy(abc.ABC):
 
     #: True when the choice must be reproducible across processes (no randomness, no load).
     deterministic: ClassVar[bool] = False
+
+    def __init__(self, seed: Optional[int] = None) -> None:  # noqa: B027
+        """Every policy is built as ``cls(seed=seed)``; one without randomness ignores the seed."""
 
     @abc.abstractmethod
     def select(self, candidates: Sequence[ReplicaView], request_id: str, prompt_len: int) -> str:

@@ -23,8 +23,5 @@ class RendezvousPolicy(RoutingPolicy):
     name = "rendezvous"
     deterministic = True
 
-    def __init__(self, seed: object = None) -> None:  # seed accepted for a uniform factory; unused
-        pass
-
     def select(self, candidates: Sequence[ReplicaView], request_id: str, prompt_len: int) -> str:
         return max(candidates, key=lambda v: (rendezvous_score(v.replica_id, request_id), v.replica_id)).replica_id

@@ -6,7 +6,8 @@ baseline). To add one: write ``fn(scores [B], uids, response_mask [B, R], **opti
 in a module of its own (see :mod:`.advantages` for the contract) and call
 ``register_advantage_estimator("name", fn)``; ``LearnerConfig.adv_estimator`` can then name it and
 ``LearnerConfig.adv_options`` pass its keyword options (checked against its signature at config
-construction).
+construction). The registry is a :class:`rollfleet.registry.Registry` (built-ins registered by
+import path): an unknown name raises ``UnknownName`` (a ``ValueError``) listing the valid ones.
 """
 
 from __future__ import annotations
@@ -38,31 +39,31 @@ from rollfleet.trainer.algos.losses import (
     masked_max,
     masked_mean,
 )
+from rollfleet.registry import Registry
 
-_ESTIMATORS: dict[str, AdvantageEstimator] = {}
+ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry(
+    "advantage estimator",
+    callable_only=True,
+    builtins={
+        "grpo": "rollfleet.trainer.algos.advantages:grpo_advantages",
+        "drgrpo": "rollfleet.trainer.algos.advantages:drgrpo_advantages",
+        "rloo": "rollfleet.trainer.algos.advantages:rloo_advantages",
+    },
+)
 
 
-def register_advantage_estimator(name: str, fn: AdvantageEstimator) -> None:
-    """Make ``fn`` available as ``name`` (names are unique)."""
-    if not callable(fn):
-        raise TypeError(f"advantage estimator '{name}' must be callable, got {fn!r}")
-    if name in _ESTIMATORS:
-        raise ValueError(f"advantage estimator '{name}' is already registered")
-    _ESTIMATORS[name] = fn
+def register_advantage_estimator(name: str, fn: AdvantageEstimator | str) -> None:
+    """Make ``fn`` (or its ``"pkg.module:function"`` path) available as ``name`` (names are unique)."""
+    ADVANTAGE_ESTIMATORS.register(name, fn)
 
 
 def get_advantage_estimator(name: str) -> AdvantageEstimator:
-    """The estimator registered as ``name``; an unknown name raises ``ValueError`` listing the valid ones."""
-    try:
-        return _ESTIMATORS[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown advantage estimator '{name}'; valid estimators: {available_advantage_estimators()}"
-        ) from None
+    """The estimator registered as ``name``; ``UnknownName`` (a ``ValueError``) lists the valid ones."""
+    return ADVANTAGE_ESTIMATORS.get(name)
 
 
 def available_advantage_estimators() -> list[str]:
-    return sorted(_ESTIMATORS)
+    return ADVANTAGE_ESTIMATORS.names()
 
 
 def check_advantage_options(name: str, options: dict[str, Any]) -> None:
@@ -85,12 +86,9 @@ def compute_advantages(
     return get_advantage_estimator(name)(scores, uids, response_mask, **options)
 
 
-register_advantage_estimator("grpo", grpo_advantages)
-register_advantage_estimator("drgrpo", drgrpo_advantages)
-register_advantage_estimator("rloo", rloo_advantages)
-
 __all__ = [
     "AdvantageEstimator",
+    "ADVANTAGE_ESTIMATORS",
     "register_advantage_estimator",
     "get_advantage_estimator",
     "available_advantage_estimators",

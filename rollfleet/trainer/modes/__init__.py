@@ -1,4 +1,4 @@
-"""The built-in trainer modes (importing this package registers them)."""
+"""The built-in trainer modes (registered by import path in :mod:`rollfleet.trainer.registry`)."""
 
 from rollfleet.trainer.modes.colocate_async import ColocateAsyncTrainer
 from rollfleet.trainer.modes.separate_async import SeparateAsyncTrainer

@@ -1,0 +1,300 @@
+"""The one plug-in registry (rollfleet.registry) and the config checks built on it: the duplicate
+rule, the unknown-name error, lazy entries, the decorator form, third-party engines chosen by
+``rollout.name``, and ``trainer:`` / ``routing.policy`` typos failing when the config loads."""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from pydantic import ValidationError
+
+from rollfleet.config import RollfleetConfig, load_config
+from rollfleet.engines import ENGINES, get_engine_cls, register_engine
+from rollfleet.engines.sim import SimEngine
+from rollfleet.errors import AlreadyRegistered, InvalidPlugin, RollfleetError, UnknownName
+from rollfleet.registry import Registry, resolve
+
+pytestmark = pytest.mark.unit
+
+
+class Base:
+    pass
+
+
+class Widget(Base):
+    pass
+
+
+class Gadget(Base):
+    pass
+
+
+WIDGET = f"{__name__}:Widget"
+
+
+@pytest.fixture
+def plugin_module(tmp_path, monkeypatch):
+    """A module on sys.path that nothing has imported yet; yields its name."""
+    name = "rf_lazy_plugin_for_registry_test"
+    (tmp_path / f"{name}.py").write_text(
+        "class Thing:\n    class Inner:\n        pass\n\nAlias = Thing  # a re-export\nNOT_A_CLASS = 3\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    yield name
+    sys.modules.pop(name, None)
+
+
+# ---------------------------------------------------------------------- the duplicate rule
+def test_same_name_twice_raises_unless_identical_target():
+    reg: Registry[type] = Registry("widget", kind=Base)
+    reg.register("w", WIDGET)
+    reg.register("w", WIDGET)  # the same path again
+    reg.register("w", Widget)  # the object that path names
+    assert reg.entry("w").loaded and reg.get("w") is Widget
+    reg.register("w", WIDGET)  # a path after the object: still the same target
+    with pytest.raises(AlreadyRegistered) as err:
+        reg.register("w", Gadget)
+    assert isinstance(err.value, ValueError) and isinstance(err.value, RollfleetError)
+    assert err.value.name == "w" and "Widget" in err.value.existing and "Gadget" in err.value.new
+    assert reg.get("w") is Widget  # the first registration stands
+    with pytest.raises(AlreadyRegistered):
+        reg.register("w", WIDGET, options={"flavour": 3})  # same class, other options
+
+
+def test_a_path_that_re_exports_an_object_is_the_same_target(plugin_module):
+    reg: Registry[type] = Registry("thing")
+    reg.register("t", f"{plugin_module}:Alias")
+    assert plugin_module not in sys.modules  # registering imports nothing
+    thing = resolve(f"{plugin_module}:Thing")
+    reg.register("t", thing)  # the object the path re-exports: a no-op
+    assert reg.get("t") is thing
+    with pytest.raises(AlreadyRegistered):
+        reg.register("t", resolve(f"{plugin_module}:Thing.Inner"))
+
+
+def test_a_builtin_cannot_be_replaced():
+    class OtherEngine(SimEngine):
+        pass
+
+    with pytest.raises(AlreadyRegistered):
+        register_engine("sim", OtherEngine)
+    register_engine("sim", "rollfleet.engines.sim:SimEngine")  # the identical target: a no-op
+    assert get_engine_cls("sim") is SimEngine
+
+
+# ---------------------------------------------------------------------- the unknown-name error
+def test_unknown_name_is_typed_and_lists_valid_names():
+    reg: Registry[type] = Registry("widget", hint="or use 'pkg.module:Class'")
+    reg.register("b", Gadget)
+    reg.register("a", Widget)
+    with pytest.raises(UnknownName) as err:
+        reg.get("c")
+    exc = err.value
+    assert isinstance(exc, KeyError) and isinstance(exc, ValueError) and isinstance(exc, RollfleetError)
+    assert (exc.family, exc.name, exc.valid) == ("widget", "c", ("a", "b"))
+    assert str(exc) == "unknown widget 'c'; valid names: ['a', 'b'] (or use 'pkg.module:Class')"
+    again = pickle.loads(pickle.dumps(exc))  # crosses a Ray actor boundary intact
+    assert type(again) is UnknownName and again.valid == ("a", "b") and str(again) == str(exc)
+    with pytest.raises(UnknownName):
+        reg.get(["unhashable"])  # type: ignore[arg-type]
+
+
+def _families():
+    from rollfleet.agent_loop.registry import get_agent_loop
+    from rollfleet.agent_loop.tool_parser import get_tool_parser
+    from rollfleet.models import get_model_path
+    from rollfleet.reward import get_reward_fn
+    from rollfleet.routing import get_policy
+    from rollfleet.trainer import get_trainer_cls
+    from rollfleet.trainer.algos import get_advantage_estimator
+
+    return [
+        (get_engine_cls, "sim"),
+        (get_policy, "least_tokens"),
+        (get_trainer_cls, "separate_async"),
+        (get_agent_loop, "tool_agent"),
+        (get_tool_parser, "hermes"),
+        (get_reward_fn, "numeric_match"),
+        (get_advantage_estimator, "rloo"),
+        (get_model_path, "tiny"),
+    ]
+
+
+def test_every_family_raises_the_same_error():
+    for lookup, builtin in _families():
+        with pytest.raises(UnknownName) as err:
+            lookup("no-such-plugin-xyz")
+        assert builtin in err.value.valid, lookup
+
+
+# ---------------------------------------------------------------------- lazy entries
+def test_lazy_entries_are_imported_on_first_use_only(plugin_module):
+    reg: Registry[type] = Registry("thing", kind=f"{plugin_module}:Thing")  # even the kind is lazy
+    reg.register("thing", f"{plugin_module}:Thing")
+    reg.register("inner", f"{plugin_module}.Thing")  # verl's dotted spelling
+    assert "thing" in reg and reg.names() == ["inner", "thing"] and reg.check_name("thing") == "thing"
+    assert not reg.entry("thing").loaded
+    assert plugin_module not in sys.modules
+    cls = reg.get("thing")
+    assert plugin_module in sys.modules and cls.__name__ == "Thing" and reg.entry("thing").loaded
+    assert reg.get("inner") is cls
+
+
+def test_a_lazy_entry_of_the_wrong_kind_fails_when_used(plugin_module):
+    reg: Registry[type] = Registry("widget", kind=Base)
+    reg.register("bad", f"{plugin_module}:NOT_A_CLASS")  # accepted: nothing imported yet
+    with pytest.raises(InvalidPlugin) as err:
+        reg.get("bad")
+    assert isinstance(err.value, TypeError) and "a subclass of Base" in str(err.value)
+    reg.register("typo", "no_such_module_xyz:Thing")
+    with pytest.raises(ModuleNotFoundError):
+        reg.get("typo")
+
+
+def test_loading_a_config_imports_no_implementation():
+    code = textwrap.dedent(
+        """
+        import sys
+        from rollfleet.config import load_config
+        cfg = load_config(overrides={"rollout.name": "sglang", "rollout.routing.policy": "power_of_two"})
+        assert cfg.rollout.name == "sglang"
+        loaded = [m for m in ("rollfleet.engines.sglang", "rollfleet.engines.sim",
+                              "rollfleet.routing.policies.power_of_two", "rollfleet.trainer", "torch")
+                  if m in sys.modules]
+        print(loaded)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_resolve_is_the_one_import_path_resolver(plugin_module):
+    assert resolve("rollfleet.engines.sim:SimEngine") is SimEngine
+    assert resolve("rollfleet.engines.sim.SimEngine") is SimEngine
+    assert resolve(f"{plugin_module}:Thing.Inner").__qualname__ == "Thing.Inner"
+    with pytest.raises(ImportError, match="Missing"):
+        resolve("rollfleet.engines.sim:Missing")
+    with pytest.raises(ValueError):
+        resolve("no_colon_no_dot")
+    from rollfleet.agent_loop.registry import import_object
+
+    assert import_object is resolve
+
+
+# ---------------------------------------------------------------------- the decorator form
+def test_register_as_a_decorator():
+    reg: Registry[type] = Registry("widget", kind=Base)
+
+    @reg.register("deco", options={"flavour": 3})
+    class Decorated(Base):
+        pass
+
+    assert Decorated.__name__ == "Decorated"  # the decorator returns the class unchanged
+    assert reg.get("deco") is Decorated and reg.options("deco") == {"flavour": 3}
+    with pytest.raises(InvalidPlugin):
+        reg.register("not_a_widget")(object)
+    assert "not_a_widget" not in reg
+
+    fns: Registry = Registry("reward", callable_only=True)
+    fns.register("f")(len)
+    with pytest.raises(InvalidPlugin, match="callable"):
+        fns.register("g", 3)
+
+
+# ---------------------------------------------------------------------- config: rollout.name
+class ThirdPartyEngine(SimEngine):
+    """Stands for an engine a user package adds at run time."""
+
+
+def test_an_engine_registered_at_runtime_can_be_chosen_by_rollout_name():
+    data = {"rollout": {"name": "thirdparty_test", "engine_args": {"tp_size": 2, "endpoint": "x"}}}
+    with pytest.raises(ValidationError, match="thirdparty_test"):
+        RollfleetConfig.model_validate(data)  # not registered yet
+    register_engine("thirdparty_test", ThirdPartyEngine)
+    try:
+        cfg = RollfleetConfig.model_validate(data)
+        assert cfg.rollout.name == "thirdparty_test"
+        assert cfg.rollout.engine_args == {"tp_size": 2, "endpoint": "x"}
+        assert cfg.rollout.tensor_parallel_size == 2
+        assert get_engine_cls(cfg.rollout.name) is ThirdPartyEngine
+    finally:
+        ENGINES.unregister("thirdparty_test")
+
+
+def test_unknown_engine_and_misplaced_engine_args_fail_at_construction(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("rollout:\n  name: vlm\n")
+    with pytest.raises(ValidationError) as err:
+        load_config(path)
+    error = err.value.errors()[0]
+    assert error["loc"] == ("rollout", "name")
+    assert set(error["ctx"]["error"].valid) >= {"sim", "vllm", "sglang"}
+    with pytest.raises(ValidationError, match=r"rollout\.vllm"):
+        RollfleetConfig.model_validate({"rollout": {"name": "vllm", "engine_args": {"dtype": "auto"}}})
+
+
+# ---------------------------------------------------------------------- config: routing.policy
+def test_a_typo_in_routing_policy_fails_naming_the_valid_ones(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("rollout:\n  routing:\n    policy: least_token\n")
+    with pytest.raises(ValidationError) as err:
+        load_config(path)
+    error = err.value.errors()[0]
+    assert error["loc"] == ("rollout", "routing", "policy")
+    assert isinstance(error["ctx"]["error"], UnknownName)
+    for name in ("least_inflight", "least_tokens", "power_of_two", "rendezvous"):
+        assert name in str(err.value)
+    assert load_config(path, {"rollout.routing.policy": "power_of_two"}).rollout.routing.policy == "power_of_two"
+
+
+# ---------------------------------------------------------------------- config: trainer
+def test_a_typo_in_trainer_fails_load_config_naming_the_key(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("trainer:\n  trainer_mode: sync\n  total_step: 3\n")
+    with pytest.raises(ValidationError) as err:
+        load_config(path)
+    assert [e["loc"] for e in err.value.errors()] == [("trainer", "total_step")]
+    assert "trainer.total_step" in str(err.value)
+    with pytest.raises(ValidationError) as err:
+        load_config(None, {"trainer.learner.lr": "fast"})  # nested sections too
+    assert err.value.errors()[0]["loc"] == ("trainer", "learner", "lr")
+    with pytest.raises(ValidationError, match="separate_async"):
+        load_config(None, {"trainer.trainer_mode": "synk"})
+    cfg = load_config(None, {"trainer.total_steps": 3})
+    assert cfg.trainer.total_steps == 3
+
+
+def test_rollfleet_train_rejects_a_trainer_typo_before_starting_ray(tmp_path, monkeypatch, capsys):
+    import ray
+
+    import rollfleet.cli.train as train_cli
+    from rollfleet.cli.main import main
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("training or Ray started with an invalid config")
+
+    monkeypatch.setattr(train_cli, "run_training", must_not_run)
+    monkeypatch.setattr(ray, "init", must_not_run)
+    path = tmp_path / "c.yaml"
+    path.write_text("rollout:\n  name: sim\ntrainer:\n  trainer_mode: sync\n  totl_steps: 3\n")
+    assert main(["train", "--config", str(path)]) == 2
+    assert "trainer.totl_steps" in capsys.readouterr().err
+
+
+def test_section_validators_skip_sections_not_given(monkeypatch):
+    from rollfleet import config as config_mod
+
+    seen = []
+    monkeypatch.setattr(config_mod, "SECTION_VALIDATORS", Registry("config section validator", callable_only=True))
+    config_mod.register_section_validator("my_tool", seen.append)
+    config_mod.register_section_validator("gateway", lambda section: seen.append(dict(section)))
+    load_config(None, {"rollout.num_replicas": 1})
+    assert seen == []
+    load_config(None, {"my_tool.knob": 1})
+    assert seen == [{"knob": 1}]
