@@ -39,8 +39,8 @@ from rich.table import Table
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-from rollfleet.config import RollfleetConfig  # noqa: E402
-from rollfleet.manager import LLMServerManager  # noqa: E402
+from rollfleet.config import RollfleetConfig
+from rollfleet.manager import LLMServerManager
 
 
 def prompts(n: int) -> list[list[int]]:
@@ -91,11 +91,15 @@ async def direct_round(
 
         else:
             session = await stack.enter_async_context(
-                aiohttp.ClientSession(address, connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(600))
+                aiohttp.ClientSession(
+                    address, connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(600)
+                )
             )
 
             async def post(i: int, prompt: list[int]) -> int:
-                async with session.post("/v1/completions", data=orjson.dumps(_body(prompt, max_tokens)), headers=headers(i)) as resp:
+                async with session.post(
+                    "/v1/completions", data=orjson.dumps(_body(prompt, max_tokens)), headers=headers(i)
+                ) as resp:
                     resp.raise_for_status()
                     return len(orjson.loads(await resp.read())["choices"][0]["token_ids"])
 
@@ -210,12 +214,19 @@ async def main_async(args: argparse.Namespace) -> None:
                 for path in order:
                     if path == "direct":
                         direct.append(
-                            await measured(meter, direct_round(address, batch, args.max_tokens, args.concurrency, args.direct_client))
+                            await measured(
+                                meter,
+                                direct_round(address, batch, args.max_tokens, args.concurrency, args.direct_client),
+                            )
                         )
                     else:
-                        ours.append(await measured(meter, rollfleet_round(client, batch, args.max_tokens, args.concurrency)))
+                        ours.append(
+                            await measured(meter, rollfleet_round(client, batch, args.max_tokens, args.concurrency))
+                        )
                     (direct if path == "direct" else ours)[-1].requests = len(batch)
-                progress.update(bar, advance=1, description=f"round {r + 1}: ratio {ours[-1].rate / direct[-1].rate:.3f}")
+                progress.update(
+                    bar, advance=1, description=f"round {r + 1}: ratio {ours[-1].rate / direct[-1].rate:.3f}"
+                )
     finally:
         await manager.shutdown()
     render(console, args, direct, ours, client.config.data_plane)
@@ -267,7 +278,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--data-plane", choices=["direct", "ray"], default="direct")
     parser.add_argument(
-        "--direct-client", choices=["aiohttp", "httpx"], default="aiohttp", help="HTTP client of the direct path (aiohttp: the fair baseline)"
+        "--direct-client",
+        choices=["aiohttp", "httpx"],
+        default="aiohttp",
+        help="HTTP client of the direct path (aiohttp: the fair baseline)",
     )
     asyncio.run(main_async(parser.parse_args()))
 

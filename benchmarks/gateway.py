@@ -38,11 +38,11 @@ from rich.table import Table
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-from rollfleet.client import FullyAsyncLLMServerClient, LLMServerClient  # noqa: E402
-from rollfleet.config import GatewayConfig, RollfleetConfig  # noqa: E402
-from rollfleet.gateway import Gateway, GatewayServer, TextCodec, fit_sim_to_tokenizer  # noqa: E402
-from rollfleet.gateway.jsonio import BACKEND as JSON_BACKEND  # noqa: E402
-from rollfleet.types import TokenOutput  # noqa: E402
+from rollfleet.client import FullyAsyncLLMServerClient, LLMServerClient
+from rollfleet.config import GatewayConfig, RollfleetConfig
+from rollfleet.gateway import Gateway, GatewayServer, TextCodec, fit_sim_to_tokenizer
+from rollfleet.gateway.jsonio import BACKEND as JSON_BACKEND
+from rollfleet.types import TokenOutput
 
 MODEL = "tiny"
 PROMPT_IDS = [17, 42, 99, 123, 256, 300, 301, 302]
@@ -310,7 +310,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--requests", type=int, default=6400, help="per throughput measurement")
     parser.add_argument("--sequential", type=int, default=400, help="sequential requests for the latency columns")
     parser.add_argument(
-        "--data-plane", choices=["direct", "ray"], default="direct", help="how requests reach the replicas (ray: verl's way)"
+        "--data-plane",
+        choices=["direct", "ray"],
+        default="direct",
+        help="how requests reach the replicas (ray: verl's way)",
     )
     args = parser.parse_args(argv)
     console = Console(width=max(150, Console().width))

@@ -26,9 +26,9 @@ from rich.table import Table
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-from rollfleet.config import load_config  # noqa: E402
-from rollfleet.models.vocab import fit_sim_to_model  # noqa: E402
-from rollfleet.trainer import get_trainer_cls  # noqa: E402
+from rollfleet.config import load_config
+from rollfleet.models.vocab import fit_sim_to_model
+from rollfleet.trainer import get_trainer_cls
 
 
 def config_for(mode: str, args: argparse.Namespace, run_dir: str):
@@ -99,13 +99,19 @@ def main() -> None:
         console.print(f"running {mode} ...")
         results.append(asyncio.run(run_mode(mode, args)))
     base = results[0]
-    table = Table(title=f"trainer modes on {args.resources} simulated accelerators, long-tailed responses (sigma {args.sigma})")
+    table = Table(
+        title=f"trainer modes on {args.resources} simulated accelerators, long-tailed responses (sigma {args.sigma})"
+    )
     for col in ("mode", "wall s / step", "speed-up vs sync", "trainer idle", "mean staleness", "gen tokens/s"):
         table.add_column(col, justify="left" if col == "mode" else "right")
     for r in results:
         table.add_row(
-            r["mode"], f"{r['step_s']:.2f}", f"{base['step_s'] / r['step_s']:.2f}x", f"{r['idle']:.0%}",
-            f"{r['staleness']:.2f}", f"{r['tokens_per_s']:,.0f}",
+            r["mode"],
+            f"{r['step_s']:.2f}",
+            f"{base['step_s'] / r['step_s']:.2f}x",
+            f"{r['idle']:.0%}",
+            f"{r['staleness']:.2f}",
+            f"{r['tokens_per_s']:,.0f}",
         )
     console.print(table)
 

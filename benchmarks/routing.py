@@ -34,9 +34,9 @@ from rich.table import Table
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-from rollfleet.config import RoutingConfig  # noqa: E402
-from rollfleet.routing import GlobalRequestLoadBalancer  # noqa: E402
-from rollfleet.types import LoadReport  # noqa: E402
+from rollfleet.config import RoutingConfig
+from rollfleet.routing import GlobalRequestLoadBalancer
+from rollfleet.types import LoadReport
 
 N_REPLICAS = 8
 N_WORKERS = 8
@@ -86,7 +86,9 @@ async def drive(n_requests: int, concurrency: int, route, service_mean_s: float,
     return latencies
 
 
-async def run_baseline(n_requests: int, concurrency: int, service_mean_s: float, seed: int) -> tuple[list[float], float, float]:
+async def run_baseline(
+    n_requests: int, concurrency: int, service_mean_s: float, seed: int
+) -> tuple[list[float], float, float]:
     import ray
 
     ids = [f"replica-{i}" for i in range(N_REPLICAS)]
@@ -122,10 +124,13 @@ async def run_baseline(n_requests: int, concurrency: int, service_mean_s: float,
     return lat, wall, statistics.fmean(samples) if samples else 1.0
 
 
-async def run_rollfleet(n_requests: int, concurrency: int, service_mean_s: float, seed: int) -> tuple[list[float], float, float]:
+async def run_rollfleet(
+    n_requests: int, concurrency: int, service_mean_s: float, seed: int
+) -> tuple[list[float], float, float]:
     ids = [f"replica-{i}" for i in range(N_REPLICAS)]
     workers = [
-        GlobalRequestLoadBalancer({i: None for i in ids}, policy="least_tokens", seed=seed + w) for w in range(N_WORKERS)
+        GlobalRequestLoadBalancer({i: None for i in ids}, policy="least_tokens", seed=seed + w)
+        for w in range(N_WORKERS)
     ]
     truth = Truth(ids)
     prompt_lens = random.Random(seed)
@@ -179,7 +184,10 @@ async def main_async(args: argparse.Namespace) -> list[Result]:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     results = []
     try:
-        for name, runner in (("baseline: verl single LB actor", run_baseline), ("rollfleet: in-process balancers", run_rollfleet)):
+        for name, runner in (
+            ("baseline: verl single LB actor", run_baseline),
+            ("rollfleet: in-process balancers", run_rollfleet),
+        ):
             lat, wall, _ = await runner(args.burst, args.concurrency, 0.0, args.seed)
             _, _, imbalance = await runner(args.steady, args.concurrency, args.service_ms / 1000.0, args.seed)
             results.append(Result(name, wall, args.burst / wall, pct(lat, 0.5), pct(lat, 0.99), imbalance))
@@ -199,10 +207,24 @@ def main() -> None:
     results = asyncio.run(main_async(args))
     base, ours = results
     table = Table(title=f"routing: {args.concurrency} concurrent callers, {N_REPLICAS} replicas")
-    for col in ("", "burst of %d routed in" % args.burst, "decisions/s", "added p50", "added p99", "imbalance (max/mean)"):
+    for col in (
+        "",
+        "burst of %d routed in" % args.burst,
+        "decisions/s",
+        "added p50",
+        "added p99",
+        "imbalance (max/mean)",
+    ):
         table.add_column(col, justify="right" if col else "left")
     for r in results:
-        table.add_row(r.name, f"{r.burst_s:.3f} s", f"{r.decisions_per_s:,.0f}", f"{r.p50_ms:.3f} ms", f"{r.p99_ms:.3f} ms", f"{r.imbalance:.3f}")
+        table.add_row(
+            r.name,
+            f"{r.burst_s:.3f} s",
+            f"{r.decisions_per_s:,.0f}",
+            f"{r.p50_ms:.3f} ms",
+            f"{r.p99_ms:.3f} ms",
+            f"{r.imbalance:.3f}",
+        )
     table.add_row(
         "ratio (rollfleet / baseline)",
         f"{ours.burst_s / base.burst_s:.4f}x",

@@ -27,8 +27,15 @@ from typing import Any, Sequence
 CHECK_PROMPT = "Check your answer and state the final answer again."
 
 
-async def self_check_agent(client: Any, tokenizer: Any, question: str, *, trajectory_id: str,
-                           max_new_tokens: int = 64, temperature: float = 0.7) -> dict[str, Any]:
+async def self_check_agent(
+    client: Any,
+    tokenizer: Any,
+    question: str,
+    *,
+    trajectory_id: str,
+    max_new_tokens: int = 64,
+    temperature: float = 0.7,
+) -> dict[str, Any]:
     """One trajectory: question -> answer -> self-check -> final answer."""
     messages = [{"role": "user", "content": question}]
     turns = []
@@ -42,23 +49,32 @@ async def self_check_agent(client: Any, tokenizer: Any, question: str, *, trajec
                 sampling_params={"max_tokens": max_new_tokens, "temperature": temperature},
             )
             answer = tokenizer.decode(out.token_ids, skip_special_tokens=True)
-            turns.append({
-                "prompt_len": len(prompt_ids),
-                "token_ids": list(out.token_ids),
-                "log_probs": out.log_probs,
-                "stop_reason": out.stop_reason,
-                "replica_id": out.extra_fields.get("replica_id"),
-                "min_version": out.extra_fields.get("min_global_steps"),
-                "max_version": out.extra_fields.get("max_global_steps"),
-            })
+            turns.append(
+                {
+                    "prompt_len": len(prompt_ids),
+                    "token_ids": list(out.token_ids),
+                    "log_probs": out.log_probs,
+                    "stop_reason": out.stop_reason,
+                    "replica_id": out.extra_fields.get("replica_id"),
+                    "min_version": out.extra_fields.get("min_global_steps"),
+                    "max_version": out.extra_fields.get("max_global_steps"),
+                }
+            )
             messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": CHECK_PROMPT}]
     finally:
         client.finish_session(trajectory_id)
     return {"trajectory_id": trajectory_id, "question": question, "answer": messages[-2]["content"], "turns": turns}
 
 
-async def run_agents(client: Any, tokenizer: Any, questions: Sequence[str], *, concurrency: int = 64,
-                     prefix: str = "foreign", **kwargs: Any) -> list[dict[str, Any]]:
+async def run_agents(
+    client: Any,
+    tokenizer: Any,
+    questions: Sequence[str],
+    *,
+    concurrency: int = 64,
+    prefix: str = "foreign",
+    **kwargs: Any,
+) -> list[dict[str, Any]]:
     """Run one self-check trajectory per question, at most ``concurrency`` at a time."""
     sem = asyncio.Semaphore(concurrency)
 
@@ -83,17 +99,23 @@ async def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     from rollfleet.models import get_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(get_model_path("tiny"))
-    config = RollfleetConfig.model_validate({
-        "rollout": {
-            "name": "sim",
-            "model": "tiny",
-            "num_replicas": args.replicas,
-            "prompt_length": 512,
-            "response_length": 128,
-            "sim": {"vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id,
-                    "time_scale": args.time_scale, "mean_response_tokens": 40},
+    config = RollfleetConfig.model_validate(
+        {
+            "rollout": {
+                "name": "sim",
+                "model": "tiny",
+                "num_replicas": args.replicas,
+                "prompt_length": 512,
+                "response_length": 128,
+                "sim": {
+                    "vocab_size": len(tokenizer),
+                    "eos_token_id": tokenizer.eos_token_id,
+                    "time_scale": args.time_scale,
+                    "mean_response_tokens": 40,
+                },
+            }
         }
-    })
+    )
     manager = await LLMServerManager.create(config)
     try:
         client = manager.get_client()
@@ -103,8 +125,10 @@ async def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         wall = time.perf_counter() - start
         tokens = sum(len(t["token_ids"]) for r in results for t in r["turns"])
         sticky = sum(len({t["replica_id"] for t in r["turns"]}) == 1 for r in results)
-        print(f"{len(results)} trajectories in {wall:.2f} s, {tokens} tokens, "
-              f"{sticky}/{len(results)} stayed on one replica")
+        print(
+            f"{len(results)} trajectories in {wall:.2f} s, {tokens} tokens, "
+            f"{sticky}/{len(results)} stayed on one replica"
+        )
         print(f"example: {results[0]['question']!r} -> {results[0]['answer'][:60]!r}")
         return results
     finally:

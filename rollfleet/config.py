@@ -212,8 +212,10 @@ class RetryConfig(_Section):
         None, gt=0, description="Wall limit of one attempt; None waits as long as the replica works."
     )
     no_server_wait_s: float = Field(
-        300.0, ge=0, description="How long a request waits for a routable replica (all restarting/syncing) "
-        "before failing; these waits do not count as attempts."
+        300.0,
+        ge=0,
+        description="How long a request waits for a routable replica (all restarting/syncing) "
+        "before failing; these waits do not count as attempts.",
     )
 
 
@@ -318,7 +320,9 @@ class RolloutConfig(_Section):
         if self.data_plane_ports is not None:
             low, high = self.data_plane_ports
             if not 1 <= low <= high <= 65535:
-                raise ValueError(f"data_plane_ports must satisfy 1 <= low <= high <= 65535, got {self.data_plane_ports}")
+                raise ValueError(
+                    f"data_plane_ports must satisfy 1 <= low <= high <= 65535, got {self.data_plane_ports}"
+                )
         return self
 
     @property
@@ -407,9 +411,13 @@ class GatewayConfig(_Section):
     prometheus_port: Optional[int] = Field(
         None, ge=1, le=65535, description="After writing prometheus_file, ask the Prometheus on this port to reload."
     )
-    prometheus_scrape_interval: str = Field("10s", description="scrape_interval of the jobs written to prometheus_file.")
+    prometheus_scrape_interval: str = Field(
+        "10s", description="scrape_interval of the jobs written to prometheus_file."
+    )
     stream_chunk_tokens: int = Field(
-        8, ge=1, description="Tokens per SSE chunk when a finished result is streamed (the fleet is not token-streaming)."
+        8,
+        ge=1,
+        description="Tokens per SSE chunk when a finished result is streamed (the fleet is not token-streaming).",
     )
     max_n: int = Field(16, ge=1, description="Largest 'n' (choices per prompt) one request may ask for.")
     status_poll_interval_s: float = Field(
@@ -417,8 +425,10 @@ class GatewayConfig(_Section):
     )
     access_log: bool = Field(False, description="uvicorn access log (one line per request: costs throughput).")
     no_server_wait_s: float = Field(
-        10.0, ge=0, description="How long a request waits for a routable replica before the gateway answers 503 "
-        "(an HTTP caller should hear back sooner than a trainer's rollout waits)."
+        10.0,
+        ge=0,
+        description="How long a request waits for a routable replica before the gateway answers 503 "
+        "(an HTTP caller should hear back sooner than a trainer's rollout waits).",
     )
 
 

@@ -145,9 +145,7 @@ class RetriesExhausted(RollfleetError, RuntimeError):
         self.request_id = request_id
         self.attempts = attempts
         self.last_error = last_error
-        super().__init__(
-            f"request {request_id} failed after {attempts} attempts: {last_error!r}"
-        )
+        super().__init__(f"request {request_id} failed after {attempts} attempts: {last_error!r}")
 
     def __reduce__(self):
         return (type(self), (self.request_id, self.attempts, self.last_error))

@@ -110,7 +110,8 @@ class FleetSnapshot:
         return [
             rid
             for rid, state in self.states.items()
-            if state in (HealthState.HEALTHY.value, HealthState.SUSPECT.value) and self.versions.get(rid) == self.current_version
+            if state in (HealthState.HEALTHY.value, HealthState.SUSPECT.value)
+            and self.versions.get(rid) == self.current_version
         ]
 
 

@@ -69,8 +69,12 @@ class AgentLoopOutput:
             raise ValueError(
                 f"response_logprobs has {len(self.response_logprobs)} entries for {len(self.response_ids)} tokens"
             )
-        for key, default in (("turn_scores", []), ("tool_rewards", []), ("min_global_steps", None),
-                             ("max_global_steps", None)):
+        for key, default in (
+            ("turn_scores", []),
+            ("tool_rewards", []),
+            ("min_global_steps", None),
+            ("max_global_steps", None),
+        ):
             self.extra_fields.setdefault(key, default)
 
 
@@ -123,7 +127,7 @@ class AgentLoopBase(ABC):
         else:
             raise ValueError("a sample needs 'raw_prompt' (chat messages) or 'prompt_ids'")
         if len(ids) > self.prompt_length:
-            return ids[-self.prompt_length:], True
+            return ids[-self.prompt_length :], True
         return ids, False
 
     def room_for(self, context_len: int, budget_left: int) -> int:

@@ -121,8 +121,8 @@ def collate(
         prompt = out.prompt_ids[-p:] if p else []
         lp, lr = len(prompt), min(len(out.response_ids), r)
         if lp:
-            prompts[i, p - lp:] = torch.tensor(prompt, dtype=torch.long)
-            prompt_attn[i, p - lp:] = 1
+            prompts[i, p - lp :] = torch.tensor(prompt, dtype=torch.long)
+            prompt_attn[i, p - lp :] = 1
         if lr:
             responses[i, :lr] = torch.tensor(out.response_ids[:lr], dtype=torch.long)
             response_mask[i, :lr] = torch.tensor(out.response_mask[:lr], dtype=torch.long)

@@ -37,8 +37,13 @@ class ChatRenderer:
         self.eos_text: str = tokenizer.eos_token or ""
         self._base_cache: dict[Any, tuple[str, str]] = {}
 
-    def render(self, messages: Sequence[dict[str, Any]], tools: Optional[list[dict]] = None, *,
-               add_generation_prompt: bool = False) -> str:
+    def render(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Optional[list[dict]] = None,
+        *,
+        add_generation_prompt: bool = False,
+    ) -> str:
         return self.tokenizer.apply_chat_template(
             list(messages), tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt
         )
@@ -70,7 +75,7 @@ class ChatRenderer:
                 "multi-turn token deltas need a prefix-stable template"
             )
         boundary = tail if last_token_id == self.eos_token_id else self.eos_text + tail
-        return self.encode(boundary + full[len(base_text):])
+        return self.encode(boundary + full[len(base_text) :])
 
     def _base(self, tools: Optional[list[dict]]) -> tuple[str, str]:
         key = tuple(t.get("function", t).get("name", "") for t in tools) if tools else ()
@@ -78,7 +83,7 @@ class ChatRenderer:
         if cached is None:
             base_text = self.render(_BASE, tools)
             idx = base_text.rfind(self.eos_text) if self.eos_text else -1
-            tail = base_text[idx + len(self.eos_text):] if idx >= 0 else ""
+            tail = base_text[idx + len(self.eos_text) :] if idx >= 0 else ""
             cached = self._base_cache[key] = (base_text, tail)
         return cached
 

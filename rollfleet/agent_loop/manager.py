@@ -70,8 +70,14 @@ def expand_groups(samples: Sequence[Mapping[str, Any]], n: int, deterministic: b
 class AgentLoopManager:
     """Drives ``agent.num_workers`` agent-loop workers over one fleet. Build with :meth:`create`."""
 
-    def __init__(self, config: RollfleetConfig, workers: list[WorkerRef], pad_token_id: int,
-                 server_manager: Any = None, owns_server_manager: bool = False) -> None:
+    def __init__(
+        self,
+        config: RollfleetConfig,
+        workers: list[WorkerRef],
+        pad_token_id: int,
+        server_manager: Any = None,
+        owns_server_manager: bool = False,
+    ) -> None:
         self.config = config
         self.workers = workers
         self.pad_token_id = pad_token_id
@@ -190,8 +196,13 @@ class AgentLoopManager:
 
     def collate(self, outputs: Sequence[AgentLoopOutput], uids: Sequence[str]) -> RolloutBatch:
         rollout = self.config.rollout
-        return collate(outputs, uids, prompt_length=rollout.prompt_length, response_length=rollout.response_length,
-                       pad_token_id=self.pad_token_id)
+        return collate(
+            outputs,
+            uids,
+            prompt_length=rollout.prompt_length,
+            response_length=rollout.response_length,
+            pad_token_id=self.pad_token_id,
+        )
 
     # ------------------------------------------------------------------ lifecycle
     @auto_await

@@ -23,8 +23,15 @@ class SingleTurnAgentLoop(AgentLoopBase):
         extra: dict[str, Any] = {"request_id": request_id, "prompt_truncated": truncated}
         if max_tokens <= 0:
             extra["termination"] = "context_full"
-            return AgentLoopOutput(prompt_ids, [], [], [] if self.rollout.calculate_log_probs else None,
-                                   num_turns=2, metrics=metrics, extra_fields=extra)
+            return AgentLoopOutput(
+                prompt_ids,
+                [],
+                [],
+                [] if self.rollout.calculate_log_probs else None,
+                num_turns=2,
+                metrics=metrics,
+                extra_fields=extra,
+            )
         params = {**sampling_params, "max_tokens": max_tokens}
         start = time.perf_counter()
         try:
@@ -43,10 +50,16 @@ class SingleTurnAgentLoop(AgentLoopBase):
         extra.update(
             {k: v for k, v in out.extra_fields.items() if k not in ("attempts", "min_global_steps", "max_global_steps")}
         )
-        extra.update(min_global_steps=low, max_global_steps=high, stop_reason=out.stop_reason,
-                     termination=out.stop_reason, replica_ids=[out.extra_fields.get("replica_id")])
-        return AgentLoopOutput(prompt_ids, response, [1] * len(response), logprobs, num_turns=2,
-                               metrics=metrics, extra_fields=extra)
+        extra.update(
+            min_global_steps=low,
+            max_global_steps=high,
+            stop_reason=out.stop_reason,
+            termination=out.stop_reason,
+            replica_ids=[out.extra_fields.get("replica_id")],
+        )
+        return AgentLoopOutput(
+            prompt_ids, response, [1] * len(response), logprobs, num_turns=2, metrics=metrics, extra_fields=extra
+        )
 
 
 __all__ = ["SingleTurnAgentLoop"]

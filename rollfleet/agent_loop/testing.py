@@ -38,13 +38,13 @@ class ScriptedTurns:
         user = [{"role": "user", "content": "?"}]
         with_prompt = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
         without = tokenizer.apply_chat_template(user, tokenize=False)
-        header = tokenizer.encode(with_prompt[len(without):], add_special_tokens=False)
+        header = tokenizer.encode(with_prompt[len(without) :], add_special_tokens=False)
         turns = [tokenizer.encode(t, add_special_tokens=False) + [tokenizer.eos_token_id] for t in texts]
         return cls(turns, header, **kwargs)
 
     def _header_positions(self, ids: list[int]) -> list[int]:
         h, n = self.header, len(self.header)
-        return [i + n for i in range(len(ids) - n + 1) if ids[i:i + n] == h]
+        return [i + n for i in range(len(ids) - n + 1) if ids[i : i + n] == h]
 
     def __call__(self, request_id: str, prompt_ids: list[int], sampling_params: SamplingParams) -> list[int]:
         ends = self._header_positions(list(prompt_ids))

@@ -26,7 +26,7 @@ import time
 from typing import Any, Mapping, Optional, Sequence
 
 # The built-in loops register themselves on import.
-import rollfleet.agent_loop.single_turn  # noqa: F401
+import rollfleet.agent_loop.single_turn
 import rollfleet.agent_loop.tool_agent  # noqa: F401
 from rollfleet.agent_loop.base import AgentLoopBase, AgentLoopContext, AgentLoopOutput
 from rollfleet.agent_loop.registry import get_agent_loop, load_agent_loop_config

@@ -74,8 +74,11 @@ def _serve(args: argparse.Namespace) -> int:
         print("admin routes off (set gateway.admin_token or ROLLFLEET_ADMIN_TOKEN to enable /admin)", file=sys.stderr)
 
     def announce(url: str) -> None:
-        print(f"rollfleet gateway serving '{config.gateway.served_model_name or config.rollout.model}' "
-              f"on {config.rollout.num_replicas} {config.rollout.name} replicas at {url}", flush=True)
+        print(
+            f"rollfleet gateway serving '{config.gateway.served_model_name or config.rollout.model}' "
+            f"on {config.rollout.num_replicas} {config.rollout.name} replicas at {url}",
+            flush=True,
+        )
         print(f"  OpenAI base URL: {url}/v1    metrics: {url}/metrics    Ctrl-C to stop", flush=True)
 
     try:
@@ -141,7 +144,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     trn = sub.add_parser("train", help="RL training (GRPO) on the fleet: sync | colocate_async | separate_async")
     trn.add_argument("--config", default=None, help="YAML config (defaults if omitted)")
-    trn.add_argument("--engine", default=None, help="overrides rollout.name (a registered engine: sim | vllm | sglang...)")
+    trn.add_argument(
+        "--engine", default=None, help="overrides rollout.name (a registered engine: sim | vllm | sglang...)"
+    )
     trn.add_argument("--mode", default=None, help="overrides trainer.trainer_mode")
     trn.add_argument("--steps", type=int, default=None, help="overrides trainer.total_steps")
     trn.add_argument("--run-name", default=None, help="overrides trainer.run_name")

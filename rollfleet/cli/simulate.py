@@ -55,12 +55,16 @@ class SimulateResult:
         return max(counts) / (sum(counts) / len(counts)) if counts and sum(counts) else 1.0
 
 
-async def _session(client: FullyAsyncLLMServerClient, sid: int, opts: SimulateOptions, vocab: int, rng: random.Random) -> dict:
+async def _session(
+    client: FullyAsyncLLMServerClient, sid: int, opts: SimulateOptions, vocab: int, rng: random.Random
+) -> dict:
     prompt = [rng.randrange(3, vocab) for _ in range(opts.prompt_tokens + rng.randrange(opts.prompt_tokens))]
     replicas, resumes, out_tokens, versions = [], 0, 0, []
     for _turn in range(opts.turns):
         out = await client.generate(
-            f"session-{sid}", prompt_ids=prompt, sampling_params={"temperature": 1.0, "max_tokens": opts.max_tokens_per_turn}
+            f"session-{sid}",
+            prompt_ids=prompt,
+            sampling_params={"temperature": 1.0, "max_tokens": opts.max_tokens_per_turn},
         )
         replicas.append(out.extra_fields.get("replica_id"))
         resumes += out.extra_fields.get("num_resumes", 0)
@@ -72,7 +76,9 @@ async def _session(client: FullyAsyncLLMServerClient, sid: int, opts: SimulateOp
     return {"replicas": replicas, "resumes": resumes, "tokens": out_tokens, "versions": versions}
 
 
-async def run_simulation(config: RollfleetConfig, opts: SimulateOptions, console: Optional[Console] = None) -> SimulateResult:
+async def run_simulation(
+    config: RollfleetConfig, opts: SimulateOptions, console: Optional[Console] = None
+) -> SimulateResult:
     console = console or Console()
     cfg = config.rollout
     needed = opts.prompt_tokens * 2 + opts.turns * (opts.max_tokens_per_turn + opts.tool_tokens)
@@ -87,8 +93,13 @@ async def run_simulation(config: RollfleetConfig, opts: SimulateOptions, console
         updates: list[dict[str, Any]] = []
         start = time.perf_counter()
         with Progress(
-            TextColumn("[bold]rollout"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            TextColumn("{task.fields[info]}"), console=console, transient=False,
+            TextColumn("[bold]rollout"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[info]}"),
+            console=console,
+            transient=False,
         ) as progress:
             task = progress.add_task("sessions", total=opts.sessions, info="")
             done: list[dict] = []
@@ -108,8 +119,12 @@ async def run_simulation(config: RollfleetConfig, opts: SimulateOptions, console
         wall = time.perf_counter() - start
         after = await manager.replica_stats()
         per_replica = {rid: after[rid]["requests"] - before.get(rid, {}).get("requests", 0) for rid in after}
-        hit = sum(after[r]["prefix_cache_hit_tokens"] - before.get(r, {}).get("prefix_cache_hit_tokens", 0) for r in after)
-        query = sum(after[r]["prefix_cache_query_tokens"] - before.get(r, {}).get("prefix_cache_query_tokens", 0) for r in after)
+        hit = sum(
+            after[r]["prefix_cache_hit_tokens"] - before.get(r, {}).get("prefix_cache_hit_tokens", 0) for r in after
+        )
+        query = sum(
+            after[r]["prefix_cache_query_tokens"] - before.get(r, {}).get("prefix_cache_query_tokens", 0) for r in after
+        )
         kept = sum(1 for d in done if len(set(d["replicas"])) == 1)
         return SimulateResult(
             wall_s=wall,

@@ -3,7 +3,6 @@ and PNG plots under ``runs/<run_name>/``."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
@@ -20,8 +19,12 @@ async def run_training(config: RollfleetConfig, console: Console) -> dict[str, A
 
     cls = get_trainer_cls(config.trainer.trainer_mode)
     with Progress(
-        TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        TextColumn("{task.fields[info]}"), console=console,
+        TextColumn("[bold]train"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[info]}"),
+        console=console,
     ) as progress:
         total = int(config.trainer.model_dump().get("total_steps", 20))
         task = progress.add_task("steps", total=total, info="starting the fleet...")

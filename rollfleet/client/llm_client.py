@@ -245,8 +245,9 @@ class LLMServerClient:
         await self.fleet.close()
 
 
-def _rebuild_client(cls: type[LLMServerClient], config: RolloutConfig, controller: Any,
-                    init_kwargs: dict[str, Any]) -> LLMServerClient:
+def _rebuild_client(
+    cls: type[LLMServerClient], config: RolloutConfig, controller: Any, init_kwargs: dict[str, Any]
+) -> LLMServerClient:
     """Unpickle a client (see :meth:`LLMServerClient.__reduce__`): a fresh one, same settings."""
     return cls(config, controller=controller, **init_kwargs)
 

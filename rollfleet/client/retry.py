@@ -41,7 +41,9 @@ def unwrap(exc: BaseException) -> BaseException:
 
 def is_replica_failure(exc: BaseException) -> bool:
     """The replica (not the request) failed: quarantine it and try another."""
-    return isinstance(exc, ReplicaUnavailable) or isinstance(exc, _ACTOR_ERRORS) or isinstance(exc, asyncio.TimeoutError)
+    return (
+        isinstance(exc, ReplicaUnavailable) or isinstance(exc, _ACTOR_ERRORS) or isinstance(exc, asyncio.TimeoutError)
+    )
 
 
 def is_retryable(exc: BaseException) -> bool:

@@ -275,7 +275,9 @@ class FleetController(HealthSupervisor, ControlFanOut):
         if self.config.placement.colocate:
             placed = sorted(self._placer.placements.items(), key=lambda kv: self._indices.get(kv[0], 0))
             if not placed:
-                raise InsufficientResources("placement.colocate", "a replica to share devices with", "no replica placed")
+                raise InsufficientResources(
+                    "placement.colocate", "a replica to share devices with", "no replica placed"
+                )
             return placed[0][1].rank(0, fraction=self.config.placement.colocate_fraction)
         group = await self._placer.reserve_worker("learner")
         if group is not None:
@@ -310,7 +312,6 @@ class FleetController(HealthSupervisor, ControlFanOut):
         results = await asyncio.gather(*(one(r) for r in records))
         return {r.replica_id: s for r, s in zip(records, results)}
 
-
     async def shutdown(self) -> None:
         if self._probe_task is not None:
             self._probe_task.cancel()
@@ -336,8 +337,15 @@ def _route_handle(record: ReplicaRecord) -> Any:
 
 def _info(r: ReplicaRecord) -> ReplicaInfo:
     return ReplicaInfo(
-        replica_id=r.replica_id, state=r.state, address=r.address, weight_version=r.weight_version,
-        restarts=r.restarts, node_id=r.node_id, node_ip=r.node_ip, devices=r.devices, handle=r.handle,
+        replica_id=r.replica_id,
+        state=r.state,
+        address=r.address,
+        weight_version=r.weight_version,
+        restarts=r.restarts,
+        node_id=r.node_id,
+        node_ip=r.node_ip,
+        devices=r.devices,
+        handle=r.handle,
     )
 
 

@@ -38,10 +38,9 @@ class LLMServerManager:
         """Start Ray if needed, the controller, and ``rollout.num_replicas`` replicas."""
         self = cls(config)
         import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         from rollfleet.manager.controller import FleetControllerActor
-
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         self._started_ray = ensure_ray(self.ray_config)
         # The controller runs on the driver's node: the scrape config it writes lands where the

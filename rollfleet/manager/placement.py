@@ -67,7 +67,9 @@ def list_nodes(with_free: bool = True) -> list[NodeInfo]:
     for n in ray.nodes():
         total = {k: float(v) for k, v in (n.get("Resources") or {}).items()}
         free = {k: float(v) for k, v in free_by_node.get(n["NodeID"], total).items()}
-        nodes.append(NodeInfo(n["NodeID"], n["NodeManagerAddress"], bool(n["Alive"]), total, free, n.get("Labels") or {}))
+        nodes.append(
+            NodeInfo(n["NodeID"], n["NodeManagerAddress"], bool(n["Alive"]), total, free, n.get("Labels") or {})
+        )
     return nodes
 
 
@@ -98,7 +100,9 @@ def device_bundle(device: str, config: PlacementConfig) -> dict[str, float]:
 def replicas_that_fit(node: NodeInfo, bundle: Mapping[str, float], devices: int, *, free: bool) -> int:
     """How many replicas of ``devices`` bundles fit on ``node`` (in its free or total resources)."""
     have = node.free if free else node.total
-    counts = [math.floor(have.get(res, 0.0) / (amount * devices) + 1e-9) for res, amount in bundle.items() if amount > 0]
+    counts = [
+        math.floor(have.get(res, 0.0) / (amount * devices) + 1e-9) for res, amount in bundle.items() if amount > 0
+    ]
     return max(0, min(counts)) if counts else 0
 
 
@@ -194,8 +198,13 @@ class ReplicaPlacement:
 
     def rank(self, index: int, fraction: Optional[float] = None) -> WorkerPlacement:
         return WorkerPlacement(
-            self.pg, index, self.device, self.bundle, self.fraction if fraction is None else fraction,
-            self.node_id, self.node_ip,
+            self.pg,
+            index,
+            self.device,
+            self.bundle,
+            self.fraction if fraction is None else fraction,
+            self.node_id,
+            self.node_ip,
         )
 
 

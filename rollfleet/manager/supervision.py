@@ -116,7 +116,11 @@ class HealthSupervisor:
                 self._set_state(record, HealthState.PENDING, f"waiting for devices: {exc}", force=True)
                 await asyncio.sleep(self.config.placement.pending_retry_s)
             except Exception as exc:
-                if self._placer is not None and record.node_id in await self._placer.dead_nodes() and lost_placements < 3:
+                if (
+                    self._placer is not None
+                    and record.node_id in await self._placer.dead_nodes()
+                    and lost_placements < 3
+                ):
                     lost_placements += 1  # its node died while it started: place it again
                     await self._stop_handle(record.handle, timeout_s=STOP_TIMEOUT_DEAD_S)
                     continue
@@ -130,7 +134,9 @@ class HealthSupervisor:
             return
         if record.state != state:
             self._events.append(
-                FleetEvent(t=time.time(), replica_id=record.replica_id, from_state=record.state, to=state, detail=detail)
+                FleetEvent(
+                    t=time.time(), replica_id=record.replica_id, from_state=record.state, to=state, detail=detail
+                )
             )
             del self._events[:-500]
         record.state = state

@@ -44,9 +44,7 @@ def build_smollm2_135m_instruct(out_dir: str) -> str:
     """Convert the GGUF file into a Hugging Face folder at ``out_dir``; returns ``out_dir``."""
     src = gguf_path()
     if importlib.util.find_spec("gguf") is None:
-        raise RuntimeError(
-            "converting SmolLM2 from GGUF needs the 'gguf' package (pip install gguf accelerate)"
-        )
+        raise RuntimeError("converting SmolLM2 from GGUF needs the 'gguf' package (pip install gguf accelerate)")
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -85,8 +83,10 @@ def build_smollm2_135m_instruct(out_dir: str) -> str:
     (out / "generation_config.json").write_text(
         json.dumps(
             {"bos_token_id": cfg.get("bos_token_id"), "eos_token_id": eos, "pad_token_id": cfg.get("pad_token_id")},
-            indent=2, sort_keys=True,
-        ) + "\n"
+            indent=2,
+            sort_keys=True,
+        )
+        + "\n"
     )
     return str(out)
 

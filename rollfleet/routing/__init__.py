@@ -7,8 +7,8 @@
   manager writes it, clients read it).
 """
 
-from rollfleet.routing.balancer import GlobalRequestLoadBalancer
 from rollfleet.health import FleetSnapshot, HealthState, ReplicaRecord
+from rollfleet.routing.balancer import GlobalRequestLoadBalancer
 from rollfleet.routing.policies import ReplicaView, RoutingPolicy, available_policies, get_policy, register_policy
 
 __all__ = [

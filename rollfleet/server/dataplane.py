@@ -59,7 +59,11 @@ class _Connection(asyncio.Protocol):
     def _dispatch(self, message: Any) -> None:
         op = message[0]
         if not self._hello:
-            if op != wire.HELLO or not isinstance(message[1], str) or not hmac.compare_digest(message[1], self._server.token):
+            if (
+                op != wire.HELLO
+                or not isinstance(message[1], str)
+                or not hmac.compare_digest(message[1], self._server.token)
+            ):
                 raise wire.FrameError("the first frame must be HELLO with this replica's token")
             self._hello = True
             self._reader.allow_pickle = True
@@ -110,7 +114,11 @@ class DataPlaneServer:
     to connections that open with its :attr:`token`."""
 
     def __init__(
-        self, target: GeneratesWithLoad, host: str = "127.0.0.1", port: int = 0, port_range: Optional[tuple[int, int]] = None
+        self,
+        target: GeneratesWithLoad,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        port_range: Optional[tuple[int, int]] = None,
     ) -> None:
         self.target = target
         self.host = host

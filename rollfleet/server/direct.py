@@ -175,7 +175,9 @@ class _DirectCall:
         self._handle = handle
         self._output_only = output_only
 
-    def remote(self, request_id: str, prompt_ids: list[int], sampling_params: Optional[SamplingParams] = None, **kwargs: Any):
+    def remote(
+        self, request_id: str, prompt_ids: list[int], sampling_params: Optional[SamplingParams] = None, **kwargs: Any
+    ):
         """Like a Ray call: returns an awaitable (a task; cancelling it cancels the request)."""
         return asyncio.ensure_future(self._call(request_id, prompt_ids, sampling_params, kwargs))
 

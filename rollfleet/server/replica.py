@@ -282,7 +282,12 @@ class Replica:
 
     async def health(self) -> dict[str, Any]:
         health = await self.engine.health()
-        return {"replica_id": self.replica_id, "healthy": health.healthy, "detail": health.detail, "state": self._state.value}
+        return {
+            "replica_id": self.replica_id,
+            "healthy": health.healthy,
+            "detail": health.detail,
+            "state": self._state.value,
+        }
 
     async def load(self) -> LoadReport:
         """Poll the engine and return the full report; this is also the controller's liveness probe.

@@ -47,7 +47,9 @@ def validate_prompt(prompt_ids: Any, vocab_size: int, max_model_len: int) -> lis
     return out
 
 
-def _check_range(params: SamplingParams, key: str, lo: Optional[float], hi: Optional[float], *, lo_open=False, integer=False) -> None:
+def _check_range(
+    params: SamplingParams, key: str, lo: Optional[float], hi: Optional[float], *, lo_open=False, integer=False
+) -> None:
     if key not in params or params[key] is None:
         return
     value = params[key]
@@ -125,7 +127,9 @@ def validate_sampling_params(
             raise InvalidRequest("sampling_params.stop_token_ids", "a list of token ids", stops)
         for i, tok in enumerate(stops):
             if not _is_int(tok) or not 0 <= tok < vocab_size:
-                raise InvalidRequest(f"sampling_params.stop_token_ids[{i}]", f"0 <= id < vocab_size ({vocab_size})", tok)
+                raise InvalidRequest(
+                    f"sampling_params.stop_token_ids[{i}]", f"0 <= id < vocab_size ({vocab_size})", tok
+                )
     if "ignore_eos" in params and not isinstance(params["ignore_eos"], bool):
         raise InvalidRequest("sampling_params.ignore_eos", "a bool", params["ignore_eos"])
     return params

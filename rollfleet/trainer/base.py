@@ -136,7 +136,9 @@ class Trainer(abc.ABC):
         # The fleet booted on the base weights: push the checkpoint's under a new version.
         self.version = int(state.get("version", 0)) + 1
         await self.manager.update_weights(await self.learner.state_dict_for_inference(), self.version)
-        logger.info("resumed at step %d, weight version %d, re-issuing %d prompts", self.step, self.version, len(self._reissue))
+        logger.info(
+            "resumed at step %d, weight version %d, re-issuing %d prompts", self.step, self.version, len(self._reissue)
+        )
 
     # ------------------------------------------------------------------ the loop
     @abc.abstractmethod
@@ -239,7 +241,9 @@ class Trainer(abc.ABC):
         self._last_sync = result
         await self.on_sync_end()
 
-    def _log_step(self, groups: list[Group], info: dict[str, Any], metrics: dict[str, Any], *, wait_s: float, synced: bool) -> None:
+    def _log_step(
+        self, groups: list[Group], info: dict[str, Any], metrics: dict[str, Any], *, wait_s: float, synced: bool
+    ) -> None:
         assert self.tracker is not None
         now = time.perf_counter()
         step_s = now - self._last_step_end
@@ -247,12 +251,14 @@ class Trainer(abc.ABC):
         tokens = sum(int(sum(o.response_mask)) for g in groups for o in g.outputs)
         self.generated_tokens += tokens
         stale = [self.version_at_train(g) for g in groups]
-        self.trained_log.append({
-            "step": self.step,
-            "staleness": stale,
-            "task_indices": [g.task_index for g in groups],
-            "max_response_len": max((len(o.response_ids) for g in groups for o in g.outputs), default=0),
-        })
+        self.trained_log.append(
+            {
+                "step": self.step,
+                "staleness": stale,
+                "task_indices": [g.task_index for g in groups],
+                "max_response_len": max((len(o.response_ids) for g in groups for o in g.outputs), default=0),
+            }
+        )
         self.idle_s += wait_s
         row = {
             "step": self.step,

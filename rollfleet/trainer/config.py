@@ -48,7 +48,8 @@ class TrainConfig(BaseModel):
         2, ge=0, description="Most weight versions a trained sample may lag (version now - version of its first token)."
     )
     max_off_policy_strategy: Literal["drop", "wait"] = Field(
-        "drop", description="drop: discard stale groups and generate more; wait: pause the rollouter before they go stale."
+        "drop",
+        description="drop: discard stale groups and generate more; wait: pause the rollouter before they go stale.",
     )
     partial_rollout: bool = Field(
         True, description="Resume aborted requests on the new weights; off: regenerate them from scratch."

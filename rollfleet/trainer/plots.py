@@ -25,7 +25,11 @@ def plot_run(run_dir: str | Path) -> list[Path]:
         panels = [
             ("reward.png", "mean reward", [("reward/mean", "mean"), ("reward/max", "max")]),
             ("throughput.png", "generated tokens / s", [("perf/tokens_per_s", "tokens/s")]),
-            ("staleness.png", "staleness (weight versions)", [("staleness/mean", "mean"), ("staleness/max", "max"), ("staleness/dropped", "dropped groups")]),
+            (
+                "staleness.png",
+                "staleness (weight versions)",
+                [("staleness/mean", "mean"), ("staleness/max", "max"), ("staleness/dropped", "dropped groups")],
+            ),
         ]
         for name, ylabel, series in panels:
             fig, ax = plt.subplots(figsize=(7, 3.8))
@@ -50,7 +54,14 @@ def plot_run(run_dir: str | Path) -> list[Path]:
             y = lanes.index(s["lane"])
             label = s["kind"] if s["kind"] not in seen else None
             seen.add(s["kind"])
-            ax.barh(y, s["end"] - s["start"], left=s["start"], color=COLORS.get(s["kind"], "#8172b3"), label=label, height=0.6)
+            ax.barh(
+                y,
+                s["end"] - s["start"],
+                left=s["start"],
+                color=COLORS.get(s["kind"], "#8172b3"),
+                label=label,
+                height=0.6,
+            )
         ax.set_yticks(range(len(lanes)))
         ax.set_yticklabels(lanes)
         ax.set_xlabel("seconds since start")

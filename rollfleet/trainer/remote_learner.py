@@ -134,8 +134,13 @@ class RemoteLearner:
         except BaseException:
             ray.kill(handle, no_restart=True)
             raise
-        logger.info("learner up: pid %s on node %s, devices %s, %s torch threads",
-                    info["pid"], info["node_id"][:8], info["accelerator_ids"], info["torch_threads"])
+        logger.info(
+            "learner up: pid %s on node %s, devices %s, %s torch threads",
+            info["pid"],
+            info["node_id"][:8],
+            info["accelerator_ids"],
+            info["torch_threads"],
+        )
         return cls(handle, info)
 
     async def update(self, batch: Any) -> dict[str, float]:
@@ -146,10 +151,10 @@ class RemoteLearner:
         return self.handle.state_dict_for_inference.remote()
 
     async def save(self, root: str | Path, state: dict[str, Any]) -> Path:
-        return await self.handle.save.remote(str(Path(root).absolute()), state)
+        return await self.handle.save.remote(str(Path(root).absolute()), state)  # noqa: ASYNC240 - no I/O
 
     async def load(self, root: str | Path) -> dict[str, Any]:
-        return await self.handle.load.remote(str(Path(root).absolute()))
+        return await self.handle.load.remote(str(Path(root).absolute()))  # noqa: ASYNC240 - no I/O
 
     async def where(self) -> dict[str, Any]:
         return await self.handle.where.remote()

@@ -99,8 +99,13 @@ class Rollouter:
             lo = min((v for v in versions_lo if v is not None), default=started)
             hi = max((v for v in versions_hi if v is not None), default=started)
             group = Group(
-                uid=samples[0]["uid"], outputs=outputs, started_version=started, min_version=lo, max_version=hi,
-                task_index=index, resumes=resumes,
+                uid=samples[0]["uid"],
+                outputs=outputs,
+                started_version=started,
+                min_version=lo,
+                max_version=hi,
+                task_index=index,
+                resumes=resumes,
             )
             await self.buffer.put(group)
             delivered = True

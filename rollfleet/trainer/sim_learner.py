@@ -34,7 +34,9 @@ class SimulatedLearner:
     def state_dict_for_inference(self) -> dict[str, Any]:
         return {"sim_step": self.global_step}
 
-    def save(self, root: str | Path, trainer_state: Optional[dict[str, Any]] = None, keep_last: Optional[int] = None) -> Path:
+    def save(
+        self, root: str | Path, trainer_state: Optional[dict[str, Any]] = None, keep_last: Optional[int] = None
+    ) -> Path:
         folder = Path(root) / checkpoint_name(self.global_step)
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "trainer_state.json").write_text(json.dumps(trainer_state or {}))

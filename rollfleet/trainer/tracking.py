@@ -7,7 +7,7 @@ import json
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator
 
 
 class RunTracker:
@@ -31,7 +31,9 @@ class RunTracker:
 
     def span_event(self, lane: str, kind: str, start: float, end: float, **info: Any) -> None:
         with open(self.timeline_path, "a") as f:
-            f.write(json.dumps({"lane": lane, "kind": kind, "start": start - self.t0, "end": end - self.t0, **info}) + "\n")
+            f.write(
+                json.dumps({"lane": lane, "kind": kind, "start": start - self.t0, "end": end - self.t0, **info}) + "\n"
+            )
 
     @contextmanager
     def span(self, lane: str, kind: str, **info: Any) -> Iterator[None]:

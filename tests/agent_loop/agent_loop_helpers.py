@@ -14,8 +14,9 @@ from rollfleet.server.local import LocalHandle
 from rollfleet.server.replica import Replica
 
 
-def sim_config(tokenizer: Any, *, rollout: dict | None = None, agent: dict | None = None,
-               sim: dict | None = None) -> RollfleetConfig:
+def sim_config(
+    tokenizer: Any, *, rollout: dict | None = None, agent: dict | None = None, sim: dict | None = None
+) -> RollfleetConfig:
     """A sim-engine config whose token ids are the tiny tokenizer's (decodable)."""
     sim_section = {
         "vocab_size": len(tokenizer),

@@ -11,8 +11,8 @@ import sys
 import time
 
 import pytest
+from agent_loop_helpers import QUESTION, THREE_TURNS, add, broken, hangs, lookup, mask_runs, sim_config
 
-from agent_loop_helpers import QUESTION, mask_runs, THREE_TURNS, add, broken, hangs, lookup, sim_config
 from rollfleet.agent_loop import FullyAsyncAgentLoopManager
 from rollfleet.agent_loop.testing import ScriptedTurns
 from rollfleet.manager import LLMServerManager
@@ -84,8 +84,10 @@ async def test_tool_agent_on_ray_workers(fleet, agents, tokenizer):
 
 
 async def test_weight_update_mid_turn_streams_groups(fleet, agents, tokenizer):
-    texts = ["thinking " * 80 + '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>',
-             "The answer is 5."]
+    texts = [
+        "thinking " * 80 + '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>',
+        "The answer is 5.",
+    ]
     await fleet.script_responses(ScriptedTurns.from_texts(tokenizer, texts))
     version = (await fleet.status()).current_version
     assert len(await agents.get_replicas()) == 2

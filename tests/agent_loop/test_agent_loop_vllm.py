@@ -27,21 +27,28 @@ def add(a: int, b: int) -> int:
 
 @pytest.fixture(scope="module")
 async def vllm_fleet(ray_session):
-    config = RollfleetConfig.model_validate({
-        "rollout": {
-            "name": "vllm",
-            "model": "tiny",
-            "num_replicas": 1,
-            "prompt_length": 512,
-            "response_length": RESPONSE_LENGTH,
-            "max_model_len": 1024,
-            "n": 2,
-            "health": {"probe_interval_s": 0.5, "probe_timeout_s": 5.0, "failures_to_dead": 2, "auto_restart": False},
-            "retry": {"max_attempts": 40, "initial_backoff_s": 0.05, "max_backoff_s": 0.5},
-            "vllm": {"max_num_seqs": 16},
-        },
-        "agent": {"num_workers": 1, "multi_turn": {"max_assistant_turns": 3, "tool_timeout_s": 5.0}},
-    })
+    config = RollfleetConfig.model_validate(
+        {
+            "rollout": {
+                "name": "vllm",
+                "model": "tiny",
+                "num_replicas": 1,
+                "prompt_length": 512,
+                "response_length": RESPONSE_LENGTH,
+                "max_model_len": 1024,
+                "n": 2,
+                "health": {
+                    "probe_interval_s": 0.5,
+                    "probe_timeout_s": 5.0,
+                    "failures_to_dead": 2,
+                    "auto_restart": False,
+                },
+                "retry": {"max_attempts": 40, "initial_backoff_s": 0.05, "max_backoff_s": 0.5},
+                "vllm": {"max_num_seqs": 16},
+            },
+            "agent": {"num_workers": 1, "multi_turn": {"max_assistant_turns": 3, "tool_timeout_s": 5.0}},
+        }
+    )
     manager = await LLMServerManager.create(config)
     yield config, manager
     await manager.shutdown()
@@ -49,11 +56,18 @@ async def vllm_fleet(ray_session):
 
 async def test_tool_agent_terminates_within_budget_on_vllm(vllm_fleet, tokenizer):
     config, fleet = vllm_fleet
-    agents = await AgentLoopManager.create(config, llm_client=fleet.get_client(FullyAsyncLLMServerClient),
-                                           tokenizer=tokenizer, tools=[add])
+    agents = await AgentLoopManager.create(
+        config, llm_client=fleet.get_client(FullyAsyncLLMServerClient), tokenizer=tokenizer, tools=[add]
+    )
     try:
-        batch = [{"raw_prompt": [{"role": "user", "content": f"What is {i} plus 2?"}], "agent_name": "tool_agent",
-                  "reward": {"name": "math", "ground_truth": str(i + 2)}} for i in range(2)]
+        batch = [
+            {
+                "raw_prompt": [{"role": "user", "content": f"What is {i} plus 2?"}],
+                "agent_name": "tool_agent",
+                "reward": {"name": "math", "ground_truth": str(i + 2)},
+            }
+            for i in range(2)
+        ]
         result = await agents.generate_sequences(batch)
     finally:
         await agents.shutdown()

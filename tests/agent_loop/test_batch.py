@@ -31,8 +31,12 @@ def traj(prompt_len, response_mask, reward=None, versions=(None, None), logprobs
 
 
 def test_ragged_padding_and_shapes():
-    outs = [traj(2, [1, 1, 0, 1], reward=1.0, versions=(0, 2), gen=1.0), traj(5, [1], reward=0.0, gen=3.0),
-            traj(1, [], reward=0.5), traj(7, [1] * 9)]
+    outs = [
+        traj(2, [1, 1, 0, 1], reward=1.0, versions=(0, 2), gen=1.0),
+        traj(5, [1], reward=0.0, gen=3.0),
+        traj(1, [], reward=0.5),
+        traj(7, [1] * 9),
+    ]
     batch = collate(outs, ["g0", "g0", "g1", "g1"], prompt_length=6, response_length=8, pad_token_id=PAD)
     b, p, r = 4, 6, 8
     assert batch.prompts.shape == (b, p) and batch.responses.shape == (b, r)
@@ -60,8 +64,9 @@ def test_ragged_padding_and_shapes():
 
 
 def test_no_logprobs_when_any_trajectory_lacks_them():
-    batch = collate([traj(1, [1]), traj(1, [1], logprobs=False)], ["a", "b"], prompt_length=2, response_length=2,
-                    pad_token_id=PAD)
+    batch = collate(
+        [traj(1, [1]), traj(1, [1], logprobs=False)], ["a", "b"], prompt_length=2, response_length=2, pad_token_id=PAD
+    )
     assert batch.rollout_log_probs is None
 
 
@@ -69,7 +74,7 @@ def test_groups_share_uid():
     samples = expand_groups(as_samples({"prompt_ids": [[1], [2], [3]]}), n=4)
     assert len(samples) == 12
     uids = [s["uid"] for s in samples]
-    assert len(set(uids)) == 3 and all(uids[4 * g:4 * g + 4] == [uids[4 * g]] * 4 for g in range(3))
+    assert len(set(uids)) == 3 and all(uids[4 * g : 4 * g + 4] == [uids[4 * g]] * 4 for g in range(3))
     assert [s["sample_index"] for s in samples[:4]] == [0, 1, 2, 3]
     det = expand_groups([{"prompt_ids": [1]}], n=2, deterministic=True)
     assert [s["request_id"] for s in det] == ["det-0-0", "det-0-1"]

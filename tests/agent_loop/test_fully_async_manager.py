@@ -80,7 +80,7 @@ async def test_leaving_the_stream_cancels_the_rest():
     m = manager(n=1)
     prompts = [{"prompt_ids": [1], "delay": 0.01}] + [{"prompt_ids": [1], "delay": 5.0}] * 3
     async with aclosing(m.stream_groups(prompts)) as groups:
-        async for group in groups:
+        async for _group in groups:
             break
     assert sum(w.target.cancelled for w in m.workers) == 3
     assert m.inflight == [0, 0, 0]

@@ -7,14 +7,13 @@ import asyncio
 
 import pytest
 import torch
+from agent_loop_helpers import QUESTION, THREE_TURNS, LocalFleet, add, broken, hangs, lookup, mask_runs, sim_config
 
-from agent_loop_helpers import QUESTION, mask_runs, THREE_TURNS, add, broken, hangs, lookup, LocalFleet, sim_config
 from rollfleet.agent_loop import AgentLoopManager, AgentLoopWorker, BaseTool
 from rollfleet.agent_loop.testing import ScriptedTurns
 from rollfleet.client import FullyAsyncLLMServerClient
 
 pytestmark = pytest.mark.unit
-
 
 
 class Recorder:
@@ -41,15 +40,17 @@ async def make(tokenizer, texts, *, agent=None, rollout=None, sim=None, client_c
     fleet = await LocalFleet(config, client_cls=client_cls or FullyAsyncLLMServerClient).start()
     fleet.script(ScriptedTurns.from_texts(tokenizer, texts))
     recorder = Recorder(fleet.client)
-    worker = AgentLoopWorker(config, client=recorder, tokenizer=tokenizer,
-                             tools=tools if tools is not None else [add, lookup, broken, hangs])
+    worker = AgentLoopWorker(
+        config, client=recorder, tokenizer=tokenizer, tools=tools if tools is not None else [add, lookup, broken, hangs]
+    )
     return fleet, recorder, worker
 
 
 async def test_two_tools_three_turns_masks_logprobs_and_failures(tokenizer):
     fleet, rec, worker = await make(tokenizer, THREE_TURNS)
-    out = await worker.run_sample({"raw_prompt": QUESTION, "agent_name": "tool_agent",
-                                   "reward": {"name": "math", "ground_truth": "5"}})
+    out = await worker.run_sample(
+        {"raw_prompt": QUESTION, "agent_name": "tool_agent", "reward": {"name": "math", "ground_truth": "5"}}
+    )
     # Three assistant turns, two tool rounds: verl's count is user + assistant + 1.
     assert out.num_turns == 6 and len(rec.calls) == 3
     assert out.extra_fields["termination"] == "no_tool_call"
@@ -70,7 +71,9 @@ async def test_two_tools_three_turns_masks_logprobs_and_failures(tokenizer):
     assert "Error: tool 'broken' failed: RuntimeError: the tool broke" in text
     assert "Error: tool 'hangs' timed out after 0.3 s" in text
     # One session key for every turn, one replica, released at the end; the reward was computed.
-    assert {c[0] for c in rec.calls} == {out.extra_fields["request_id"]} and rec.finished == [c[0] for c in rec.calls[:1]]
+    assert {c[0] for c in rec.calls} == {out.extra_fields["request_id"]} and rec.finished == [
+        c[0] for c in rec.calls[:1]
+    ]
     assert len(set(out.extra_fields["replica_ids"])) == 1
     assert fleet.client.get_status()["sticky_sessions"] == 0
     assert out.reward_score == 1.0 and out.extra_fields["reward_extra_info"]["extracted_answer"] == "5"
@@ -91,10 +94,13 @@ async def test_budget_bounds_every_turn_and_the_response(tokenizer):
     await fleet.shutdown()
 
 
-@pytest.mark.parametrize("limits, termination, assistant, user", [
-    ({"max_assistant_turns": 2}, "max_assistant_turns", 2, 1),
-    ({"max_user_turns": 1}, "max_user_turns", 2, 1),
-])
+@pytest.mark.parametrize(
+    "limits, termination, assistant, user",
+    [
+        ({"max_assistant_turns": 2}, "max_assistant_turns", 2, 1),
+        ({"max_user_turns": 1}, "max_user_turns", 2, 1),
+    ],
+)
 async def test_turn_limits(tokenizer, limits, termination, assistant, user):
     call = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 1}}\n</tool_call>'
     fleet, rec, worker = await make(tokenizer, [call], agent={"multi_turn": {"tool_timeout_s": 0.3, **limits}})
@@ -125,8 +131,13 @@ async def test_tool_instances_released_and_tool_rewards_recorded(tokenizer):
     tool = SessionTool()
     call = '<tool_call>\n{"name": "session", "arguments": {}}\n</tool_call>'
     fleet, rec, worker = await make(tokenizer, [call, call, "done"], tools=[tool])
-    out = await worker.run_sample({"raw_prompt": QUESTION, "agent_name": "tool_agent",
-                                   "tools_kwargs": {"session": {"create_kwargs": {"task": 9}}}})
+    out = await worker.run_sample(
+        {
+            "raw_prompt": QUESTION,
+            "agent_name": "tool_agent",
+            "tools_kwargs": {"session": {"create_kwargs": {"task": 9}}},
+        }
+    )
     assert tool.created == [{"task": 9}] and tool.released == [f"{out.extra_fields['request_id']}:session"]
     assert out.extra_fields["tool_rewards"] == [0.25, 0.25]
 
@@ -156,8 +167,10 @@ async def test_single_turn_loop(tokenizer):
 
 
 async def test_weight_update_mid_turn_resumes_with_both_versions(tokenizer):
-    texts = ["thinking " * 60 + '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>',
-             "The answer is 5."]
+    texts = [
+        "thinking " * 60 + '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>',
+        "The answer is 5.",
+    ]
     # ~4 ms a token: the first turn takes ~0.5 s, the update lands in it.
     fleet, rec, worker = await make(tokenizer, texts, sim={"time_scale": 2.0})
     task = asyncio.ensure_future(worker.run_sample({"raw_prompt": QUESTION, "agent_name": "tool_agent"}))
@@ -167,8 +180,10 @@ async def test_weight_update_mid_turn_resumes_with_both_versions(tokenizer):
     assert out.extra_fields["termination"] == "no_tool_call"
     assert (out.extra_fields["min_global_steps"], out.extra_fields["max_global_steps"]) == (0, 1)
     assert out.metrics.num_resumes >= 1
-    assert tokenizer.decode([t for t, m in zip(out.response_ids, out.response_mask) if m],
-                            skip_special_tokens=True) == texts[0] + texts[1]  # resumed, not restarted
+    assert (
+        tokenizer.decode([t for t, m in zip(out.response_ids, out.response_mask) if m], skip_special_tokens=True)
+        == texts[0] + texts[1]
+    )  # resumed, not restarted
     await fleet.shutdown()
 
 
@@ -185,8 +200,11 @@ async def test_plain_client_abort_ends_the_trajectory(tokenizer):
 
 
 async def test_local_manager_batch_groups_and_ragged_prompts(tokenizer):
-    config = sim_config(tokenizer, rollout={"prompt_length": 64, "response_length": 48, "n": 3},
-                        agent={"num_workers": 2, "default_reward": "math"})
+    config = sim_config(
+        tokenizer,
+        rollout={"prompt_length": 64, "response_length": 48, "n": 3},
+        agent={"num_workers": 2, "default_reward": "math"},
+    )
     fleet = await LocalFleet(config, num_replicas=2).start()
     manager = await AgentLoopManager.create(config, llm_client=fleet.client, tokenizer=tokenizer)
     batch = [

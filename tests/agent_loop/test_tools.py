@@ -47,8 +47,12 @@ def test_schema_from_signature():
     assert fn["description"] == "Get the weather forecast."
     props = fn["parameters"]["properties"]
     assert props["city"] == {"type": "string", "description": "The city name."}
-    assert props["unit"] == {"enum": ["c", "f"], "type": "string", "default": "c",
-                             "description": "Temperature unit, Celsius or Fahrenheit."}
+    assert props["unit"] == {
+        "enum": ["c", "f"],
+        "type": "string",
+        "default": "c",
+        "description": "Temperature unit, Celsius or Fahrenheit.",
+    }
     assert props["days"] == {"type": "integer", "default": None}
     assert props["tags"]["type"] == "array" and props["tags"]["items"] == {"type": "string"}
     assert fn["parameters"]["required"] == ["city"]
@@ -105,9 +109,14 @@ async def test_session_runs_calls_concurrently_bounded_in_order_and_survives_fai
     cfg = MultiTurnConfig(max_parallel_calls=2, tool_timeout_s=0.3, max_tool_response_length=20)
     session = ToolSession(tools, cfg, "traj", {"count": {"create_kwargs": {"seed": 7}}})
     calls = [FunctionCall("count", {"n": i}, id=f"call_{i}") for i in range(4)]
-    calls += [FunctionCall("boom", {}, id="b"), FunctionCall("sleepy", {}, id="s"), FunctionCall("nope", {}, id="u"),
-              FunctionCall("", id="e", error="tool call is not valid JSON"), FunctionCall("chatty", {}, id="c"),
-              FunctionCall("count", {"nn": 1}, id="k")]
+    calls += [
+        FunctionCall("boom", {}, id="b"),
+        FunctionCall("sleepy", {}, id="s"),
+        FunctionCall("nope", {}, id="u"),
+        FunctionCall("", id="e", error="tool call is not valid JSON"),
+        FunctionCall("chatty", {}, id="c"),
+        FunctionCall("count", {"nn": 1}, id="k"),
+    ]
     start = time.perf_counter()
     outcomes = await session.run(calls)
     assert time.perf_counter() - start < 1.0  # the sleepy tool's timeout did not hold the turn up
@@ -117,8 +126,18 @@ async def test_session_runs_calls_concurrently_bounded_in_order_and_survives_fai
     assert counting.peak <= 2
     assert counting.created == [("traj:count", {"seed": 7})]  # one instance per trajectory and tool
     errors = {o.call.id: o.error for o in outcomes}
-    assert errors == {"call_0": None, "call_1": None, "call_2": None, "call_3": None, "b": "exception",
-                      "s": "timeout", "u": "unknown_tool", "e": "bad_call", "c": None, "k": "exception"}
+    assert errors == {
+        "call_0": None,
+        "call_1": None,
+        "call_2": None,
+        "call_3": None,
+        "b": "exception",
+        "s": "timeout",
+        "u": "unknown_tool",
+        "e": "bad_call",
+        "c": None,
+        "k": "exception",
+    }
     assert "bad day" in outcomes[4].text and "timed out" in outcomes[5].text
     assert outcomes[8].text == "x" * 10 + TRUNCATION_MARK + "y" * 10
     assert outcomes[4].message() == {"role": "tool", "content": outcomes[4].text, "tool_call_id": "b", "name": "boom"}
@@ -138,11 +157,7 @@ def test_truncate_sides():
 
 def test_load_tools_from_yaml(tmp_path):
     path = tmp_path / "tools.yaml"
-    path.write_text(
-        "tools:\n"
-        "  - function: rollfleet.reward.rules.exact_match\n"
-        "    name: judge\n"
-    )
+    path.write_text("tools:\n  - function: rollfleet.reward.rules.exact_match\n    name: judge\n")
     tools = load_tools(tool_config_path=str(path))
     assert list(tools) == ["judge"]
     assert tools["judge"].tool_schema["function"]["parameters"]["required"] == ["solution_str", "ground_truth"]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from ray_support import start_session_ray
 
 GPUS_PER_NODE = 4

@@ -13,13 +13,12 @@ import time
 from collections import Counter
 
 import pytest
+from conftest import CPUS_PER_NODE, GPUS_PER_NODE, alive_node_ids
 
 from rollfleet.client import FullyAsyncLLMServerClient
 from rollfleet.config import RollfleetConfig
 from rollfleet.errors import InsufficientResources
 from rollfleet.manager import LLMServerManager
-
-from conftest import CPUS_PER_NODE, GPUS_PER_NODE, alive_node_ids
 
 pytestmark = [pytest.mark.ray, pytest.mark.cluster]
 
@@ -33,7 +32,12 @@ def sim_config(num_replicas: int, tp: int = 2, time_scale: float = 50.0, **place
                 "prompt_length": 32,
                 "response_length": 64,
                 "max_model_len": 128,
-                "sim": {"vocab_size": 500, "tensor_parallel_size": tp, "time_scale": time_scale, "mean_response_tokens": 30},
+                "sim": {
+                    "vocab_size": 500,
+                    "tensor_parallel_size": tp,
+                    "time_scale": time_scale,
+                    "mean_response_tokens": 30,
+                },
                 "placement": {"timeout_s": 10.0, "pending_retry_s": 0.5, **placement},
                 "health": {"probe_interval_s": 0.5, "probe_timeout_s": 3.0},
                 "retry": {"max_attempts": 64, "initial_backoff_s": 0.02, "max_backoff_s": 0.2},
@@ -176,14 +180,19 @@ async def test_a_dead_nodes_replicas_resume_elsewhere_without_losing_a_trajector
         moved = [rid for rid, node in before.items() if node == a.node_id]
         assert moved and {o.extra_fields["replica_id"] for o in outs} == set(before)  # both served
         # The dead node's replica restarts on the remaining capacity (node b has room for one more).
-        await wait_for(lambda s: all(s.replicas[rid].state == "healthy" and s.replicas[rid].node_id == b.node_id for rid in moved), manager)
+        await wait_for(
+            lambda s: all(s.replicas[rid].state == "healthy" and s.replicas[rid].node_id == b.node_id for rid in moved),
+            manager,
+        )
         # Node b dies too: no node with the label has room now, so both wait, visibly.
         await asyncio.to_thread(cluster.remove_node, b)
         status = await wait_for(lambda s: all(r.state == "pending" for r in s.replicas.values()), manager)
         assert "waiting for devices" in next(iter(status.replicas.values())).detail
         # A node that joins is used: the pending replicas start there and serve again.
         added = cluster.add_node(labels={"pool": "elastic"}, **node_args)
-        await wait_for(lambda s: all(r.state == "healthy" and r.node_id == added.node_id for r in s.replicas.values()), manager)
+        await wait_for(
+            lambda s: all(r.state == "healthy" and r.node_id == added.node_id for r in s.replicas.values()), manager
+        )
         out = await client.generate("after", prompt_ids=[5, 6, 7], sampling_params={"max_tokens": 8})
         assert out.stop_reason in ("stop", "length")
     finally:
@@ -224,7 +233,8 @@ async def test_joining_a_cluster_ships_this_package_to_its_nodes(cluster):
 
         uris = ray.get_runtime_context().runtime_env.get("py_modules", [])
         copies = [
-            p for p in sys.path
+            p
+            for p in sys.path
             if "runtime_resources" in p and os.path.isfile(os.path.join(p, "rollfleet", "manager", "placement.py"))
         ]
         return uris, copies

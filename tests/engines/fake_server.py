@@ -25,7 +25,6 @@ from typing import Any, Optional
 import uvicorn
 from fastapi import FastAPI, Request
 
-
 #: The unit tier's vocabulary and a prompt in it.
 VOCAB = 1000
 PROMPT = [11, 12, 13]
@@ -184,4 +183,14 @@ class FakeServer:
         uvicorn.Server(config).run()
 
 
-__all__ = ["VOCAB", "PROMPT", "FakeServer", "expected_tokens", "next_token", "token_logprob", "salt_for", "run_generation", "wait_until"]
+__all__ = [
+    "VOCAB",
+    "PROMPT",
+    "FakeServer",
+    "expected_tokens",
+    "next_token",
+    "token_logprob",
+    "salt_for",
+    "run_generation",
+    "wait_until",
+]

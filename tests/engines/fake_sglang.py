@@ -24,7 +24,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 try:
-    from tests.engines.fake_server import FakeServer, expected_tokens, next_token, run_generation, salt_for, token_logprob
+    from tests.engines.fake_server import (
+        FakeServer,
+        expected_tokens,
+        next_token,
+        run_generation,
+        salt_for,
+        token_logprob,
+    )
 except ImportError:  # tests/ is not a package: pytest put this folder on sys.path
     from fake_server import FakeServer, expected_tokens, next_token, run_generation, salt_for, token_logprob
 
@@ -218,8 +225,12 @@ class FakeSGLangServer(FakeServer):
             finally:
                 fake.running.pop(rid, None)
             if kind == "abort":
-                finish: dict[str, Any] = {"type": "abort", "message": "Aborted" if state["tokens"] else "Abort before prefill",
-                                          "status_code": None, "err_type": None}
+                finish: dict[str, Any] = {
+                    "type": "abort",
+                    "message": "Aborted" if state["tokens"] else "Abort before prefill",
+                    "status_code": None,
+                    "err_type": None,
+                }
             elif kind == "length":
                 finish = {"type": "length", "length": max_new}
             else:
@@ -286,14 +297,20 @@ class FakeSGLangServer(FakeServer):
             path = body.get("model_path")
             if not isinstance(path, str) or not os.path.exists(path):
                 return JSONResponse(
-                    {"success": False, "message": f"Failed to get weights iterator: {path} not found.", "num_paused_requests": 0},
+                    {
+                        "success": False,
+                        "message": f"Failed to get weights iterator: {path} not found.",
+                        "num_paused_requests": 0,
+                    },
                     status_code=400,
                 )
             fake.salt = salt_for(path)
             fake.model_path = path
             if body.get("weight_version") is not None:
                 fake.weight_version = body["weight_version"]
-            return JSONResponse({"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0})
+            return JSONResponse(
+                {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+            )
 
         @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
         async def release_memory_occupation(request: Request) -> Any:

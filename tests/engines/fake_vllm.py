@@ -32,17 +32,35 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 try:
     from tests.engines.fake_server import (
-        PROMPT, VOCAB, FakeServer, expected_tokens, run_generation, salt_for, token_logprob, wait_until,
+        PROMPT,
+        VOCAB,
+        FakeServer,
+        expected_tokens,
+        run_generation,
+        salt_for,
+        token_logprob,
+        wait_until,
     )
 except ImportError:  # tests/ is not a package: pytest put this folder on sys.path
-    from fake_server import PROMPT, VOCAB, FakeServer, expected_tokens, run_generation, salt_for, token_logprob, wait_until
+    from fake_server import (
+        PROMPT,
+        VOCAB,
+        FakeServer,
+        expected_tokens,
+        run_generation,
+        salt_for,
+        token_logprob,
+        wait_until,
+    )
 
 _SETTINGS = dict(token_delay_s=0.0, eos_token_id=None, register_delay_s=0.0, health_delay_s=0.0, fail_status=None,
                  drop_finish_reason=False, finish_reason=None, profiler=True)  # fmt: skip
 
 
 class FakeVLLMServer(FakeServer):
-    def __init__(self, *, vocab_size: int = VOCAB, max_model_len: int = 256, model: str = "tiny", **settings: Any) -> None:
+    def __init__(
+        self, *, vocab_size: int = VOCAB, max_model_len: int = 256, model: str = "tiny", **settings: Any
+    ) -> None:
         self.max_model_len = max_model_len
         self.model = model
         super().__init__(vocab_size=vocab_size)
@@ -101,12 +119,19 @@ class FakeVLLMServer(FakeServer):
                 while fake.paused and not state["abort"]:  # queued by the paused scheduler
                     await asyncio.sleep(0.002)
                 state["waiting"] = False
-                kind, matched = await run_generation(fake, state, prompt[-1], max_tokens, body.get("min_tokens") or 0, stop_ids)
+                kind, matched = await run_generation(
+                    fake, state, prompt[-1], max_tokens, body.get("min_tokens") or 0, stop_ids
+                )
             finally:
                 fake.running.pop(rid, None)
             cached = len(prompt) if tuple(prompt) in fake.prefix_cache else 0
             fake.prefix_cache.add(tuple(prompt))
-            for key, n in (("prompt", len(prompt)), ("generation", len(state["tokens"])), ("queries", len(prompt)), ("hits", cached)):
+            for key, n in (
+                ("prompt", len(prompt)),
+                ("generation", len(state["tokens"])),
+                ("queries", len(prompt)),
+                ("hits", cached),
+            ):
                 fake.counters[key] += n
             finish = None if fake.drop_finish_reason else (fake.finish_reason or kind)
             tokens = list(state["tokens"])

@@ -55,7 +55,10 @@ def _vllm_answer(finish, n):
 
 
 def _sglang_answer(finish, n):
-    meta = {"finish_reason": None if finish is None else {"type": finish}, "output_token_logprobs": [[-0.5, t, None] for t in range(1, n + 1)]}
+    meta = {
+        "finish_reason": None if finish is None else {"type": finish},
+        "output_token_logprobs": [[-0.5, t, None] for t in range(1, n + 1)],
+    }
     return {"output_ids": list(range(1, n + 1)), "meta_info": meta}
 
 
@@ -86,7 +89,10 @@ def test_parse_metrics_sums_label_sets_and_filters():
         "# HELP vllm:prefix_cache_hits_total h\n# TYPE vllm:prefix_cache_hits_total counter\n"
         'vllm:prefix_cache_hits_total{engine="0"} 9.0\n'
         'vllm:prefix_cache_hits_created{engine="0"} 1.7e9\n'
-        "# HELP lat l\n# TYPE lat histogram\n" 'lat_bucket{le="+Inf"} 4.0\n' "lat_count 4.0\n" "lat_sum 2.0\n"
+        "# HELP lat l\n# TYPE lat histogram\n"
+        'lat_bucket{le="+Inf"} 4.0\n'
+        "lat_count 4.0\n"
+        "lat_sum 2.0\n"
     )
     only = parse_metrics(text, ["vllm:num_requests_running", "vllm:prefix_cache_hits_total"])
     assert only == {"vllm:num_requests_running": 5.0, "vllm:prefix_cache_hits_total": 9.0}
@@ -125,7 +131,11 @@ def test_transport_predicates():
     refused = aiohttp.ClientConnectorError(None, OSError(111, "Connection refused"))  # type: ignore[arg-type]
     assert is_refused(refused) and not is_stale(refused)
     assert is_stale(aiohttp.ServerDisconnectedError()) and not is_refused(aiohttp.ServerDisconnectedError())
-    assert is_timeout(asyncio.TimeoutError()) and is_timeout(httpx.ReadTimeout("t")) and is_timeout(aiohttp.ServerTimeoutError())
+    assert (
+        is_timeout(asyncio.TimeoutError())
+        and is_timeout(httpx.ReadTimeout("t"))
+        and is_timeout(aiohttp.ServerTimeoutError())
+    )
     assert not is_stale(aiohttp.ServerTimeoutError())
     assert is_refused(httpx.ConnectError("refused")) and not is_refused(httpx.ConnectTimeout("slow"))
 

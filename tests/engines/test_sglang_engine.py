@@ -16,8 +16,7 @@ import pytest
 import pytest_asyncio
 
 from rollfleet.config import RolloutConfig
-from rollfleet.engines.sglang import SGLangEngine, normalize_finish_reason, translate_sampling_params
-from rollfleet.engines.sglang import wire
+from rollfleet.engines.sglang import SGLangEngine, normalize_finish_reason, translate_sampling_params, wire
 from rollfleet.errors import EngineDead, InvalidRequest, NotSupported, ReplicaUnavailable
 
 try:
@@ -100,11 +99,25 @@ def test_normalize_finish_reason():
 
 def test_wire_parses_answers_errors_and_load():
     triples = [[-0.1, 5, None], [-0.2, 6, None]]
-    out = wire.parse_generate([{"output_ids": [5], "meta_info": {"finish_reason": {"type": "length"},
-                                                                 "output_token_logprobs": triples, "cached_tokens": 2}}], 2)
+    out = wire.parse_generate(
+        [
+            {
+                "output_ids": [5],
+                "meta_info": {
+                    "finish_reason": {"type": "length"},
+                    "output_token_logprobs": triples,
+                    "cached_tokens": 2,
+                },
+            }
+        ],
+        2,
+    )
     assert out.token_ids == [5, 6] and out.log_probs == [-0.1, -0.2]  # aligned on the logprob ids
     assert out.stop_reason == "length" and out.extra_fields["engine_cached_tokens"] == 2
-    rejected = {"output_ids": [], "meta_info": {"finish_reason": {"type": "abort", "status_code": 400, "message": "top_p bad"}}}
+    rejected = {
+        "output_ids": [],
+        "meta_info": {"finish_reason": {"type": "abort", "status_code": 400, "message": "top_p bad"}},
+    }
     with pytest.raises(InvalidRequest) as err:
         wire.parse_generate(rejected, 4)
     assert err.value.field == "sampling_params.top_p"
@@ -118,7 +131,9 @@ def test_wire_parses_answers_errors_and_load():
     load = wire.load_from_metrics({"sglang:num_running_reqs": [1.0, 2.0], "sglang:token_usage": [0.2, 0.5]})
     assert load.running == 3 and load.kv_usage == 0.5
     assert wire.load_from_metrics({}) is None
-    newer = wire.load_from_get_load([{"num_running_reqs": 2, "num_waiting_reqs": 1, "num_tokens": 100, "num_pending_tokens": 75}])
+    newer = wire.load_from_get_load(
+        [{"num_running_reqs": 2, "num_waiting_reqs": 1, "num_tokens": 100, "num_pending_tokens": 75}]
+    )
     assert (newer.running, newer.waiting, newer.inflight_tokens, newer.kv_usage) == (2, 1, 25, 0.25)
 
 
@@ -376,14 +391,25 @@ async def test_generate_before_start_is_a_typed_error(fake):
 
 
 def test_launch_command_has_documented_flags():
-    cfg = RolloutConfig(name="sglang", model="/models/qwen", max_model_len=2048, sglang={"tp_size": 2, "mem_fraction_static": 0.5, "extra_args": ["--enable-memory-saver"]})
+    cfg = RolloutConfig(
+        name="sglang",
+        model="/models/qwen",
+        max_model_len=2048,
+        sglang={"tp_size": 2, "mem_fraction_static": 0.5, "extra_args": ["--enable-memory-saver"]},
+    )
     eng = SGLangEngine.from_config(cfg, replica_index=0)
     eng.port = 31000
     cmd = eng._command()
     assert cmd[1:3] == ["-m", "sglang.launch_server"]
     joined = " ".join(cmd)
-    for flag in ("--model-path /models/qwen", "--host 127.0.0.1", "--port 31000", "--tp-size 2",
-                 "--mem-fraction-static 0.5", "--context-length 2048"):
+    for flag in (
+        "--model-path /models/qwen",
+        "--host 127.0.0.1",
+        "--port 31000",
+        "--tp-size 2",
+        "--mem-fraction-static 0.5",
+        "--context-length 2048",
+    ):
         assert flag in joined
     assert cmd[-1] == "--enable-memory-saver"
     assert eng._env().get("CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -416,7 +442,16 @@ class LaunchedFakeSGLang(SGLangEngine):
 
     def _command(self) -> list[str]:
         fake = Path(__file__).with_name("fake_sglang.py")
-        return [sys.executable, str(fake), "--host", self.bind_host, "--port", str(self.port), "--vocab-size", str(VOCAB)]
+        return [
+            sys.executable,
+            str(fake),
+            "--host",
+            self.bind_host,
+            "--port",
+            str(self.port),
+            "--vocab-size",
+            str(VOCAB),
+        ]
 
 
 @pytest.mark.asyncio
@@ -427,7 +462,9 @@ async def test_a_launched_server_is_supervised_watched_and_restartable():
     await eng.start()
     pid, workdir = eng.pid, eng.workdir
     assert pid and eng.address() == f"http://127.0.0.1:{eng.port}" and eng.stats()["sglang_pid"] == pid
-    assert (await eng.generate("a", PROMPT, {"max_tokens": 3})).token_ids == expected_tokens(PROMPT, 3, vocab_size=VOCAB)
+    assert (await eng.generate("a", PROMPT, {"max_tokens": 3})).token_ids == expected_tokens(
+        PROMPT, 3, vocab_size=VOCAB
+    )
     os.kill(pid, signal.SIGKILL)
     await wait_until(lambda: not eng.is_alive(), timeout=5)
     health = await eng.health()

@@ -51,9 +51,20 @@ def test_from_config_and_body():
     cfg = RolloutConfig(name="vllm", model="tiny", num_replicas=2, max_model_len=64, seed=7)
     eng = VLLMEngine.from_config(cfg, 1)
     assert eng.max_model_len == 64 and eng.seed == 7 and eng.replica_index == 1
-    body, max_tokens = completion_body(eng.model, [1, 2, 3], {"max_new_tokens": 5, "temperature": 0.0, "top_k": -1,
-                                                              "logprobs": True, "n": 4, "stop_token_ids": [2], "seed": None},
-                                       eng.max_model_len)
+    body, max_tokens = completion_body(
+        eng.model,
+        [1, 2, 3],
+        {
+            "max_new_tokens": 5,
+            "temperature": 0.0,
+            "top_k": -1,
+            "logprobs": True,
+            "n": 4,
+            "stop_token_ids": [2],
+            "seed": None,
+        },
+        eng.max_model_len,
+    )
     assert max_tokens == 5 and body["max_tokens"] == 5
     assert body["n"] == 1 and body["logprobs"] == 0 and body["return_token_ids"] is True
     assert body["prompt"] == [1, 2, 3] and body["stop_token_ids"] == [2] and "seed" not in body
@@ -155,10 +166,32 @@ async def test_generate_token_ids_and_logprobs(engine: VLLMEngine):
     assert stopped.token_ids[:first] == out.token_ids[:first]
     assert len(stopped.token_ids) == len(stopped.log_probs) <= first + 1
     # Sampling parameters pass through (seeded sampling is reproducible).
-    s1 = await engine.generate("s", PROMPT, {"max_tokens": 8, "temperature": 1.0, "top_p": 0.9, "top_k": 50,
-                                             "seed": 123, "repetition_penalty": 1.1, "min_tokens": 2})
-    s2 = await engine.generate("s", PROMPT, {"max_tokens": 8, "temperature": 1.0, "top_p": 0.9, "top_k": 50,
-                                             "seed": 123, "repetition_penalty": 1.1, "min_tokens": 2})
+    s1 = await engine.generate(
+        "s",
+        PROMPT,
+        {
+            "max_tokens": 8,
+            "temperature": 1.0,
+            "top_p": 0.9,
+            "top_k": 50,
+            "seed": 123,
+            "repetition_penalty": 1.1,
+            "min_tokens": 2,
+        },
+    )
+    s2 = await engine.generate(
+        "s",
+        PROMPT,
+        {
+            "max_tokens": 8,
+            "temperature": 1.0,
+            "top_p": 0.9,
+            "top_k": 50,
+            "seed": 123,
+            "repetition_penalty": 1.1,
+            "min_tokens": 2,
+        },
+    )
     assert s1.token_ids == s2.token_ids and len(s1.log_probs) == len(s1.token_ids)
 
 
@@ -183,8 +216,9 @@ async def test_bad_input_is_invalid_request_and_odd_ids_work(engine: VLLMEngine)
 async def _long_requests(engine: VLLMEngine, n: int, prefix: str):
     return [
         asyncio.create_task(
-            engine.generate(f"{prefix}{i}", PROMPT + [i], {"max_tokens": LONG, "temperature": 1.0,
-                                                           "ignore_eos": True, "seed": i})
+            engine.generate(
+                f"{prefix}{i}", PROMPT + [i], {"max_tokens": LONG, "temperature": 1.0, "ignore_eos": True, "seed": i}
+            )
         )
         for i in range(n)
     ]
@@ -472,8 +506,9 @@ async def test_smollm2_serves_a_sensible_answer():
     await eng.start()
     try:
         tok = AutoTokenizer.from_pretrained(eng.model_path)
-        text = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                       tokenize=False, add_generation_prompt=True)
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": "What is the capital of France?"}], tokenize=False, add_generation_prompt=True
+        )
         ids = tok(text)["input_ids"]
         out = await eng.generate("smol", ids, {"max_tokens": 16, "temperature": 0.0})
         assert len(out.log_probs) == len(out.token_ids) > 0

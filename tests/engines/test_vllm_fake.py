@@ -106,7 +106,11 @@ async def test_generate_sends_the_documented_body_and_parses_tokens_and_logprobs
 
 @pytest.mark.asyncio
 async def test_bad_input_is_invalid_request_naming_the_field_and_server_errors_are_retryable(fake, engine):
-    cases = [([5, VOCAB + 9], {}, "prompt_ids"), ([5] * 300, {}, "prompt_ids"), (PROMPT, {"temperature": -1.0}, "sampling_params.temperature")]
+    cases = [
+        ([5, VOCAB + 9], {}, "prompt_ids"),
+        ([5] * 300, {}, "prompt_ids"),
+        (PROMPT, {"temperature": -1.0}, "sampling_params.temperature"),
+    ]
     for prompt, extra, field in cases:
         with pytest.raises(InvalidRequest) as err:
             await engine.generate("bad", prompt, {"max_tokens": 2, **extra})
@@ -178,7 +182,9 @@ async def test_a_keep_alive_connection_closed_by_the_server_is_retried_once_unde
                 writer.close()
                 return
         body = completion if path == "/v1/completions" else b"{}"
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
         await writer.drain()
         writer.close()
 
@@ -307,7 +313,16 @@ class LaunchedFakeVLLM(VLLMEngine):
     def _command(self) -> list[str]:
         self.real_command = super()._command()
         fake = Path(__file__).with_name("fake_vllm.py")
-        return [sys.executable, str(fake), "--host", self.bind_host, "--port", str(self.port), "--vocab-size", str(VOCAB)]
+        return [
+            sys.executable,
+            str(fake),
+            "--host",
+            self.bind_host,
+            "--port",
+            str(self.port),
+            "--vocab-size",
+            str(VOCAB),
+        ]
 
 
 @pytest.mark.asyncio

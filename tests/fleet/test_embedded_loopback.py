@@ -22,8 +22,16 @@ pytestmark = pytest.mark.slow
 
 STARTUP_TIMEOUT_S = 180
 #: Processes that are Ray's own, not rollfleet's (matched on the command line).
-RAY_DAEMONS = ("gcs_server", "raylet", "dashboard/agent.py", "log_monitor.py", "runtime_env/agent", "monitor.py",
-               "dashboard/dashboard.py", "ray_client_server")
+RAY_DAEMONS = (
+    "gcs_server",
+    "raylet",
+    "dashboard/agent.py",
+    "log_monitor.py",
+    "runtime_env/agent",
+    "monitor.py",
+    "dashboard/dashboard.py",
+    "ray_client_server",
+)
 
 
 def is_loopback(host: str) -> bool:
@@ -40,15 +48,24 @@ def listeners(proc: psutil.Process) -> list[tuple[str, int]]:
 
 def test_an_embedded_fleet_listens_on_loopback_only(tmp_path):
     config = tmp_path / "serve.yaml"
-    config.write_text(yaml.safe_dump({
-        "rollout": {"name": "sim", "num_replicas": 2, "max_model_len": 256, "response_length": 16},
-        "ray": {"num_cpus": 2},
-        "gateway": {"port": 0},
-    }))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "rollout": {"name": "sim", "num_replicas": 2, "max_model_len": 256, "response_length": 16},
+                "ray": {"num_cpus": 2},
+                "gateway": {"port": 0},
+            }
+        )
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
     env["RAY_AUTH_MODE"] = "disabled"
-    proc = subprocess.Popen([sys.executable, "-m", "rollfleet.cli.main", "serve", "--config", str(config)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rollfleet.cli.main", "serve", "--config", str(config)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         url = None

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from rollfleet.client import FullyAsyncLLMServerClient, LLMServerClient
+from rollfleet.client import FullyAsyncLLMServerClient
 from rollfleet.config import RollfleetConfig
 from rollfleet.errors import InvalidRequest
 from rollfleet.manager import LLMServerManager
@@ -40,8 +40,10 @@ async def manager(ray_session):
 async def run_trajectory(client, tid: int, turns: int = 3) -> list:
     prompt = [1 + (tid * 7 + j) % 1900 for j in range(40)]
     outs = []
-    for t in range(turns):
-        out = await client.generate(f"traj-{tid}", prompt_ids=prompt, sampling_params={"temperature": 1.0, "max_tokens": 200})
+    for _t in range(turns):
+        out = await client.generate(
+            f"traj-{tid}", prompt_ids=prompt, sampling_params={"temperature": 1.0, "max_tokens": 200}
+        )
         outs.append(out)
         prompt = prompt + out.token_ids + [5, 6, 7, 8]  # the "user" replies
     client.finish_session(f"traj-{tid}")
@@ -205,7 +207,9 @@ async def test_hung_replica_is_detected_and_bypassed(ray_session):
             return r.restarts >= 1 or r.state in ("dead", "restarting", "syncing")
 
         assert await wait_until(dead_or_restarted, timeout=10)
-        outs = await asyncio.gather(*(client.generate(f"h{i}", prompt_ids=[1, 2], sampling_params={"max_tokens": 5}) for i in range(20)))
+        outs = await asyncio.gather(
+            *(client.generate(f"h{i}", prompt_ids=[1, 2], sampling_params={"max_tokens": 5}) for i in range(20))
+        )
         assert len(outs) == 20
     finally:
         await m.shutdown()

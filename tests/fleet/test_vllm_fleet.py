@@ -34,7 +34,12 @@ async def fleet(ray_session):
                 "response_length": 256,
                 "max_model_len": MAX_MODEL_LEN,
                 "routing": {"policy": "least_tokens", "load_refresh_interval_s": 0.2},
-                "health": {"probe_interval_s": 0.5, "probe_timeout_s": 5.0, "failures_to_dead": 2, "auto_restart": False},
+                "health": {
+                    "probe_interval_s": 0.5,
+                    "probe_timeout_s": 5.0,
+                    "failures_to_dead": 2,
+                    "auto_restart": False,
+                },
                 "retry": {"max_attempts": 40, "initial_backoff_s": 0.05, "max_backoff_s": 0.5},
                 "vllm": {"max_num_seqs": 128},
             }
@@ -56,10 +61,11 @@ async def vllm_metric(address: str, name: str) -> float:
 
 
 def model_state_dict():
+    import glob
+
     from safetensors.torch import load_file
 
     from rollfleet.models import get_model_path
-    import glob
 
     state = {}
     for f in glob.glob(f"{get_model_path('tiny')}/*.safetensors"):
@@ -71,7 +77,9 @@ async def test_serves_200_concurrent_requests(fleet):
     client = fleet.get_client()
     outs = await asyncio.gather(
         *(
-            client.generate(f"c{i}", prompt_ids=[10 + i % 50, 20, 30, 40], sampling_params={"max_tokens": 16, "temperature": 1.0})
+            client.generate(
+                f"c{i}", prompt_ids=[10 + i % 50, 20, 30, 40], sampling_params={"max_tokens": 16, "temperature": 1.0}
+            )
             for i in range(200)
         )
     )
@@ -110,7 +118,9 @@ async def test_multi_turn_sessions_stick_and_hit_vllm_prefix_cache(fleet):
         prompt = [(s * 13 + j) % 500 + 5 for j in range(96)]
         seen = set()
         for _turn in range(3):
-            out = await client.generate(f"sess-{s}", prompt_ids=prompt, sampling_params={"max_tokens": 24, "temperature": 0.8})
+            out = await client.generate(
+                f"sess-{s}", prompt_ids=prompt, sampling_params={"max_tokens": 24, "temperature": 0.8}
+            )
             seen.add(out.extra_fields["replica_id"])
             prompt = prompt + out.token_ids + [7, 8, 9, 10]
         client.finish_session(f"sess-{s}")
@@ -135,7 +145,10 @@ async def test_greedy_outputs_change_only_with_a_weight_update(fleet):
     import torch
 
     gen = torch.Generator().manual_seed(version)
-    state = {k: v + 0.5 * torch.randn(v.shape, generator=gen) if "embed" in k or "lm_head" in k else v for k, v in state.items()}
+    state = {
+        k: v + 0.5 * torch.randn(v.shape, generator=gen) if "embed" in k or "lm_head" in k else v
+        for k, v in state.items()
+    }
     await fleet.update_weights(state, version)
     c = await client.generate("g3", prompt_ids=prompt, sampling_params=params)
     assert c.token_ids != a.token_ids
@@ -151,7 +164,11 @@ async def test_weight_update_mid_generation_is_resumed_with_exact_budget(fleet):
     # each needs >= 6 s): the update surely lands in the middle of every one of them.
     tasks = [
         asyncio.ensure_future(
-            client.generate(f"long-{i}", prompt_ids=[21, 22, 23 + i], sampling_params={"max_tokens": budget, "ignore_eos": True, "temperature": 1.0})
+            client.generate(
+                f"long-{i}",
+                prompt_ids=[21, 22, 23 + i],
+                sampling_params={"max_tokens": budget, "ignore_eos": True, "temperature": 1.0},
+            )
         )
         for i in range(16)
     ]
@@ -179,7 +196,9 @@ async def test_bad_input_is_rejected_and_replicas_keep_serving(fleet):
     with pytest.raises(InvalidRequest) as err:
         await client.generate("oov", prompt_ids=[5, 10**7], sampling_params={"max_tokens": 4})
     assert err.value.field == "prompt_ids[1]"
-    outs = await asyncio.gather(*(client.generate(f"ok{i}", prompt_ids=[5, 6, 7], sampling_params={"max_tokens": 4}) for i in range(8)))
+    outs = await asyncio.gather(
+        *(client.generate(f"ok{i}", prompt_ids=[5, 6, 7], sampling_params={"max_tokens": 4}) for i in range(8))
+    )
     assert all(o.token_ids for o in outs)
     assert vocab.state == "healthy"
 
@@ -201,5 +220,7 @@ async def test_killed_vllm_process_is_reported_unavailable_quickly(fleet):
         assert time.monotonic() - started < 15, "a killed vLLM must be reported within seconds, not hang"
         await asyncio.sleep(0.2)
     client = fleet.get_client()
-    outs = await asyncio.gather(*(client.generate(f"k{i}", prompt_ids=[5, 6, 7], sampling_params={"max_tokens": 4}) for i in range(10)))
+    outs = await asyncio.gather(
+        *(client.generate(f"k{i}", prompt_ids=[5, 6, 7], sampling_params={"max_tokens": 4}) for i in range(10))
+    )
     assert {o.extra_fields["replica_id"] for o in outs} == {"replica-0"}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from gateway_support import load_codec, stack_config
 
 from rollfleet.gateway import GatewayStack

@@ -7,10 +7,9 @@ import asyncio
 
 import httpx
 import pytest
+from gateway_support import MODEL, load_codec, stack_config
 
 from rollfleet.gateway import GatewayStack
-
-from gateway_support import MODEL, load_codec, stack_config
 
 pytestmark = pytest.mark.ray
 

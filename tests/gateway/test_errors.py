@@ -9,12 +9,11 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from gateway_support import MODEL, load_codec
 
 from rollfleet.client import LLMServerClient
 from rollfleet.config import GatewayConfig, RetryConfig, RolloutConfig
 from rollfleet.gateway import Gateway, GatewayServer
-
-from gateway_support import MODEL, load_codec
 
 LONG_TEXT = " ".join(f"word{i}" for i in range(400))  # well over the 512-token context
 

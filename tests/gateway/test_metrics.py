@@ -5,10 +5,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from gateway_support import MODEL
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
-
-from gateway_support import MODEL
 
 pytestmark = pytest.mark.ray
 

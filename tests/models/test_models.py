@@ -17,11 +17,7 @@ from rollfleet.models import build_tiny_model, builtin_models, get_model_path
 
 
 def _hashes(folder: Path) -> dict[str, str]:
-    return {
-        p.name: hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(folder.iterdir())
-        if p.is_file()
-    }
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +28,13 @@ def tiny_dir(tmp_path_factory) -> Path:
 def test_same_seed_gives_byte_identical_files(tiny_dir, tmp_path):
     again = Path(build_tiny_model(tmp_path / "again", seed=0))
     a, b = _hashes(tiny_dir), _hashes(again)
-    assert set(a) >= {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                      "generation_config.json"}
+    assert set(a) >= {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    }
     assert a == b
     other = _hashes(Path(build_tiny_model(tmp_path / "other", seed=1)))
     assert other["model.safetensors"] != a["model.safetensors"]
@@ -45,7 +46,8 @@ def test_identical_across_processes(tiny_dir, tmp_path):
     out = tmp_path / "proc"
     subprocess.run(
         [sys.executable, "-c", f"from rollfleet.models import build_tiny_model; build_tiny_model({str(out)!r})"],
-        check=True, cwd=str(Path(__file__).resolve().parents[2]),
+        check=True,
+        cwd=str(Path(__file__).resolve().parents[2]),
     )
     assert _hashes(out) == _hashes(tiny_dir)
 
@@ -64,8 +66,15 @@ def test_tokenizer_round_trip_and_specials(tiny_dir):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tiny_dir))
-    for text in ["12+345=357", "What is 17 * 23? The answer is 391.", "Copy: hello world\nhello world",
-                 "Reverse abc: cba", "<|im_start|>user\nhi<|im_end|>\n", '{"name": "calculator"}', "ünïcödé ☃"]:
+    for text in [
+        "12+345=357",
+        "What is 17 * 23? The answer is 391.",
+        "Copy: hello world\nhello world",
+        "Reverse abc: cba",
+        "<|im_start|>user\nhi<|im_end|>\n",
+        '{"name": "calculator"}',
+        "ünïcödé ☃",
+    ]:
         ids = tok.encode(text, add_special_tokens=False)
         assert tok.decode(ids) == text
     # Digits are one token each: arithmetic tokenises sensibly.
@@ -84,13 +93,25 @@ def test_chat_template_renders_tools(tiny_dir):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tiny_dir))
-    tools = [{"type": "function", "function": {"name": "calculator", "description": "evaluate",
-                                                "parameters": {"type": "object",
-                                                               "properties": {"expression": {"type": "string"}}}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "calculator",
+                "description": "evaluate",
+                "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
+            },
+        }
+    ]
     messages = [
         {"role": "user", "content": "What is 2+2?"},
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "2+2"}}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "2+2"}}}
+            ],
+        },
         {"role": "tool", "content": "4"},
         {"role": "assistant", "content": "4"},
     ]
@@ -143,8 +164,10 @@ def test_get_model_path_concurrent_processes_do_not_race(tmp_path):
     env = dict(os.environ, ROLLFLEET_CACHE=str(tmp_path))
     code = "from rollfleet.models import get_model_path; print(get_model_path('tiny'))"
     root = str(Path(__file__).resolve().parents[2])
-    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, cwd=root, stdout=subprocess.PIPE, text=True)
-             for _ in range(2)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], env=env, cwd=root, stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
     outs = [p.communicate(timeout=300)[0].strip() for p in procs]
     assert all(p.returncode == 0 for p in procs)
     assert outs[0] == outs[1]
@@ -174,9 +197,10 @@ def test_smollm2_conversion(tmp_path, monkeypatch):
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path)
     assert 100e6 < sum(p.numel() for p in model.parameters()) < 200e6
-    text = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                   tokenize=False, add_generation_prompt=True)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], tokenize=False, add_generation_prompt=True
+    )
     ids = tok(text, return_tensors="pt")
     out = model.generate(**ids, max_new_tokens=12, do_sample=False)
-    answer = tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    answer = tok.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "Paris" in answer

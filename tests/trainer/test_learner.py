@@ -153,7 +153,7 @@ def test_state_dict_for_inference_matches_safetensors_names(tiny_path):
     learner = Learner(tiny_path, LearnerConfig())
     state = learner.state_dict_for_inference()
     assert set(state) == _safetensors_keys(tiny_path)
-    for name, t in state.items():
+    for t in state.values():
         assert t.device.type == "cpu" and t.is_contiguous() and not t.requires_grad
     name = "model.embed_tokens.weight"
     state[name].add_(1.0)  # a copy: the model is untouched
@@ -164,7 +164,11 @@ def test_state_dict_for_inference_drops_tied_lm_head(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
-        hidden_size=64, num_attention_heads=2, num_hidden_layers=1, intermediate_size=128, vocab_size=100,
+        hidden_size=64,
+        num_attention_heads=2,
+        num_hidden_layers=1,
+        intermediate_size=128,
+        vocab_size=100,
         tie_word_embeddings=True,
     )
     LlamaForCausalLM(cfg).save_pretrained(tmp_path)

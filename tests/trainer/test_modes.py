@@ -85,10 +85,16 @@ async def test_each_mode_trains_and_the_fleet_follows(ray_session, tmp_path, mod
     ("mode", "partial_rollout", "expected"),
     [
         ("sync", True, {"class": "rollfleet.client.llm_client.LLMServerClient"}),
-        ("separate_async", False, {"class": "rollfleet.client.fully_async.FullyAsyncLLMServerClient",
-                                   "partial_rollout": False}),
-        ("separate_async", True, {"class": "rollfleet.client.fully_async.FullyAsyncLLMServerClient",
-                                  "partial_rollout": True}),
+        (
+            "separate_async",
+            False,
+            {"class": "rollfleet.client.fully_async.FullyAsyncLLMServerClient", "partial_rollout": False},
+        ),
+        (
+            "separate_async",
+            True,
+            {"class": "rollfleet.client.fully_async.FullyAsyncLLMServerClient", "partial_rollout": True},
+        ),
     ],
 )
 async def test_every_worker_actor_runs_the_trainers_client(ray_session, tmp_path, mode, partial_rollout, expected):
@@ -122,13 +128,25 @@ async def test_workers_run_whatever_get_llm_client_returns(ray_session, tmp_path
         infos = [await w.call("client_info") for w in trainer.agent_manager.workers]
     finally:
         await trainer.close()
-    assert infos == [{"class": "rollfleet.client.fully_async.FullyAsyncLLMServerClient", "partial_rollout": False,
-                      "owns_client": True}]
+    assert infos == [
+        {
+            "class": "rollfleet.client.fully_async.FullyAsyncLLMServerClient",
+            "partial_rollout": False,
+            "owns_client": True,
+        }
+    ]
 
 
 async def test_separate_async_drop_discards_stale_groups_and_replaces_them(ray_session, tmp_path):
-    cfg = config(tmp_path, "separate_async", total_steps=5, max_off_policy_steps=0, max_off_policy_strategy="drop",
-                 max_inflight_groups=6, max_queue_groups=6)
+    cfg = config(
+        tmp_path,
+        "separate_async",
+        total_steps=5,
+        max_off_policy_steps=0,
+        max_off_policy_strategy="drop",
+        max_inflight_groups=6,
+        max_queue_groups=6,
+    )
     trainer = await run(cfg)
     assert trainer.step == 5
     assert all(s <= 0 for entry in trainer.trained_log for s in entry["staleness"])
@@ -138,15 +156,24 @@ async def test_separate_async_drop_discards_stale_groups_and_replaces_them(ray_s
 
 
 async def test_separate_async_wait_holds_the_rollouter(ray_session, tmp_path):
-    cfg = config(tmp_path, "separate_async", total_steps=4, max_off_policy_steps=1, max_off_policy_strategy="wait",
-                 max_inflight_groups=8, max_queue_groups=8)
+    cfg = config(
+        tmp_path,
+        "separate_async",
+        total_steps=4,
+        max_off_policy_steps=1,
+        max_off_policy_strategy="wait",
+        max_inflight_groups=8,
+        max_queue_groups=8,
+    )
     trainer = await run(cfg)
     assert all(s <= 1 for entry in trainer.trained_log for s in entry["staleness"])
     assert trainer.tracker.history[-1]["rollout/waits"] > 0
 
 
 async def test_no_trajectory_exceeds_response_length_across_syncs(ray_session, tmp_path):
-    cfg = config(tmp_path, "separate_async", total_steps=6, max_off_policy_steps=3, max_inflight_groups=4, max_queue_groups=2)
+    cfg = config(
+        tmp_path, "separate_async", total_steps=6, max_off_policy_steps=3, max_inflight_groups=4, max_queue_groups=2
+    )
     cfg.rollout.sim.time_scale = 0.2  # slow generation: syncs land mid-trajectory
     cfg.rollout.sim.mean_response_tokens = 200
     trainer = await run(cfg)
@@ -155,8 +182,15 @@ async def test_no_trajectory_exceeds_response_length_across_syncs(ray_session, t
 
 
 async def test_partial_rollout_off_regenerates_instead_of_training_on_truncated(ray_session, tmp_path):
-    cfg = config(tmp_path, "separate_async", total_steps=6, partial_rollout=False, max_off_policy_steps=3,
-                 max_inflight_groups=4, max_queue_groups=2)
+    cfg = config(
+        tmp_path,
+        "separate_async",
+        total_steps=6,
+        partial_rollout=False,
+        max_off_policy_steps=3,
+        max_inflight_groups=4,
+        max_queue_groups=2,
+    )
     cfg.rollout.sim.time_scale = 0.2
     cfg.rollout.sim.mean_response_tokens = 200
     trainer = await run(cfg)

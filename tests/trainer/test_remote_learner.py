@@ -80,10 +80,16 @@ def test_learner_host_builds_from_a_picklable_spec_and_forwards(tmp_path):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize(("mode", "override", "expected"), [
-    ("sync", None, True), ("colocate_async", None, True), ("separate_async", None, False),
-    ("separate_async", True, True), ("sync", False, False),
-])
+@pytest.mark.parametrize(
+    ("mode", "override", "expected"),
+    [
+        ("sync", None, True),
+        ("colocate_async", None, True),
+        ("separate_async", None, False),
+        ("separate_async", True, True),
+        ("sync", False, False),
+    ],
+)
 def test_colocation_is_the_modes_default_unless_configured(tmp_path, mode, override, expected):
     cfg = config(tmp_path, mode, **({} if override is None else {"colocate": override}))
     trainer = get_trainer_cls(mode)(cfg)
@@ -112,8 +118,13 @@ async def test_sim_learner_runs_in_its_own_process_and_the_trainer_still_trains(
     rows = trainer.tracker.history
     assert [r["actor/global_step"] for r in rows] == [1.0, 2.0, 3.0]  # metrics come back from the actor
     # sync: the fleet sleeps while the learner trains and wakes before the weights load.
-    step = [("pause", None), ("sleep", None), ("wake_up", None), ("update_weights", ray_session.ObjectRef),
-            ("resume", None)]
+    step = [
+        ("pause", None),
+        ("sleep", None),
+        ("wake_up", None),
+        ("update_weights", ray_session.ObjectRef),
+        ("resume", None),
+    ]
     assert calls == step * 3
     with pytest.raises(ray_session.exceptions.RayActorError):
         await handle.where.remote()  # close() killed the learner

@@ -33,16 +33,20 @@ def plan(config) -> list[NodeInfo]:
         hosted[chosen.node_id] = hosted.get(chosen.node_id, 0) + 1
         nodes = [
             NodeInfo(n.node_id, n.ip, True, n.total, {k: v - bundle.get(k, 0) * tp for k, v in n.free.items()}, {})
-            if n.node_id == chosen.node_id else n
+            if n.node_id == chosen.node_id
+            else n
             for n in nodes
         ]
     return nodes
 
 
-@pytest.mark.parametrize("name, mode, colocate, learner_gpus_left", [
-    ("cluster_separate.yaml", "separate_async", None, 2),
-    ("cluster_colocated.yaml", "colocate_async", True, 0),
-])
+@pytest.mark.parametrize(
+    "name, mode, colocate, learner_gpus_left",
+    [
+        ("cluster_separate.yaml", "separate_async", None, 2),
+        ("cluster_colocated.yaml", "colocate_async", True, 0),
+    ],
+)
 def test_cluster_config_fits_two_nodes_of_eight_gpus(name, mode, colocate, learner_gpus_left):
     config = load_config(CONFIGS / name)
     train = TrainConfig.model_validate(config.trainer.model_dump())

@@ -48,7 +48,10 @@ async def until(predicate, timeout_s: float = 5.0) -> None:
 async def test_scrape_config_follows_launch_add_remove_and_restart(tmp_path):
     path = tmp_path / "prometheus.yml"
     cfg = RolloutConfig(
-        name="sim", prompt_length=16, response_length=8, max_model_len=64,
+        name="sim",
+        prompt_length=16,
+        response_length=8,
+        max_model_len=64,
         sim=SimEngineConfig(vocab_size=300, time_scale=1000.0),
         prometheus={"enable": True, "file": str(path)},
         health={"probe_interval_s": 0.05, "probe_timeout_s": 0.5, "failures_to_dead": 1},

@@ -17,7 +17,10 @@ pytestmark = pytest.mark.unit
 
 async def test_an_update_during_a_replica_start_up_is_loaded_before_it_serves():
     cfg = RolloutConfig(
-        name="sim", prompt_length=16, response_length=8, max_model_len=64,
+        name="sim",
+        prompt_length=16,
+        response_length=8,
+        max_model_len=64,
         sim=SimEngineConfig(vocab_size=300, time_scale=1000.0),
     )
     gate = asyncio.Event()

@@ -11,11 +11,11 @@ from typing import AsyncIterator
 
 import pytest
 
-from rollfleet.server.direct import DirectHandle, close_connections, get_connection
 from rollfleet.config import RolloutConfig, SimEngineConfig
 from rollfleet.errors import InvalidRequest, ReplicaUnavailable
 from rollfleet.server import wire
 from rollfleet.server.dataplane import DataPlaneServer
+from rollfleet.server.direct import DirectHandle, close_connections, get_connection
 from rollfleet.server.local import LocalHandle
 from rollfleet.server.replica import Replica
 from rollfleet.types import LoadReport, ReplicaResponse, TokenOutput
@@ -27,7 +27,10 @@ pytestmark = pytest.mark.unit
 async def served_replica(time_scale: float = 1000.0) -> AsyncIterator[tuple[Replica, DirectHandle]]:
     """A sim replica serving its data plane on loopback, and a handle to it; closed afterwards."""
     cfg = RolloutConfig(
-        name="sim", prompt_length=64, response_length=64, max_model_len=4096,
+        name="sim",
+        prompt_length=64,
+        response_length=64,
+        max_model_len=4096,
         sim=SimEngineConfig(vocab_size=500, time_scale=time_scale, mean_response_tokens=20),
     )
     r = Replica("r0", cfg, 0)
@@ -70,7 +73,9 @@ def test_non_json_values_fall_back_to_pickle_and_nan_logprobs_come_back_as_nan()
     (message,) = list(wire.FrameReader().feed(frame))
     assert message[5] == {"image": b"\x89PNG"}
 
-    out = TokenOutput(token_ids=[4, 5, 6], log_probs=[-0.5, math.nan, -1.25], stop_reason="length", token_versions=[2, 2, 2])
+    out = TokenOutput(
+        token_ids=[4, 5, 6], log_probs=[-0.5, math.nan, -1.25], stop_reason="length", token_versions=[2, 2, 2]
+    )
     response = ReplicaResponse(out, LoadReport("r0", inflight=3, weight_version=2, state="serving"))
     frame = wire.response_frame(9, response)
     assert frame[4] == wire.JSON
@@ -197,7 +202,12 @@ async def test_peers_without_the_token_or_speaking_garbage_are_dropped_and_other
 def test_direct_handle_pickles_to_actor_address_and_id():
     handle = DirectHandle("actor-placeholder", "10.0.0.5:4242", "replica-3", "secret")
     back = pickle.loads(pickle.dumps(handle))
-    assert (back.actor, back.address, back.replica_id, back.token) == ("actor-placeholder", "10.0.0.5:4242", "replica-3", "secret")
+    assert (back.actor, back.address, back.replica_id, back.token) == (
+        "actor-placeholder",
+        "10.0.0.5:4242",
+        "replica-3",
+        "secret",
+    )
     assert back == handle and hash(back) == hash(handle)
     assert back != DirectHandle("actor-placeholder", "10.0.0.5:4243", "replica-3")
 

@@ -48,13 +48,21 @@ class FakeServer:
             log_probs=[-0.5] * n,
             stop_reason=reason,
             token_versions=[v] * n,
-            extra_fields={"global_steps": v, "min_global_steps": v, "max_global_steps": v, "attempt_tag": len(self.calls), **self.extra},
+            extra_fields={
+                "global_steps": v,
+                "min_global_steps": v,
+                "max_global_steps": v,
+                "attempt_tag": len(self.calls),
+                **self.extra,
+            },
         )
         return ReplicaResponse(out, LoadReport(replica_id="s0"))
 
 
 def client(server, response_length=64, max_attempts=1000, cls=FullyAsyncLLMServerClient, **kw):
-    cfg = RolloutConfig(response_length=response_length, retry=RetryConfig(max_attempts=max_attempts, initial_backoff_s=0, jitter=0))
+    cfg = RolloutConfig(
+        response_length=response_length, retry=RetryConfig(max_attempts=max_attempts, initial_backoff_s=0, jitter=0)
+    )
     return cls(cfg, servers={"s0": LocalHandle(server)}, **kw)
 
 
@@ -120,7 +128,9 @@ def test_bounded_resume_returns_partial_with_flag():
 
 def test_partial_rollout_off_returns_aborted():
     server = FakeServer([3])
-    out = asyncio.run(client(server, partial_rollout=False).generate("r", prompt_ids=[1], sampling_params={"max_tokens": 50}))
+    out = asyncio.run(
+        client(server, partial_rollout=False).generate("r", prompt_ids=[1], sampling_params={"max_tokens": 50})
+    )
     assert out.stop_reason == "aborted" and len(out.token_ids) == 3 and len(server.calls) == 1
 
 
@@ -202,7 +212,9 @@ async def test_requests_waiting_for_a_routable_replica_share_fleet_refreshes():
     controller = SyncingController(server, routable_after_s=0.6)
     cfg = RolloutConfig(retry=RetryConfig(initial_backoff_s=0.01, max_backoff_s=0.2, jitter=0))
     c = LLMServerClient(cfg, controller=controller)
-    outs = await asyncio.gather(*(c.generate(f"w{i}", prompt_ids=[1, 2], sampling_params={"max_tokens": 4}) for i in range(64)))
+    outs = await asyncio.gather(
+        *(c.generate(f"w{i}", prompt_ids=[1, 2], sampling_params={"max_tokens": 4}) for i in range(64))
+    )
     await c.close()
     assert all(o.stop_reason == "stop" and len(o.token_ids) == 4 for o in outs)
     assert controller.calls < 100, controller.calls

@@ -104,4 +104,6 @@ def test_vllm_listens_on_its_node_and_sees_exactly_its_devices():
     cpu = VLLMEngine("tiny", max_model_len=64, device="cpu", num_replicas=2, replica_index=1)
     cpu.assign("127.0.0.1", None)
     env = cpu._env()
-    assert "VLLM_CPU_OMP_THREADS_BIND" in env and env.get("CUDA_VISIBLE_DEVICES") == __import__("os").environ.get("CUDA_VISIBLE_DEVICES")
+    assert "VLLM_CPU_OMP_THREADS_BIND" in env and env.get("CUDA_VISIBLE_DEVICES") == __import__("os").environ.get(
+        "CUDA_VISIBLE_DEVICES"
+    )

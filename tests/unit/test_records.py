@@ -16,10 +16,17 @@ pytestmark = pytest.mark.unit
 
 def test_records_serialise_without_handles_and_with_plain_states():
     handle = object()  # a Ray handle must never reach JSON
-    info = ReplicaInfo(replica_id="r0", state=HealthState.HEALTHY, address="http://10.0.0.1:8000", handle=handle,
-                       node_id="n1", devices=["0", "1"])
+    info = ReplicaInfo(
+        replica_id="r0",
+        state=HealthState.HEALTHY,
+        address="http://10.0.0.1:8000",
+        handle=handle,
+        node_id="n1",
+        devices=["0", "1"],
+    )
     status = FleetStatus(
-        current_version=3, membership_epoch=7,
+        current_version=3,
+        membership_epoch=7,
         replicas={"r0": ReplicaStatus(**info.model_dump(), inflight=2, detail="probe ok")},
         events=[FleetEvent(t=1.0, replica_id="r0", from_state=HealthState.SYNCING, to=HealthState.HEALTHY)],
     )

@@ -20,7 +20,11 @@ print(json.dumps({f"traj-{i}": lb.acquire_server(f"traj-{i}")[0] for i in range(
 
 def run(seed: str) -> dict:
     out = subprocess.run(
-        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, check=True, env={"PYTHONHASHSEED": seed, "PATH": ""}
+        [sys.executable, "-c", SCRIPT],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PYTHONHASHSEED": seed, "PATH": ""},
     )
     return json.loads(out.stdout)
 

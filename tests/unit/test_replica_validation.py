@@ -17,8 +17,12 @@ pytestmark = pytest.mark.unit
 
 async def replica(**kw) -> Replica:
     cfg = RolloutConfig(
-        name="sim", prompt_length=64, response_length=32, max_model_len=128,
-        sim=SimEngineConfig(vocab_size=500, time_scale=1000.0, mean_response_tokens=20), **kw
+        name="sim",
+        prompt_length=64,
+        response_length=32,
+        max_model_len=128,
+        sim=SimEngineConfig(vocab_size=500, time_scale=1000.0, mean_response_tokens=20),
+        **kw,
     )
     r = Replica("r0", cfg, 0)
     await r.start(version=0)
@@ -103,8 +107,12 @@ async def test_version_stamps_and_syncing_replica_refuses():
 
 
 async def test_update_weights_aborts_inflight_and_holds_new_requests():
-    cfg = RolloutConfig(name="sim", response_length=5000, max_model_len=6000,
-                        sim=SimEngineConfig(vocab_size=500, time_scale=1.0, step_base_ms=2.0))
+    cfg = RolloutConfig(
+        name="sim",
+        response_length=5000,
+        max_model_len=6000,
+        sim=SimEngineConfig(vocab_size=500, time_scale=1.0, step_base_ms=2.0),
+    )
     r = Replica("r0", cfg, 0)
     await r.start(version=0)
     inflight = asyncio.ensure_future(r.generate("a", [1, 2], {"max_tokens": 4000, "ignore_eos": True}))
@@ -122,8 +130,12 @@ async def test_update_weights_aborts_inflight_and_holds_new_requests():
 
 
 def test_errors_pickle_with_their_fields():
-    for err in (InvalidRequest("prompt_ids", "non-empty", []), NoServerAvailable("x"),
-                ReplicaUnavailable("r0", "dead"), NotSupported("vllm", "sleep", "cpu")):
+    for err in (
+        InvalidRequest("prompt_ids", "non-empty", []),
+        NoServerAvailable("x"),
+        ReplicaUnavailable("r0", "dead"),
+        NotSupported("vllm", "sleep", "cpu"),
+    ):
         back = pickle.loads(pickle.dumps(err))
         assert type(back) is type(err) and str(back) == str(err)
     assert pickle.loads(pickle.dumps(InvalidRequest("f", "l", 3))).field == "f"

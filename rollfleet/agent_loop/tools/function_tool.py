@@ -135,8 +135,14 @@ class FunctionTool(BaseTool):
     """Wrap ``fn`` as a stateless tool (instances are no-ops). Return a :class:`ToolResult` from
     ``fn`` to report a reward; anything else is sent to the model as text (JSON if not a str)."""
 
-    def __init__(self, fn: Callable[..., Any], *, name: Optional[str] = None, description: Optional[str] = None,
-                 tool_schema: Optional[dict[str, Any]] = None) -> None:
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        name: Optional[str] = None,
+        description: Optional[str] = None,
+        tool_schema: Optional[dict[str, Any]] = None,
+    ) -> None:
         super().__init__(tool_schema or function_schema(fn, name, description))
         self.fn = fn
         self.signature = inspect.signature(fn)

@@ -30,8 +30,9 @@ def load_tool_config(path: str) -> list[BaseTool]:
     tools: list[BaseTool] = []
     for entry in entries:
         if "function" in entry and isinstance(entry["function"], str):
-            tools.append(FunctionTool(resolve(entry["function"]), name=entry.get("name"),
-                                      description=entry.get("description")))
+            tools.append(
+                FunctionTool(resolve(entry["function"]), name=entry.get("name"), description=entry.get("description"))
+            )
             continue
         target = entry.get("class_name") or entry.get("class") or entry.get("_target_")
         if not target:
@@ -40,7 +41,9 @@ def load_tool_config(path: str) -> list[BaseTool]:
         if not (isinstance(cls, type) and issubclass(cls, BaseTool)):
             raise TypeError(f"{path}: '{target}' is not a BaseTool subclass")
         schema = entry.get("tool_schema")
-        tools.append(cls(schema, entry.get("config") or {}) if schema is not None else cls(config=entry.get("config") or {}))
+        tools.append(
+            cls(schema, entry.get("config") or {}) if schema is not None else cls(config=entry.get("config") or {})
+        )
     return tools
 
 

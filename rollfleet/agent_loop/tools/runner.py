@@ -37,7 +37,7 @@ def truncate(text: str, max_length: int, side: str = "middle") -> str:
         return TRUNCATION_MARK + text[-max_length:]
     if side == "middle":
         head = max_length // 2
-        return text[:head] + TRUNCATION_MARK + text[len(text) - (max_length - head):]
+        return text[:head] + TRUNCATION_MARK + text[len(text) - (max_length - head) :]
     raise ValueError(f"truncate side must be left, right or middle, got {side!r}")
 
 
@@ -59,8 +59,13 @@ class ToolOutcome:
 class ToolSession:
     """One trajectory's view of the tools: creates instances on first use, releases them all."""
 
-    def __init__(self, tools: Mapping[str, BaseTool], config: MultiTurnConfig, trajectory_id: str,
-                 tools_kwargs: Optional[Mapping[str, Any]] = None) -> None:
+    def __init__(
+        self,
+        tools: Mapping[str, BaseTool],
+        config: MultiTurnConfig,
+        trajectory_id: str,
+        tools_kwargs: Optional[Mapping[str, Any]] = None,
+    ) -> None:
         self.tools = tools
         self.config = config
         self.trajectory_id = trajectory_id
@@ -84,19 +89,22 @@ class ToolSession:
             return self._fail(call, "bad_call", f"Error: invalid tool call: {call.error}", start)
         tool = self.tools.get(call.name)
         if tool is None:
-            return self._fail(call, "unknown_tool",
-                              f"Error: unknown tool '{call.name}'; available tools: {sorted(self.tools)}", start)
+            return self._fail(
+                call, "unknown_tool", f"Error: unknown tool '{call.name}'; available tools: {sorted(self.tools)}", start
+            )
         try:
             result = await asyncio.wait_for(self._execute(tool, call), cfg.tool_timeout_s)
         except asyncio.TimeoutError:
-            return self._fail(call, "timeout", f"Error: tool '{call.name}' timed out after {cfg.tool_timeout_s:g} s",
-                              start)
+            return self._fail(
+                call, "timeout", f"Error: tool '{call.name}' timed out after {cfg.tool_timeout_s:g} s", start
+            )
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the model should read what went wrong; the trajectory goes on
             logger.debug("tool %s failed: %r", call.name, exc)
-            return self._fail(call, "exception", f"Error: tool '{call.name}' failed: {type(exc).__name__}: {exc}",
-                              start)
+            return self._fail(
+                call, "exception", f"Error: tool '{call.name}' failed: {type(exc).__name__}: {exc}", start
+            )
         text = truncate(result.text, cfg.max_tool_response_length, cfg.tool_response_truncate_side)
         return ToolOutcome(call, text, result.reward, result.metrics, None, time.perf_counter() - start)
 

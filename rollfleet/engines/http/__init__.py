@@ -31,6 +31,12 @@ from rollfleet.engines.http.vocab import read_vocab_size
 from rollfleet.engines.http.wire import error_message, stop_reason
 
 __all__ = [
-    "HTTPEngine", "BUSY_GRACE_S", "ServerStartupError", "parse_metrics", "metric_samples", "read_vocab_size",
-    "stop_reason", "error_message",
+    "HTTPEngine",
+    "BUSY_GRACE_S",
+    "ServerStartupError",
+    "parse_metrics",
+    "metric_samples",
+    "read_vocab_size",
+    "stop_reason",
+    "error_message",
 ]

@@ -31,8 +31,8 @@ import httpx
 
 from rollfleet.engines.base import Engine, EngineHealth, EngineLimits, EngineLoad
 from rollfleet.engines.http.inflight import Inflight, InflightTable
-from rollfleet.engines.http.metrics import parse_metrics
 from rollfleet.engines.http.link import ServerLink
+from rollfleet.engines.http.metrics import parse_metrics
 from rollfleet.engines.http.process import ServerStartupError
 from rollfleet.engines.http.transport import StaleConnection
 from rollfleet.engines.http.wire import error_message
@@ -95,8 +95,9 @@ class HTTPEngine(Engine):
     async def _discover_limits(self) -> EngineLimits: ...
 
     @abc.abstractmethod
-    def _build_request(self, prompt_ids: list[int], sampling_params: SamplingParams,
-                       extras: dict[str, Any]) -> tuple[dict[str, Any], Optional[int]]:
+    def _build_request(
+        self, prompt_ids: list[int], sampling_params: SamplingParams, extras: dict[str, Any]
+    ) -> tuple[dict[str, Any], Optional[int]]:
         """(request body, token budget); raise InvalidRequest for what the server cannot take."""
 
     @abc.abstractmethod
@@ -229,8 +230,9 @@ class HTTPEngine(Engine):
             self._table.remove(call)
             self._load_cache = None
 
-    async def _generate(self, call: Inflight, body: dict[str, Any], prompt_ids: list[int],
-                        budget: Optional[int]) -> TokenOutput:
+    async def _generate(
+        self, call: Inflight, body: dict[str, Any], prompt_ids: list[int], budget: Optional[int]
+    ) -> TokenOutput:
         if call.aborted.is_set():
             return TokenOutput(token_ids=[], log_probs=[], stop_reason="aborted")
         self._check_alive()
@@ -250,7 +252,9 @@ class HTTPEngine(Engine):
             raise self._invalid(*error_message(status, raw), prompt_ids, body)
         if status >= 400:
             message = error_message(status, raw)[0][:1000]
-            raise ReplicaUnavailable(self.replica_label, f"generate: {self.server_name} answered HTTP {status}: {message}")
+            raise ReplicaUnavailable(
+                self.replica_label, f"generate: {self.server_name} answered HTTP {status}: {message}"
+            )
         try:
             return self._parse_output(raw, budget)
         except InvalidRequest:
@@ -281,7 +285,10 @@ class HTTPEngine(Engine):
             await self._table.drain(calls, send, self.is_alive, send_first=not told)
 
     async def _send_abort(self, wire_ids: list[str], everything: bool = False) -> None:
-        posts = [self._control("POST", path, op="abort", json=body) for path, body in self._abort_requests(wire_ids, everything)]
+        posts = [
+            self._control("POST", path, op="abort", json=body)
+            for path, body in self._abort_requests(wire_ids, everything)
+        ]
         await asyncio.gather(*posts)
 
     def _abort_in_background(self, wire_ids: list[str]) -> None:
@@ -331,7 +338,9 @@ class HTTPEngine(Engine):
     def _raise_for(self, resp: httpx.Response, op: str) -> None:
         if resp.status_code >= 400:
             message = error_message(resp.status_code, resp.content)[0][:500]
-            raise ReplicaUnavailable(self.replica_label, f"{op}: {self.server_name} answered HTTP {resp.status_code}: {message}")
+            raise ReplicaUnavailable(
+                self.replica_label, f"{op}: {self.server_name} answered HTTP {resp.status_code}: {message}"
+            )
 
     async def health(self) -> EngineHealth:
         try:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-GUARD_SOURCE = r'''
+GUARD_SOURCE = r"""
 import os as _os
 
 
@@ -60,7 +60,7 @@ def _rollfleet_guard():
 
 
 _rollfleet_guard()
-'''
+"""
 
 
 def proc_start_time(pid: int) -> str:

@@ -95,7 +95,9 @@ class ServerLink:
         if self.clients is not None:
             await self.clients.close()
         self.url = url
-        self.clients = HTTPClients(url, request_timeout_s=self.request_timeout_s, control_timeout_s=self.control_timeout_s)
+        self.clients = HTTPClients(
+            url, request_timeout_s=self.request_timeout_s, control_timeout_s=self.control_timeout_s
+        )
 
     async def probe(self, remaining: float) -> Optional[str]:
         """Readiness: None when the server answers its ready route with 200, else what it did."""

@@ -115,7 +115,7 @@ class ServerProcess:
         """Call ``on_exit(reason)`` as soon as the process exits (checked every WATCH_INTERVAL_S)."""
 
         async def watcher() -> None:
-            while self.returncode is None:
+            while self.returncode is None:  # noqa: ASYNC110 - a child's exit sets no event to wait on
                 await asyncio.sleep(WATCH_INTERVAL_S)
             on_exit(self.exit_reason())
 
@@ -130,7 +130,9 @@ class ServerProcess:
         return True
 
     async def wait_ready(
-        self, probe: Callable[[float], Awaitable[Optional[str]]], timeout_s: float,
+        self,
+        probe: Callable[[float], Awaitable[Optional[str]]],
+        timeout_s: float,
         error: type[ServerStartupError] = ServerStartupError,
     ) -> None:
         """Until ``probe`` (given the time left) answers None; raise ``error`` with the log tail
@@ -170,7 +172,7 @@ class ServerProcess:
         await self.reap()
         # SIGKILL is delivered asynchronously: return once nothing of the server runs any more.
         deadline = time.monotonic() + KILL_WAIT_S
-        while _running(descendants) and time.monotonic() < deadline:
+        while _running(descendants) and time.monotonic() < deadline:  # noqa: ASYNC110 - polling /proc
             await asyncio.sleep(0.05)
         _LIVE_GROUPS.discard(pgid)
 
@@ -187,7 +189,10 @@ class ServerProcess:
 
 
 async def wait_ready(
-    probe: Callable[[float], Awaitable[Optional[str]]], timeout_s: float, label: str, what: str,
+    probe: Callable[[float], Awaitable[Optional[str]]],
+    timeout_s: float,
+    label: str,
+    what: str,
     process: Optional[ServerProcess] = None,
 ) -> None:
     """Poll ``probe`` (given the time left; it answers None when ready, else what it saw) until the

@@ -116,6 +116,12 @@ class HTTPClients:
 
 
 __all__ = [
-    "HTTPClients", "StaleConnection", "transport_error", "is_stale", "is_refused", "is_timeout",
-    "KEEPALIVE_S", "CONNECT_TIMEOUT_S",
+    "HTTPClients",
+    "StaleConnection",
+    "transport_error",
+    "is_stale",
+    "is_refused",
+    "is_timeout",
+    "KEEPALIVE_S",
+    "CONNECT_TIMEOUT_S",
 ]

@@ -30,7 +30,7 @@ def read_vocab_size(model_path: Optional[str]) -> Optional[int]:
             cached = try_to_load_from_cache(model_path, "config.json")
             if isinstance(cached, str):
                 candidates.append(Path(cached))
-        except Exception:  # noqa: BLE001 - optional dependency / odd repo ids
+        except Exception:
             pass
     for path in candidates:
         try:
@@ -38,7 +38,11 @@ def read_vocab_size(model_path: Optional[str]) -> Optional[int]:
         except (OSError, ValueError):
             continue
         for section in (cfg, cfg.get("text_config") or {}, cfg.get("llm_config") or {}):
-            if isinstance(section, Mapping) and isinstance(section.get("vocab_size"), int) and section["vocab_size"] > 0:
+            if (
+                isinstance(section, Mapping)
+                and isinstance(section.get("vocab_size"), int)
+                and section["vocab_size"] > 0
+            ):
                 return int(section["vocab_size"])
     return None
 

@@ -203,7 +203,9 @@ class SGLangEngine(SGLangLaunch, HTTPEngine):
     def _raise_unless_memory_saver(self, resp: Any, op: str, route: str) -> None:
         if resp.status_code in (400, 404):
             message = resp.text.strip()[:500]
-            raise NotSupported(self.name, op, f"server refused {route} ({message}); launch it with --enable-memory-saver")
+            raise NotSupported(
+                self.name, op, f"server refused {route} ({message}); launch it with --enable-memory-saver"
+            )
         self._raise_for(resp, op)
 
     async def update_weights(self, weights: Any) -> None:

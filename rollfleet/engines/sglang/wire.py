@@ -162,7 +162,9 @@ def parse_generate(body: Any, budget: Optional[int]) -> TokenOutput:
     if isinstance(triples, list):
         log_probs = [float(t[0]) if t[0] is not None else math.nan for t in triples]
         if len(log_probs) != len(token_ids):
-            logger.warning("sglang: %d output_ids but %d logprobs; using the logprob token ids", len(token_ids), len(log_probs))
+            logger.warning(
+                "sglang: %d output_ids but %d logprobs; using the logprob token ids", len(token_ids), len(log_probs)
+            )
             token_ids = [int(t[1]) for t in triples]
     extra: dict[str, Any] = {"engine_finish_reason": finish}
     for key in ("prompt_tokens", "cached_tokens", "weight_version"):
@@ -215,7 +217,14 @@ def load_from_get_load(body: Any) -> EngineLoad:
 
 
 __all__ = [
-    "translate_sampling_params", "generate_body", "abort_bodies", "normalize_finish_reason",
-    "field_from_message", "invalid_request", "parse_generate", "load_from_metrics", "load_from_get_load",
+    "translate_sampling_params",
+    "generate_body",
+    "abort_bodies",
+    "normalize_finish_reason",
+    "field_from_message",
+    "invalid_request",
+    "parse_generate",
+    "load_from_metrics",
+    "load_from_get_load",
     "LOAD_METRICS",
 ]

@@ -206,8 +206,10 @@ class SimEngine(BatchModel, Engine):
         if self._profile is None:
             return None
         os.makedirs(self._profile_dir or ".", exist_ok=True)
-        path = os.path.join(self._profile_dir or ".", f"sim-replica-{self.replica_index}-{int(time.time() * 1000)}.json")
-        with open(path, "w") as f:
+        path = os.path.join(
+            self._profile_dir or ".", f"sim-replica-{self.replica_index}-{int(time.time() * 1000)}.json"
+        )
+        with open(path, "w") as f:  # noqa: ASYNC230 - a small trace file, once per profile
             json.dump({"traceEvents": self._profile, "displayTimeUnit": "ms"}, f)
         self._profile = None
         return path

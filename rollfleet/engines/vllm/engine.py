@@ -206,7 +206,9 @@ class VLLMEngine(VLLMLaunch, HTTPEngine):
     async def sleep(self) -> None:
         if self.device == "cpu":
             raise NotSupported("vllm", "sleep", "the CPU build cannot free memory")
-        await self._control("POST", "/sleep", op="sleep", params={"level": 1}, timeout=max(self.control_timeout_s, SLOW_CONTROL_S))
+        await self._control(
+            "POST", "/sleep", op="sleep", params={"level": 1}, timeout=max(self.control_timeout_s, SLOW_CONTROL_S)
+        )
 
     async def wake_up(self) -> None:
         if self.device == "cpu":
@@ -225,11 +227,12 @@ class VLLMEngine(VLLMLaunch, HTTPEngine):
         try:
             if isinstance(weights, (str, os.PathLike)):
                 path = Path(weights)
-                if path.is_dir():
+                # Two stat calls on a local path: not worth a thread hop.
+                if path.is_dir():  # noqa: ASYNC240
                     weights_dir = str(path)
-                elif path.is_file() and path.suffix == ".safetensors":
+                elif path.is_file() and path.suffix == ".safetensors":  # noqa: ASYNC240
                     tmp = tempfile.mkdtemp(prefix="rollfleet-weights-")
-                    os.symlink(path.resolve(), Path(tmp) / "model.safetensors")
+                    os.symlink(path.resolve(), Path(tmp) / "model.safetensors")  # noqa: ASYNC240
                     weights_dir = tmp
                 else:
                     raise ValueError(f"update_weights: {path} is neither a folder nor a .safetensors file")

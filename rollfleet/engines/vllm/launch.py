@@ -68,11 +68,11 @@ def omp_threads_bind(
         n = max(1, num_replicas)
         per = max(1, len(cpus) // n)
         start = (replica_index * per) % len(cpus)
-        mine = cpus[start:start + per] or cpus[:per]
+        mine = cpus[start : start + per] or cpus[:per]
     if tp <= 1:
         return _format_ids(mine)
     per_rank = max(1, len(mine) // tp)
-    groups = [mine[i * per_rank:(i + 1) * per_rank] or mine[-per_rank:] for i in range(tp)]
+    groups = [mine[i * per_rank : (i + 1) * per_rank] or mine[-per_rank:] for i in range(tp)]
     return "|".join(_format_ids(g) for g in groups)
 
 

@@ -134,6 +134,13 @@ def parse_completion(raw: bytes, max_tokens: Optional[int]) -> TokenOutput:
 
 
 __all__ = [
-    "RESERVED_KEYS", "STATS_METRICS", "LOAD_METRICS", "header_safe", "engine_request_id", "abort_body",
-    "completion_body", "invalid_request", "parse_completion",
+    "RESERVED_KEYS",
+    "STATS_METRICS",
+    "LOAD_METRICS",
+    "header_safe",
+    "engine_request_id",
+    "abort_body",
+    "completion_body",
+    "invalid_request",
+    "parse_completion",
 ]

@@ -30,15 +30,15 @@ class RoutingPolicy(abc.ABC):
     #: True when the choice must be reproducible across processes (no randomness, no load).
     deterministic: ClassVar[bool] = False
 
-    def __init__(self, seed: Optional[int] = None) -> None:  # noqa: B027
+    def __init__(self, seed: Optional[int] = None) -> None:
         """Every policy is built as ``cls(seed=seed)``; one without randomness ignores the seed."""
 
     @abc.abstractmethod
     def select(self, candidates: Sequence[ReplicaView], request_id: str, prompt_len: int) -> str:
         """Return the ``replica_id`` of one of ``candidates`` (never empty)."""
 
-    def on_request_done(self, replica_id: str) -> None:  # noqa: B027 - optional hook
+    def on_request_done(self, replica_id: str) -> None:
         """Called when a request routed by this policy has finished."""
 
-    def on_servers_changed(self, replica_ids: Sequence[str]) -> None:  # noqa: B027 - optional hook
+    def on_servers_changed(self, replica_ids: Sequence[str]) -> None:
         """Called when the set of known replicas changes."""

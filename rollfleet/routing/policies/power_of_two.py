@@ -23,4 +23,6 @@ class PowerOfTwoPolicy(RoutingPolicy):
             return candidates[0].replica_id
         a, b = self._rng.sample(range(len(candidates)), 2)
         va, vb = candidates[a], candidates[b]
-        return va.replica_id if (va.inflight_tokens, va.inflight) <= (vb.inflight_tokens, vb.inflight) else vb.replica_id
+        return (
+            va.replica_id if (va.inflight_tokens, va.inflight) <= (vb.inflight_tokens, vb.inflight) else vb.replica_id
+        )

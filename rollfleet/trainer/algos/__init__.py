@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from rollfleet.registry import Registry
 from rollfleet.trainer.algos.advantages import (
     AdvantageEstimator,
     drgrpo_advantages,
@@ -39,7 +40,6 @@ from rollfleet.trainer.algos.losses import (
     masked_max,
     masked_mean,
 )
-from rollfleet.registry import Registry
 
 ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry(
     "advantage estimator",

@@ -89,16 +89,12 @@ def grpo_advantages(
     return _broadcast(adv, response_mask)
 
 
-def drgrpo_advantages(
-    scores: torch.Tensor, uids: Sequence[Hashable], response_mask: torch.Tensor
-) -> torch.Tensor:
+def drgrpo_advantages(scores: torch.Tensor, uids: Sequence[Hashable], response_mask: torch.Tensor) -> torch.Tensor:
     """Dr. GRPO: GRPO without the division by the group std."""
     return grpo_advantages(scores, uids, response_mask, norm_adv_by_std=False)
 
 
-def rloo_advantages(
-    scores: torch.Tensor, uids: Sequence[Hashable], response_mask: torch.Tensor
-) -> torch.Tensor:
+def rloo_advantages(scores: torch.Tensor, uids: Sequence[Hashable], response_mask: torch.Tensor) -> torch.Tensor:
     """REINFORCE with a leave-one-out baseline: ``r_i - mean_{j != i in g} r_j``
     (= ``n/(n-1) * (r_i - mean_g)``); unbiased, unlike a baseline that includes ``r_i`` itself."""
     groups = _check(scores, uids, response_mask)

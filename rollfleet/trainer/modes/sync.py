@@ -33,16 +33,26 @@ class SyncTrainer(Trainer):
     async def sample(self) -> tuple[list[Group], dict[str, Any]]:
         assert self.agent_manager is not None
         n = self.config.rollout.n
-        prompts = [self.stream.sample_at(self._reissue.pop(0)) if self._reissue else self.stream.next()
-                   for _ in range(self.train.train_batch_size)]
+        prompts = [
+            self.stream.sample_at(self._reissue.pop(0)) if self._reissue else self.stream.next()
+            for _ in range(self.train.train_batch_size)
+        ]
         samples = self.agent_manager.expand(prompts, n)
         with self.tracker.span("fleet", "generating", step=self.step):
             outputs = await asyncio.gather(*(self.agent_manager.generate_sequences_single(s) for s in samples))
         groups: dict[str, Group] = {}
         for s, o in zip(samples, outputs):
-            g = groups.setdefault(s["uid"], Group(uid=s["uid"], outputs=[], started_version=self.version,
-                                                  min_version=self.version, max_version=self.version,
-                                                  task_index=int(s.get("task_index", -1))))
+            g = groups.setdefault(
+                s["uid"],
+                Group(
+                    uid=s["uid"],
+                    outputs=[],
+                    started_version=self.version,
+                    min_version=self.version,
+                    max_version=self.version,
+                    task_index=int(s.get("task_index", -1)),
+                ),
+            )
             g.outputs.append(o)
             lo = o.extra_fields.get("min_global_steps")
             if lo is not None:
