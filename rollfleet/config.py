@@ -328,15 +328,20 @@ class RolloutConfig(_Section):
     @property
     def tensor_parallel_size(self) -> int:
         """Devices per replica: the engine's own tensor-parallel setting."""
-        section = {"vllm": self.vllm, "sglang": self.sglang, "sim": self.sim}.get(self.name)
-        if section is None:  # a registered third-party engine
+        sizes = {
+            "vllm": self.vllm.tensor_parallel_size,
+            "sglang": self.sglang.tp_size,
+            "sim": self.sim.tensor_parallel_size,
+        }
+        if self.name not in sizes:  # a registered third-party engine
             return int(self.engine_args.get("tensor_parallel_size") or self.engine_args.get("tp_size") or 1)
-        return int(getattr(section, "tensor_parallel_size", None) or getattr(section, "tp_size", 1))
+        return sizes[self.name]
 
     @model_validator(mode="after")
     def _lengths(self) -> "RolloutConfig":
         if self.max_model_len is None:
             object.__setattr__(self, "max_model_len", self.prompt_length + self.response_length)
+        assert self.max_model_len is not None  # set just above when it was not given
         if self.max_model_len < 2:
             raise ValueError("rollout.max_model_len must be >= 2")
         return self

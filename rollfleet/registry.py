@@ -231,13 +231,16 @@ class Registry(Generic[T]):
         # An object and a path that re-exports it ("pkg.engines.sim:SimEngine" for a class defined
         # in pkg.engines.sim.engine): resolve the path (only here, when a name comes twice; the
         # object's module is loaded already). Two paths are compared as text, never imported.
-        if isinstance(old.target, str) != isinstance(new.target, str):
-            path, obj = (old.target, new.target) if isinstance(old.target, str) else (new.target, old.target)
-            try:
-                return resolve(path) is obj
-            except Exception:  # a path that does not import (yet: a decorator runs mid-import)
-                return False
-        return False
+        if isinstance(old.target, str) and not isinstance(new.target, str):
+            path, obj = old.target, new.target
+        elif isinstance(new.target, str) and not isinstance(old.target, str):
+            path, obj = new.target, old.target
+        else:
+            return False
+        try:
+            return resolve(path) is obj
+        except Exception:  # a path that does not import (yet: a decorator runs mid-import)
+            return False
 
     def _check(self, name: str, obj: Any, shown: str) -> None:
         kind = self._kind

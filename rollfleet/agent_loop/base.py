@@ -140,13 +140,13 @@ class AgentLoopBase(ABC):
 def versions_of(outputs: list[TokenOutput]) -> tuple[Optional[int], Optional[int]]:
     """Weight versions of a trajectory's first and last model token (over all its generations);
     for a trajectory without tokens, the version its generations finished under."""
-    lows = [o.extra_fields.get("min_global_steps") for o in outputs if o.token_ids]
-    highs = [o.extra_fields.get("max_global_steps") for o in outputs if o.token_ids]
-    lows = [v for v in lows if v is not None]
-    highs = [v for v in highs if v is not None]
+    with_tokens = [o.extra_fields for o in outputs if o.token_ids]
+    lows: list[int] = [f["min_global_steps"] for f in with_tokens if f.get("min_global_steps") is not None]
+    highs: list[int] = [f["max_global_steps"] for f in with_tokens if f.get("max_global_steps") is not None]
     if not lows or not highs:
-        finals = [o.extra_fields.get("global_steps") for o in outputs]
-        finals = [v for v in finals if v is not None]
+        finals: list[int] = [
+            o.extra_fields["global_steps"] for o in outputs if o.extra_fields.get("global_steps") is not None
+        ]
         return (min(finals), max(finals)) if finals else (None, None)
     return min(lows), max(highs)
 

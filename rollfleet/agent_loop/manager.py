@@ -149,7 +149,7 @@ class AgentLoopManager:
                     "client_kwargs": dict(client_kwargs or {}),
                 }
             refs = [
-                WorkerRef(AgentLoopWorkerActor.remote(config, tools=tools, **client_args), remote=True)
+                WorkerRef(AgentLoopWorkerActor.remote(config, tools=tools, **client_args), remote=True)  # type: ignore[attr-defined]  # a Ray actor class
                 for _ in range(num)
             ]
         infos = await asyncio.gather(*(r.call("ready") for r in refs))

@@ -197,7 +197,7 @@ class AgentLoopWorker:
 try:  # Ray is a hard dependency, but keep the plain class importable without it.
     import ray
 
-    @ray.remote(num_cpus=0, max_concurrency=100_000)
+    @ray.remote(num_cpus=0, max_concurrency=100_000)  # type: ignore[call-overload]  # Ray's stub omits actor options
     class AgentLoopWorkerActor(AgentLoopWorker):
         """Ray actor around :class:`AgentLoopWorker` (asyncio). Its client is its own: built in
         ``__init__``, or given, in which case it arrived pickled and was rebuilt in this process."""

@@ -7,7 +7,7 @@ import asyncio
 import logging
 import os
 import sys
-from typing import Optional
+from typing import Any, Callable, Coroutine, Optional
 
 from pydantic import ValidationError
 from rich.console import Console
@@ -81,6 +81,7 @@ def _serve(args: argparse.Namespace) -> int:
         )
         print(f"  OpenAI base URL: {url}/v1    metrics: {url}/metrics    Ctrl-C to stop", flush=True)
 
+    runner: Callable[[Coroutine[Any, Any, int]], int]  # uvloop.run and asyncio.run differ in options only
     try:
         import uvloop
 

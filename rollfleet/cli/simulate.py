@@ -82,6 +82,7 @@ async def run_simulation(
     console = console or Console()
     cfg = config.rollout
     needed = opts.prompt_tokens * 2 + opts.turns * (opts.max_tokens_per_turn + opts.tool_tokens)
+    assert cfg.max_model_len is not None  # RolloutConfig's validator fills it in (prompt + response length)
     if cfg.max_model_len < needed:
         cfg = cfg.model_copy(update={"max_model_len": needed})
         config = config.model_copy(update={"rollout": cfg})

@@ -106,13 +106,13 @@ class TextCodec:
 
     # ------------------------------------------------------------------ ids -> text
     def decode(self, ids: Sequence[int]) -> str:
-        if self._backend_decode:
+        if self._backend_decode and self._backend is not None:  # the first implies the second
             return self._backend.decode(list(ids), skip_special_tokens=True)
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
     def token_texts(self, ids: Sequence[int]) -> list[str]:
         """The text of each token on its own (for OpenAI logprobs' ``tokens`` / ``token``)."""
-        decode = self._backend.decode if self._backend_decode else self.tokenizer.decode
+        decode = self._backend.decode if self._backend_decode and self._backend is not None else self.tokenizer.decode
         return [decode([i]) for i in ids]
 
     def pieces(self, ids: Sequence[int], chunk_tokens: int) -> Iterator[tuple[str, int, int]]:

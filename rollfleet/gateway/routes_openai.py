@@ -268,6 +268,7 @@ class OpenAIRoutes:
             continue_final_message=req.continue_final_message,
             template_kwargs=req.chat_template_kwargs,
         )
+        requested: Optional[int]
         if req.max_completion_tokens is not None:
             requested, budget_param = req.max_completion_tokens, "max_completion_tokens"
         else:

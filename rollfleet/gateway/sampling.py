@@ -81,8 +81,8 @@ def sampling_params(req: _GenerationRequest, max_tokens: int, codec: Optional[Te
     if req.stop:
         if codec is None:
             raise bad_request("stop", "stop strings need a tokenizer; pass stop_token_ids", code="unsupported_value")
-        single = isinstance(req.stop, str)
-        stop_ids += codec.stop_token_ids([req.stop] if single else req.stop, indexed=not single)
+        stops = [req.stop] if isinstance(req.stop, str) else req.stop
+        stop_ids += codec.stop_token_ids(stops, indexed=not isinstance(req.stop, str))
     if stop_ids:
         params["stop_token_ids"] = stop_ids
     return params

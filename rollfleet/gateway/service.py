@@ -27,9 +27,6 @@ from rollfleet.types import SamplingParams, TokenOutput
 _RID_PREFIX = f"gw-{os.urandom(6).hex()}-"
 _RID_COUNTER = itertools.count()
 
-#: ``asyncio.timeout`` (3.11+) bounds an await without the extra task ``wait_for`` creates.
-_HAS_TIMEOUT_CM = sys.version_info >= (3, 11)
-
 
 class GenerationService:
     """Runs the generations of one HTTP request through the fleet client."""
@@ -71,7 +68,9 @@ class GenerationService:
 
     async def _bounded(self, awaitable: Awaitable[Any]) -> Any:
         """Await under ``request_timeout_s``; a timeout cancels the fleet request too (504)."""
-        if _HAS_TIMEOUT_CM:
+        # ``asyncio.timeout`` (3.11+) bounds an await without the extra task ``wait_for`` creates;
+        # the version test is inline so that type checkers see it.
+        if sys.version_info >= (3, 11):
             async with asyncio.timeout(self.timeout_s):
                 return await awaitable
         return await asyncio.wait_for(awaitable, self.timeout_s)  # pragma: no cover
@@ -81,7 +80,7 @@ class GenerationService:
         return self.client.balancer.finish_session(session_id)
 
 
-async def _all_or_nothing(coros: list[Awaitable[TokenOutput]]) -> list[TokenOutput]:
+async def _all_or_nothing(coros: Sequence[Awaitable[TokenOutput]]) -> list[TokenOutput]:
     """Run concurrently; the first failure cancels the rest (no orphan generations) and raises."""
     tasks = [asyncio.ensure_future(c) for c in coros]
     try:

@@ -95,7 +95,7 @@ class FleetController(HealthSupervisor, ControlFanOut):
             self._membership_changed()
             raise failed[0][1]
         self._ensure_prober()
-        return list(results)
+        return [r for r in results if not isinstance(r, BaseException)]  # all of them: none failed
 
     async def _place(self, rid: str) -> Optional[ReplicaPlacement]:
         """The replica's placement group: kept across restarts while its node lives, else a new one."""
@@ -116,7 +116,8 @@ class FleetController(HealthSupervisor, ControlFanOut):
         from rollfleet.server.replica import ReplicaActor
 
         options = placement.rank(0).actor_options() if placement is not None else {"num_cpus": 0}
-        return ReplicaActor.options(name=None, **options).remote(rid, self.config, self._indices[rid])
+        # mypy keeps a Ray-decorated class's own type: it does not know ActorClass.options
+        return ReplicaActor.options(name=None, **options).remote(rid, self.config, self._indices[rid])  # type: ignore[attr-defined]
 
     async def _start_replica(self, rid: str) -> ReplicaInfo:
         placement = await self._place(rid)
@@ -361,7 +362,7 @@ def _kill(handle: Any) -> None:
 try:
     import ray
 
-    @ray.remote(num_cpus=0, max_concurrency=10_000)
+    @ray.remote(num_cpus=0, max_concurrency=10_000)  # type: ignore[call-overload]  # Ray's stub omits actor options
     class FleetControllerActor(FleetController):
         """Ray actor around :class:`FleetController` (asyncio; one per fleet)."""
 

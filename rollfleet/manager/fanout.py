@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from rollfleet.errors import FleetOperationFailed, NotSupported
 from rollfleet.health import HealthState, ReplicaRecord
@@ -19,6 +19,21 @@ class ControlFanOut:
     """Pause, resume, sleep, profile, weight updates on every live replica. Needs from its
     subclass: ``_records``, ``_set_state``, ``_schedule_restart``, ``_notify`` and the weight state
     (``current_version``, ``_weights``, ``_has_weights``, ``_update_lock``)."""
+
+    # What the subclass provides, declared for the type checker (set in its ``__init__``).
+    _records: dict[str, ReplicaRecord]
+    current_version: Optional[int]
+    _weights: Any
+    _has_weights: bool
+    _update_lock: Optional[asyncio.Lock]
+
+    if TYPE_CHECKING:
+
+        def _set_state(self, record: ReplicaRecord, state: HealthState, detail: str, force: bool = False) -> None: ...
+
+        def _schedule_restart(self, record: ReplicaRecord) -> None: ...
+
+        def _notify(self) -> None: ...
 
     def _live(self) -> list[ReplicaRecord]:
         return [r for r in self._records.values() if r.state in (HealthState.HEALTHY, HealthState.SUSPECT)]

@@ -51,7 +51,7 @@ class LLMServerManager:
         if not ray.util.client.ray.is_connected():
             here = ray.get_runtime_context().get_node_id()
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(here, soft=False)
-        self.controller = FleetControllerActor.options(**options).remote(self.config)
+        self.controller = FleetControllerActor.options(**options).remote(self.config)  # type: ignore[attr-defined]  # a Ray actor class
         try:
             await self.controller.launch.remote(self.config.num_replicas, 0)
         except BaseException:

@@ -298,7 +298,10 @@ class Placer:
             pg = await self._create_group([dict(bundle)] * tp, "STRICT_PACK", [selector] * tp, rid, nodes)
             placement = ReplicaPlacement(pg, node.node_id, node.ip, device, bundle, tp, fraction)
             self.placements[rid] = placement
-        placement.holders = [DeviceHolder.options(**placement.rank(i).actor_options()).remote() for i in range(1, tp)]
+        placement.holders = [
+            DeviceHolder.options(**placement.rank(i).actor_options()).remote()  # type: ignore[attr-defined]  # a Ray actor class
+            for i in range(1, tp)
+        ]
         return placement
 
     async def reserve_worker(self, name: str) -> Optional[WorkerPlacement]:

@@ -116,14 +116,15 @@ def build_jobs(
             job["scheme"] = scheme
         jobs.append(job)
     if gateway_address:
-        targets = scrape_targets([gateway_address]).get("http") or scrape_targets([gateway_address]).get("https")
-        if targets:
+        gateway_by_scheme = scrape_targets([gateway_address])
+        gateway_targets = gateway_by_scheme.get("http") or gateway_by_scheme.get("https")
+        if gateway_targets:
             jobs.append(
                 {
                     "job_name": GATEWAY_JOB,
                     "scrape_interval": scrape_interval,
                     "metrics_path": "/metrics",
-                    "static_configs": [{"targets": targets}],
+                    "static_configs": [{"targets": gateway_targets}],
                 }
             )
     return jobs
@@ -270,6 +271,7 @@ class ScrapeConfigWriter:
                     self.writes += 1
                     self._reload_pending = self.config.port is not None
                 if self._reload_pending:
+                    assert self.config.port is not None  # a reload is only ever pending with a port
                     await asyncio.to_thread(reload_prometheus, self.config.port, self.config.host)
                     self._reload_pending = False
                 self.last_error = None

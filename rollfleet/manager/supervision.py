@@ -15,10 +15,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import TYPE_CHECKING, Any, Optional
 
 from rollfleet.errors import InsufficientResources
 from rollfleet.health import HealthState, ReplicaRecord, can_transition
 from rollfleet.records import FleetEvent
+
+if TYPE_CHECKING:
+    from rollfleet.config import RolloutConfig
+    from rollfleet.manager.placement import Placer
+    from rollfleet.records import ReplicaInfo
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +35,22 @@ STOP_TIMEOUT_DEAD_S = 10.0
 class HealthSupervisor:
     """Probes, declares dead, restarts. Needs from its subclass: ``config``, ``_records``,
     ``_placer``, ``_restart_tasks``, ``_events``, ``_notify``, ``_start_replica``, ``_stop_handle``."""
+
+    # What the subclass provides, declared for the type checker (set in its ``__init__``).
+    config: RolloutConfig
+    _records: dict[str, ReplicaRecord]
+    _placer: Optional[Placer]
+    _restart_tasks: dict[str, asyncio.Task[None]]
+    _events: list[FleetEvent]
+    _probe_task: Optional[asyncio.Task[None]]
+
+    if TYPE_CHECKING:
+
+        def _notify(self) -> None: ...
+
+        async def _start_replica(self, rid: str) -> ReplicaInfo: ...
+
+        async def _stop_handle(self, handle: Any, timeout_s: float = 30.0) -> None: ...
 
     def _ensure_prober(self) -> None:
         if self._probe_task is None or self._probe_task.done():
@@ -94,9 +116,10 @@ class HealthSupervisor:
     def _schedule_restart(self, record: ReplicaRecord) -> None:
         if not self.config.health.auto_restart or record.replica_id in self._restart_tasks:
             return
-        task = asyncio.get_running_loop().create_task(self._restart(record.replica_id))
-        self._restart_tasks[record.replica_id] = task
-        task.add_done_callback(lambda _t, rid=record.replica_id: self._restart_tasks.pop(rid, None))
+        rid = record.replica_id
+        task = asyncio.get_running_loop().create_task(self._restart(rid))
+        self._restart_tasks[rid] = task
+        task.add_done_callback(lambda _t: self._restart_tasks.pop(rid, None))
 
     async def _restart(self, rid: str) -> None:
         record = self._records.get(rid)

@@ -197,7 +197,7 @@ def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0) -> str:
         bos_token_id=ids["<|endoftext|>"],
         eos_token_id=ids["<|im_end|>"],
         pad_token_id=ids["<|pad|>"],
-        torch_dtype="float32",
+        dtype="float32",  # config.json below gets both spellings, for every transformers version
         **MODEL_CONFIG,
     )
     gen = torch.Generator().manual_seed(seed)

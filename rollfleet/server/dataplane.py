@@ -75,9 +75,9 @@ class _Connection(asyncio.Protocol):
             )
             self._tasks[call_id] = task
         elif op == wire.CANCEL:
-            task = self._tasks.pop(message[1], None)
-            if task is not None:
-                task.cancel()
+            running = self._tasks.pop(message[1], None)
+            if running is not None:
+                running.cancel()
         else:
             raise wire.FrameError(f"unknown op {op!r}")
 

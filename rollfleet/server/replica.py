@@ -19,7 +19,7 @@ import uuid
 from typing import TYPE_CHECKING, Any, Optional
 
 from rollfleet.config import RolloutConfig
-from rollfleet.engines import Engine, EngineLoad, build_engine
+from rollfleet.engines import Engine, EngineLimits, EngineLoad, build_engine
 from rollfleet.errors import NotSupported, ReplicaUnavailable
 from rollfleet.health import ReplicaState
 from rollfleet.server.validation import validate_prompt, validate_sampling_params
@@ -60,7 +60,7 @@ class Replica:
         self._inflight_tokens = 0
         self._sessions: dict[str, set[str]] = {}
         self._engine_load = EngineLoad()
-        self._limits = None
+        self._limits: Optional[EngineLimits] = None  # known once the engine has started
         self._data_plane: Optional["DataPlaneServer"] = None
         self._counters = {"requests": 0, "invalid": 0, "aborted": 0, "errors": 0, "tokens_out": 0}
 
@@ -337,7 +337,7 @@ class Replica:
 try:  # Ray is a hard dependency, but keep the plain class importable without it for unit tests.
     import ray
 
-    @ray.remote(max_concurrency=100_000)
+    @ray.remote(max_concurrency=100_000)  # type: ignore[call-overload]  # Ray's stub omits actor options
     class ReplicaActor(Replica):
         """Ray actor around :class:`Replica` (asyncio actor; placement decided by the manager).
 

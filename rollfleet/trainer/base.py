@@ -123,6 +123,7 @@ class Trainer(abc.ABC):
             await self._resume()
 
     async def _resume(self) -> None:
+        assert self.manager is not None and self.learner is not None  # called by init() once both exist
         ckpt_root = self.run_dir / "checkpoints"
         from rollfleet.trainer.checkpoint import find_latest
 
@@ -193,7 +194,7 @@ class Trainer(abc.ABC):
         return self.summary()
 
     async def _train_on(self, groups: list[Group]) -> dict[str, Any]:
-        assert self.agent_manager is not None and self.tracker is not None
+        assert self.agent_manager is not None and self.tracker is not None and self.learner is not None
         outputs = [o for g in groups for o in g.outputs]
         uids = [g.uid for g in groups for _ in g.outputs]
         batch = self.agent_manager.collate(outputs, uids)
@@ -226,7 +227,7 @@ class Trainer(abc.ABC):
     _fleet_paused_since: Optional[float] = None
 
     async def sync_weights(self) -> None:
-        assert self.manager is not None and self.tracker is not None
+        assert self.manager is not None and self.tracker is not None and self.learner is not None
         await self.on_sync_begin()
         with self.tracker.span("trainer", "sync", step=self.step):
             weights = await self.learner.state_dict_for_inference()  # an ObjectRef
@@ -286,6 +287,7 @@ class Trainer(abc.ABC):
         return max(0, trained_version - group.min_version)
 
     async def save_checkpoint(self) -> Path:
+        assert self.learner is not None
         state = {
             "step": self.step,
             "version": self.version,

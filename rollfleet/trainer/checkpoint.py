@@ -212,7 +212,9 @@ def capture_rng_state() -> dict[str, Any]:
     """Python, NumPy and torch (CPU and CUDA) RNG states as a JSON-serialisable dict, for
     ``trainer_state`` (so a resumed run samples the same prompts and shuffles the same way)."""
     py_version, py_state, py_gauss = random.getstate()
-    name, keys, pos, has_gauss, cached = np.random.get_state()
+    np_state = np.random.get_state(legacy=True)
+    assert isinstance(np_state, tuple)  # the global RandomState is an MT19937: its legacy state is a tuple
+    name, keys, pos, has_gauss, cached = np_state
     state: dict[str, Any] = {
         "python": [py_version, list(py_state), py_gauss],
         "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],

@@ -29,7 +29,7 @@ import shutil
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -38,6 +38,9 @@ from rollfleet.errors import InvalidRequest
 from rollfleet.trainer.algos import PolicyLossConfig, check_advantage_options, compute_advantages, compute_policy_loss
 from rollfleet.trainer.algos.losses import entropy_from_logits
 from rollfleet.trainer.checkpoint import load_checkpoint, save_checkpoint
+
+if TYPE_CHECKING:  # transformers is imported when a model loads, not with this module
+    from transformers import PreTrainedModel
 
 #: Files copied from the model folder into every checkpoint, so a checkpoint is a model folder too.
 MODEL_SIDE_FILES = (
@@ -181,7 +184,7 @@ class PreparedBatch:
 
     def select(self, index: torch.Tensor | slice) -> "PreparedBatch":
         """The rows ``index`` (a slice or a 1-D index tensor)."""
-        changes = {}
+        changes: dict[str, Any] = {}
         for f in fields(self):
             t = getattr(self, f.name)
             changes[f.name] = None if t is None else t[index.to(t.device) if isinstance(index, torch.Tensor) else index]
@@ -238,13 +241,14 @@ class Learner:
         self.global_step = 0
         self._logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
 
-    def _load(self, path: str) -> torch.nn.Module:
+    def _load(self, path: str) -> PreTrainedModel:
         from transformers import AutoModelForCausalLM
 
         kwargs: dict[str, Any] = {"dtype": _DTYPES[self.config.dtype]}
         if self.config.attn_implementation is not None:
             kwargs["attn_implementation"] = self.config.attn_implementation
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs).to(self.device)
+        # transformers' .to() is a functools.wraps'd method: its type loses the bound self
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs).to(self.device)  # type: ignore[arg-type]
         model.eval()
         return model
 
@@ -287,8 +291,10 @@ class Learner:
         mb = self.config.micro_batch_size
         out = []
         for s in range(0, input_ids.shape[0], mb):
-            rows = [t[s : s + mb].to(self.device) for t in (input_ids, attention_mask, position_ids, responses)]
-            out.append(self._forward(model, *rows)[0])
+            ids, mask, pos, resp = (
+                t[s : s + mb].to(self.device) for t in (input_ids, attention_mask, position_ids, responses)
+            )
+            out.append(self._forward(model, ids, mask, pos, resp)[0])
         return torch.cat(out)
 
     # ----------------------------------------------------------------------------- update
@@ -303,6 +309,7 @@ class Learner:
         if b.advantages is not None:
             advantages = b.advantages.to(dev, torch.float32) * response_mask
         else:
+            assert b.scores is not None and b.uids is not None  # LearnerBatch requires them without advantages
             advantages = compute_advantages(
                 self.config.adv_estimator, b.scores.to(dev), b.uids, response_mask, **self.config.adv_options
             )
@@ -451,7 +458,7 @@ def _dedup_aliases(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]
     """Drop every entry that is the exact same memory as an earlier one (tied weights): the first
     name wins, which is the name ``save_pretrained`` keeps (``model.embed_tokens.weight`` over
     ``lm_head.weight``)."""
-    seen: set[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = set()
+    seen: set[tuple[int, int | torch.SymInt, tuple[int, ...], tuple[int, ...]]] = set()
     out: dict[str, torch.Tensor] = {}
     for name, t in state.items():
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))

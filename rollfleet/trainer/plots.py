@@ -52,14 +52,14 @@ def plot_run(run_dir: str | Path) -> list[Path]:
         seen = set()
         for s in spans:
             y = lanes.index(s["lane"])
-            label = s["kind"] if s["kind"] not in seen else None
+            span_label = s["kind"] if s["kind"] not in seen else None  # one legend entry per kind
             seen.add(s["kind"])
             ax.barh(
                 y,
                 s["end"] - s["start"],
                 left=s["start"],
                 color=COLORS.get(s["kind"], "#8172b3"),
-                label=label,
+                label=span_label,
                 height=0.6,
             )
         ax.set_yticks(range(len(lanes)))

@@ -9,15 +9,18 @@ hooks you need), decorate it with ``@register_trainer("my_mode")`` (or call
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar, Union
 
 from rollfleet.registry import Registry
 
-T = TypeVar("T", bound=type)
+if TYPE_CHECKING:  # for annotations only: importing the base class pulls in torch
+    from rollfleet.trainer.base import Trainer
+
+T = TypeVar("T", bound="type[Trainer]")
 
 #: name -> trainer class; a :class:`rollfleet.registry.Registry` (``"sync" in TRAINER_REGISTRY``,
 #: ``TRAINER_REGISTRY["sync"]`` and ``.names()`` work; lookups import lazily registered modes).
-TRAINER_REGISTRY: Registry[type] = Registry(
+TRAINER_REGISTRY: Registry[type[Trainer]] = Registry(
     "trainer",
     kind="rollfleet.trainer.base:Trainer",
     builtins={
@@ -28,7 +31,7 @@ TRAINER_REGISTRY: Registry[type] = Registry(
 )
 
 
-def register_trainer(name: str, target: Optional[Union[type, str]] = None) -> Callable[[T], T] | Any:
+def register_trainer(name: str, target: Optional[Union[type[Trainer], str]] = None) -> Callable[[T], T] | Any:
     """Decorator registering a :class:`Trainer` subclass as mode ``name`` (sets its ``mode_name``);
     with ``target`` (a class or ``"pkg.module:Class"``), registers it directly."""
     if target is not None:
@@ -42,7 +45,7 @@ def register_trainer(name: str, target: Optional[Union[type, str]] = None) -> Ca
     return deco
 
 
-def get_trainer_cls(name: str) -> type:
+def get_trainer_cls(name: str) -> type[Trainer]:
     """The trainer registered as ``name``; ``UnknownName`` (a ``ValueError``) lists the valid ones."""
     cls = TRAINER_REGISTRY.get(name)
     if cls.__dict__.get("mode_name") is None:  # registered by path, without the decorator

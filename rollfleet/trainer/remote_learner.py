@@ -128,7 +128,7 @@ class RemoteLearner:
         """Start the actor (in ``placement``, a ``WorkerPlacement``; else with no reservation) and
         wait until the learner is built, so a bad model or config fails here."""
         options = placement.actor_options() if placement is not None else {"num_cpus": 0}
-        handle = LearnerActor.options(**options).remote(factory)
+        handle = LearnerActor.options(**options).remote(factory)  # type: ignore[attr-defined]  # a Ray actor class
         try:
             info = await handle.where.remote()
         except BaseException:

@@ -64,6 +64,11 @@ class Rollouter:
 
     async def _run(self) -> None:
         sem = asyncio.Semaphore(self.max_inflight_groups)
+
+        def group_done(task: asyncio.Task[None]) -> None:
+            self._groups.discard(task)
+            sem.release()
+
         while True:
             await sem.acquire()
             try:
@@ -74,7 +79,7 @@ class Rollouter:
             sample = self.stream.sample_at(self._reissue.pop(0)) if self._reissue else self.stream.next()
             task = asyncio.get_running_loop().create_task(self._group(sample))
             self._groups.add(task)
-            task.add_done_callback(lambda t: (self._groups.discard(t), sem.release()))
+            task.add_done_callback(group_done)
 
     async def _group(self, sample: dict[str, Any]) -> None:
         index = int(sample.get("task_index", -1))

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, Callable, Coroutine, TypeVar
 
 T = TypeVar("T")
 
 
-def auto_await(fn: Callable[..., Awaitable[T]]) -> Callable[..., Any]:
+def auto_await(fn: Callable[..., Coroutine[Any, Any, T]]) -> Callable[..., Any]:
     """Let an async method be called from sync code too (as verl's ``auto_await`` does).
 
     Inside a running event loop the call returns the coroutine (``await manager.resume()``);

@@ -12,7 +12,7 @@ YAML (verl's ``tools:`` list is accepted as is)::
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Union
 
 import yaml
 
@@ -41,8 +41,10 @@ def load_tool_config(path: str) -> list[BaseTool]:
         if not (isinstance(cls, type) and issubclass(cls, BaseTool)):
             raise TypeError(f"{path}: '{target}' is not a BaseTool subclass")
         schema = entry.get("tool_schema")
+        # The subclass's own constructor: one without a schema in the YAML builds its own.
+        make: Callable[..., BaseTool] = cls
         tools.append(
-            cls(schema, entry.get("config") or {}) if schema is not None else cls(config=entry.get("config") or {})
+            make(schema, entry.get("config") or {}) if schema is not None else make(config=entry.get("config") or {})
         )
     return tools
 

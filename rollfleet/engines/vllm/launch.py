@@ -20,7 +20,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 
 def has_gpu() -> bool:
@@ -99,7 +99,11 @@ class VLLMLaunch:
     extra_args: list[str]
     extra_env: dict[str, str]
     _device: Optional[str]
-    profile_dir: Optional[Path]
+
+    if TYPE_CHECKING:
+
+        @property
+        def profile_dir(self) -> Optional[Path]: ...  # the engine's: read-only, from its work dir
 
     @property
     def device(self) -> str:

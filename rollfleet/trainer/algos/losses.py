@@ -272,17 +272,19 @@ def compute_policy_loss(
         metrics["rollout_kl"] = masked_mean((rollout_log_probs - old_log_probs).detach(), mask)
     metrics["pg_loss"] = masked_mean(pg.detach(), mask)
 
-    agg = dict(mode=config.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
-    loss = aggregate_loss(pg, mask, **agg)
+    def agg(values: torch.Tensor) -> torch.Tensor:
+        return aggregate_loss(values, mask, config.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
+
+    loss = agg(pg)
     if config.kl_loss_coef > 0:
         if ref_log_probs is None:
             raise ValueError("kl_loss_coef > 0 needs ref_log_probs (a reference model)")
         kl = kl_penalty(log_probs, ref_log_probs, config.kl_loss_type)
-        loss = loss + config.kl_loss_coef * aggregate_loss(kl, mask, **agg)
+        loss = loss + config.kl_loss_coef * agg(kl)
         metrics["kl_loss"] = masked_mean(kl.detach(), mask)
     if entropy is not None:
         if config.entropy_coeff > 0:
-            loss = loss - config.entropy_coeff * aggregate_loss(entropy, mask, **agg)
+            loss = loss - config.entropy_coeff * agg(entropy)
         metrics["entropy"] = masked_mean(entropy.detach(), mask)
     elif config.entropy_coeff > 0:
         raise ValueError("entropy_coeff > 0 needs the per-token entropy")

@@ -25,6 +25,8 @@ class SeparateAsyncTrainer(Trainer):
 
     def _start_rollouter(self) -> None:
         t = self.train
+        # TrainConfig's validator fills both in (2 x train_batch_size) when they are not given.
+        assert t.max_queue_groups is not None and t.max_inflight_groups is not None
         self.buffer = GroupBuffer(
             capacity=t.max_queue_groups,
             max_off_policy_steps=t.max_off_policy_steps,

@@ -31,7 +31,7 @@ class SyncTrainer(Trainer):
     _asleep = False
 
     async def sample(self) -> tuple[list[Group], dict[str, Any]]:
-        assert self.agent_manager is not None
+        assert self.agent_manager is not None and self.tracker is not None
         n = self.config.rollout.n
         prompts = [
             self.stream.sample_at(self._reissue.pop(0)) if self._reissue else self.stream.next()
