@@ -21,3 +21,13 @@ def ray_session():
         start_session_ray()
     yield ray
     ray.shutdown()
+
+
+#: Every test belongs to a tier (see pyproject.toml's markers): make test-fast runs the unit tier.
+TIERS = frozenset({"unit", "ray", "vllm", "slow", "cluster"})
+
+
+def pytest_collection_modifyitems(config, items):
+    untiered = [item.nodeid for item in items if not TIERS & {m.name for m in item.iter_markers()}]
+    if untiered:
+        raise pytest.UsageError(f"tests without a tier marker ({sorted(TIERS)}): {untiered}")

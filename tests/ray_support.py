@@ -1,10 +1,10 @@
-"""How the test session starts its Ray cluster (shared by tests/conftest.py and tests/cluster)."""
+"""How the test session starts its Ray cluster (shared by tests/conftest.py and tests/manager/cluster)."""
 
 from __future__ import annotations
 
 
 def start_session_ray() -> None:
-    """The session's single-node cluster on loopback (tests/cluster stops it for a multi-node one,
+    """The session's single-node cluster on loopback (tests/manager/cluster stops it for a multi-node one,
     then calls this again)."""
     import ray
 

@@ -30,10 +30,12 @@ LONG = 4000  # a generation long enough to be interrupted (~15 s for 8 in flight
 
 
 # ---------------------------------------------------------------------------- pure units
+@pytest.mark.unit
 def test_registered_under_vllm():
     assert get_engine_cls("vllm") is VLLMEngine
 
 
+@pytest.mark.unit
 def test_omp_threads_bind():
     cpus = [0, 1]
     assert omp_threads_bind(None, 0, 2, cpus=cpus) == "0"
@@ -47,6 +49,7 @@ def test_omp_threads_bind():
     assert omp_threads_bind(None, 0, 4, cpus=[0, 2, 3, 5, 6, 7, 8, 9]) == "0,2"
 
 
+@pytest.mark.unit
 def test_from_config_and_body():
     cfg = RolloutConfig(name="vllm", model="tiny", num_replicas=2, max_model_len=64, seed=7)
     eng = VLLMEngine.from_config(cfg, 1)
@@ -74,6 +77,7 @@ def test_from_config_and_body():
         eng.limits()
 
 
+@pytest.mark.unit
 def test_error_fields_of_a_rejected_completion():
     prompt, body = [1, 2], {"temperature": -1.0}
     assert invalid_request("Token id 99999 is out of vocabulary", None, prompt, body).field == "prompt_ids"

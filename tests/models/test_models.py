@@ -15,6 +15,8 @@ import pytest
 from rollfleet import models
 from rollfleet.models import build_tiny_model, builtin_models, get_model_path
 
+pytestmark = pytest.mark.unit
+
 
 def _hashes(folder: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}

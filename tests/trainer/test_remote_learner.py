@@ -1,6 +1,6 @@
 """The learner in a Ray actor of its own: the driver only drives (sim engine, single node).
 
-Where a placement puts it on a multi-node cluster is tested in tests/cluster.
+Where a placement puts it on a multi-node cluster is tested in tests/manager/cluster.
 """
 
 from __future__ import annotations
