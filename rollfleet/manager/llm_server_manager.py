@@ -193,7 +193,10 @@ class LLMServerManager:
                 await self.controller.shutdown.remote()
             except Exception:
                 logger.exception("controller shutdown failed")
-            ray.kill(self.controller, no_restart=True)
+            try:
+                ray.kill(self.controller, no_restart=True)
+            except Exception:  # already gone (its node died, or Ray was restarted under us)
+                logger.warning("controller could not be killed: it is already gone", exc_info=True)
             self.controller = None
         if self._started_ray:
             ray.shutdown()

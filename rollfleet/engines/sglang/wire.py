@@ -214,17 +214,3 @@ def load_from_get_load(body: Any) -> EngineLoad:
             tokens += num_tokens
     kv_usage = tokens / capacity if capacity > 0 else 0.0
     return EngineLoad(running=running, waiting=waiting, inflight_tokens=tokens, kv_usage=kv_usage)
-
-
-__all__ = [
-    "translate_sampling_params",
-    "generate_body",
-    "abort_bodies",
-    "normalize_finish_reason",
-    "field_from_message",
-    "invalid_request",
-    "parse_generate",
-    "load_from_metrics",
-    "load_from_get_load",
-    "LOAD_METRICS",
-]

@@ -10,11 +10,12 @@ the long tail of one batch keeps generating into the next step instead of idling
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import ClassVar
 
-from rollfleet.errors import NotSupported
 from rollfleet.trainer.modes.separate_async import SeparateAsyncTrainer
+from rollfleet.trainer.modes.turns import FleetTurns
 from rollfleet.trainer.registry import register_trainer
 
 logger = logging.getLogger(__name__)
@@ -23,8 +24,11 @@ logger = logging.getLogger(__name__)
 @register_trainer("colocate_async")
 class ColocateAsyncTrainer(SeparateAsyncTrainer):
     colocated_by_default: ClassVar[bool] = True  # rollout and training take turns on the same devices
-    _sleep_supported = True
-    _asleep = False
+
+    @functools.cached_property
+    def _turns(self) -> FleetTurns:
+        """The fleet hands the shared devices to the learner and gets them back each step."""
+        return FleetTurns()
 
     async def on_train_begin(self) -> None:
         t = self.train
@@ -36,26 +40,13 @@ class ColocateAsyncTrainer(SeparateAsyncTrainer):
     async def on_sample_end(self) -> None:
         assert self.manager is not None
         self.fleet_paused()
-        await self.manager.pause()
-        if self._sleep_supported:
-            try:
-                await self.manager.sleep()
-                self._asleep = True
-            except NotSupported as exc:
-                self._sleep_supported = False
-                logger.info("fleet cannot sleep (%s): training next to a paused, awake fleet", exc)
-
-    async def _wake(self) -> None:
-        if self._asleep:
-            assert self.manager is not None
-            await self.manager.wake_up()
-            self._asleep = False
+        await self._turns.hand_to_learner(self.manager)
 
     async def on_sync_begin(self) -> None:
-        await self._wake()  # an engine loads new weights awake (vLLM's sleep frees them)
+        assert self.manager is not None
+        await self._turns.wake(self.manager)
 
     async def on_step_end(self) -> None:
-        assert self.manager is not None and self.tracker is not None
-        await self._wake()  # no sync this step (parameter_sync_step > 1)
-        await self.manager.resume()
+        assert self.manager is not None
+        await self._turns.hand_back(self.manager)
         self.fleet_resumed()

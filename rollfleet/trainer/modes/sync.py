@@ -10,12 +10,13 @@ weights load (an engine loads weights awake) and resumes at the end of the step.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from typing import Any, ClassVar
 
 from rollfleet.client import LLMServerClient
-from rollfleet.errors import NotSupported
 from rollfleet.trainer.base import Trainer
+from rollfleet.trainer.modes.turns import FleetTurns
 from rollfleet.trainer.registry import register_trainer
 from rollfleet.trainer.staleness import Group
 
@@ -26,9 +27,11 @@ logger = logging.getLogger(__name__)
 class SyncTrainer(Trainer):
     client_cls = LLMServerClient
     colocated_by_default: ClassVar[bool] = True
-    _sleep_supported = True
-    _held = False  # paused by on_sample_end, not yet resumed
-    _asleep = False
+
+    @functools.cached_property
+    def _turns(self) -> FleetTurns:
+        """The fleet hands the shared devices to the learner and gets them back each step."""
+        return FleetTurns()
 
     async def sample(self) -> tuple[list[Group], dict[str, Any]]:
         assert self.agent_manager is not None and self.tracker is not None
@@ -61,31 +64,15 @@ class SyncTrainer(Trainer):
 
     async def on_sample_end(self) -> None:
         assert self.manager is not None
-        await self.manager.pause()
-        self._held = True
-        if self._sleep_supported:
-            try:
-                await self.manager.sleep()
-                self._asleep = True
-            except NotSupported as exc:
-                self._sleep_supported = False
-                logger.info("fleet cannot sleep (%s): training next to a paused, awake fleet", exc)
-
-    async def _wake(self) -> None:
-        if self._asleep:
-            assert self.manager is not None
-            await self.manager.wake_up()
-            self._asleep = False
+        await self._turns.hand_to_learner(self.manager)
 
     async def on_sync_begin(self) -> None:
-        await self._wake()
+        assert self.manager is not None
+        await self._turns.wake(self.manager)
 
     async def on_step_end(self) -> None:
-        await self._wake()  # no sync this step (parameter_sync_step > 1)
-        if self._held:
-            assert self.manager is not None
-            await self.manager.resume()
-            self._held = False
+        assert self.manager is not None
+        await self._turns.hand_back(self.manager)
 
     async def on_train_end(self) -> None:
         """A step that failed between sleep and resume must not leave the fleet asleep."""
