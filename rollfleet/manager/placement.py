@@ -120,23 +120,22 @@ def choose_node(
     then the tightest fit (a node is filled before the next is opened); SPREAD: the node hosting
     fewest, then the most room; STRICT_SPREAD: only nodes hosting none. Ties keep Ray's node order.
     """
+    # (Ray's order, node, replicas that fit in its free resources): room is computed once a node.
     candidates = [
-        (i, n)
+        (i, n, room)
         for i, n in enumerate(nodes)
-        if n.alive and label_matches(n.labels, selector) and replicas_that_fit(n, bundle, devices, free=True) > 0
+        if n.alive
+        and label_matches(n.labels, selector)
+        and (room := replicas_that_fit(n, bundle, devices, free=True)) > 0
     ]
     if strategy == "STRICT_SPREAD":
-        candidates = [(i, n) for i, n in candidates if hosted.get(n.node_id, 0) == 0]
+        candidates = [c for c in candidates if hosted.get(c[1].node_id, 0) == 0]
     if not candidates:
         return None
-
-    def room(n: NodeInfo) -> int:
-        return replicas_that_fit(n, bundle, devices, free=True)
-
     if strategy == "PACK":
-        key = lambda c: (-hosted.get(c[1].node_id, 0), room(c[1]), c[0])  # noqa: E731
+        key = lambda c: (-hosted.get(c[1].node_id, 0), c[2], c[0])  # noqa: E731
     else:
-        key = lambda c: (hosted.get(c[1].node_id, 0), -room(c[1]), c[0])  # noqa: E731
+        key = lambda c: (hosted.get(c[1].node_id, 0), -c[2], c[0])  # noqa: E731
     return min(candidates, key=key)[1]
 
 
