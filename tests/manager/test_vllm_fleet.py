@@ -11,6 +11,7 @@ import time
 
 import httpx
 import pytest
+from model_support import tiny_state_dict
 
 from rollfleet.client import FullyAsyncLLMServerClient
 from rollfleet.config import RollfleetConfig
@@ -63,19 +64,6 @@ async def vllm_metric(address: str, name: str) -> float:
         if line.startswith(name) and not line.startswith("#"):
             total += float(line.rsplit(" ", 1)[1])
     return total
-
-
-def model_state_dict():
-    import glob
-
-    from safetensors.torch import load_file
-
-    from rollfleet.models import get_model_path
-
-    state = {}
-    for f in glob.glob(f"{get_model_path('tiny')}/*.safetensors"):
-        state.update(load_file(f))
-    return state
 
 
 async def test_serves_200_concurrent_requests(fleet):
@@ -146,7 +134,7 @@ async def test_greedy_outputs_change_only_with_a_weight_update(fleet):
     b = await client.generate("g2", prompt_ids=prompt, sampling_params=params)
     assert a.token_ids == b.token_ids
     version = (await fleet.status()).current_version + 1
-    state = model_state_dict()
+    state = tiny_state_dict()
     import torch
 
     gen = torch.Generator().manual_seed(version)
@@ -163,7 +151,7 @@ async def test_greedy_outputs_change_only_with_a_weight_update(fleet):
 @pytest.mark.timing
 async def test_weight_update_mid_generation_is_resumed_with_exact_budget(fleet):
     client = fleet.get_client(FullyAsyncLLMServerClient)
-    state = model_state_dict()
+    state = tiny_state_dict()
     budget = 4000  # of the tiny model's 4,096 positions
     addresses = [r.address for r in await fleet.get_replicas()]
     # vLLM's engine cores, each alone on its core, can outrun a starved test process and Ray's

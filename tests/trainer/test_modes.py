@@ -6,36 +6,12 @@ import json
 
 import pytest
 import torch
+from trainer_support import sim_train_config
 
 from rollfleet.client import FullyAsyncLLMServerClient
-from rollfleet.config import load_config
-from rollfleet.models.vocab import fit_sim_to_model
 from rollfleet.trainer import Trainer, get_trainer_cls, register_trainer
 
 pytestmark = pytest.mark.ray
-
-
-def config(tmp_path, mode: str, **trainer):
-    overrides = {
-        "rollout.name": "sim",
-        "rollout.num_replicas": 2,
-        "rollout.n": 2,
-        "rollout.prompt_length": 64,
-        "rollout.response_length": 12,
-        "rollout.max_model_len": 128,
-        "rollout.sim.time_scale": 20.0,
-        "rollout.sim.mean_response_tokens": 10,
-        "rollout.sim.response_sigma": 1.2,
-        "agent.num_workers": 1,
-        "trainer.trainer_mode": mode,
-        "trainer.total_steps": 3,
-        "trainer.train_batch_size": 2,
-        "trainer.output_dir": str(tmp_path),
-        "trainer.run_name": mode,
-        "trainer.learner.micro_batch_size": 8,
-    }
-    overrides.update({f"trainer.{k}": v for k, v in trainer.items()})
-    return fit_sim_to_model(load_config(None, overrides))
 
 
 async def run(cfg) -> Trainer:
@@ -211,3 +187,8 @@ async def test_resume_continues_step_count_and_reissues_inflight_prompts(ray_ses
     trained = [i for e in second.trained_log for i in e["task_indices"]]
     assert set(state["inflight_task_indices"]) & set(trained), "re-issued prompts are trained first"
     assert second.version > first.version
+
+
+def config(tmp_path, mode: str, **trainer):
+    """The shared job, with a longer tail of response lengths."""
+    return sim_train_config(tmp_path, mode, {"sim.response_sigma": 1.2}, **trainer)

@@ -10,9 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from trainer_support import sim_train_config as config
 
-from rollfleet.config import load_config
-from rollfleet.models.vocab import fit_sim_to_model
 from rollfleet.trainer import get_trainer_cls
 from rollfleet.trainer.config import SimLearnerConfig
 from rollfleet.trainer.remote_learner import (
@@ -21,28 +20,6 @@ from rollfleet.trainer.remote_learner import (
     RemoteLearner,
     torch_threads,
 )
-
-
-def config(tmp_path, mode: str, **trainer):
-    overrides = {
-        "rollout.name": "sim",
-        "rollout.num_replicas": 2,
-        "rollout.n": 2,
-        "rollout.prompt_length": 64,
-        "rollout.response_length": 12,
-        "rollout.max_model_len": 128,
-        "rollout.sim.time_scale": 20.0,
-        "rollout.sim.mean_response_tokens": 10,
-        "agent.num_workers": 1,
-        "trainer.trainer_mode": mode,
-        "trainer.total_steps": 3,
-        "trainer.train_batch_size": 2,
-        "trainer.output_dir": str(tmp_path),
-        "trainer.run_name": mode,
-        "trainer.learner.micro_batch_size": 8,
-    }
-    overrides.update({f"trainer.{k}": v for k, v in trainer.items()})
-    return fit_sim_to_model(load_config(None, overrides))
 
 
 def spy(manager, calls: list, *names: str) -> None:

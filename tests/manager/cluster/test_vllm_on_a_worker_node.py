@@ -3,25 +3,13 @@ Ray cluster (selected by a node label), serves and takes a weight update."""
 
 from __future__ import annotations
 
-import glob
-
 import pytest
+from model_support import tiny_state_dict
 
 from rollfleet.config import RollfleetConfig
 from rollfleet.manager import LLMServerManager
 
 pytestmark = [pytest.mark.ray, pytest.mark.cluster, pytest.mark.vllm]
-
-
-def tiny_state_dict():
-    from safetensors.torch import load_file
-
-    from rollfleet.models import get_model_path
-
-    state = {}
-    for f in glob.glob(f"{get_model_path('tiny')}/*.safetensors"):
-        state.update(load_file(f))
-    return state
 
 
 async def test_a_vllm_replica_on_a_labelled_worker_node_serves_and_updates(cluster):
