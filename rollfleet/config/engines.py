@@ -1,0 +1,84 @@
+"""Per-engine sections: ``rollout.sim``, ``rollout.vllm``, ``rollout.sglang``."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from pydantic import Field
+
+from rollfleet.config.base import _Section
+
+
+class SimEngineConfig(_Section):
+    """Parameters of the simulated engine.
+
+    Defaults resemble a 7B dense model (Qwen2.5-7B class, bf16) on one H100-80GB under vLLM:
+    a decode step of ~7 ms plus ~0.06 ms per running sequence (so ~22 ms at 256 sequences, i.e.
+    ~11k output tokens/s), prefill at ~25k tokens/s (0.04 ms per uncached prompt token),
+    ~110k tokens of KV cache (0.5 MB per token in bf16 with GQA off, ~55 GB left after weights),
+    16-token KV blocks and at most 256 running sequences.
+    """
+
+    vocab_size: int = Field(32000, ge=16, description="Token ids are drawn from [0, vocab_size).")
+    eos_token_id: int = Field(2, ge=0, description="Token that ends a response with stop_reason 'stop'.")
+    max_model_len: int = Field(32768, ge=16, description="Context length: prompt + response tokens.")
+    step_base_ms: float = Field(7.0, ge=0, description="Fixed cost of one engine step (ms).")
+    step_per_seq_ms: float = Field(0.06, ge=0, description="Decode cost per running sequence per step (ms).")
+    prefill_per_token_ms: float = Field(0.04, ge=0, description="Cost per uncached prompt token (ms).")
+    kv_capacity_tokens: int = Field(110_000, ge=16, description="KV-cache capacity in tokens.")
+    block_size: int = Field(16, ge=1, description="Tokens per KV block (unit of prefix caching).")
+    prefix_cache_blocks: int = Field(
+        4096, ge=0, description="Bound of the prefix cache (LRU over token blocks); 0 disables it."
+    )
+    max_num_seqs: int = Field(256, ge=1, description="Most sequences in one running batch.")
+    mean_response_tokens: float = Field(
+        400.0, gt=0, description="Mean of the long-tailed (log-normal) natural response length."
+    )
+    response_sigma: float = Field(
+        1.0, ge=0, description="Sigma of the log-normal response length; larger = longer tail."
+    )
+    time_scale: float = Field(
+        1.0, gt=0, description="Simulated seconds per wall second (60 = a GPU minute in a second)."
+    )
+    seed: int = Field(0, description="Seed of the engine's deterministic choices.")
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="Devices one simulated replica stands for (what it reserves on a cluster with GPUs)."
+    )
+
+
+class VLLMEngineConfig(_Section):
+    """How a replica launches and talks to a vLLM OpenAI server on loopback."""
+
+    dtype: str = Field("auto", description="'auto' picks float32 on CPU and bfloat16 on GPU.")
+    enforce_eager: bool = Field(True, description="Skip graph capture: much faster start-up on CPU.")
+    kv_cache_space_gib: int = Field(1, ge=1, description="VLLM_CPU_KVCACHE_SPACE for the CPU build.")
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
+    tensor_parallel_size: int = Field(1, ge=1)
+    max_num_seqs: int = Field(256, ge=1)
+    enable_prefix_caching: bool = True
+    omp_threads_bind: Optional[str] = Field(
+        None, description="VLLM_CPU_OMP_THREADS_BIND; None lets rollfleet pick a core range per replica."
+    )
+    startup_timeout_s: float = Field(300.0, gt=0, description="Readiness wait before start-up fails.")
+    request_timeout_s: float = Field(600.0, gt=0)
+    extra_args: list[str] = Field(default_factory=list, description="Extra CLI args for the server.")
+    extra_env: dict[str, str] = Field(default_factory=dict)
+
+
+class SGLangEngineConfig(_Section):
+    """How a replica launches or reaches an SGLang server."""
+
+    base_url: Optional[str] = Field(
+        None, description="An already running SGLang server; when None, rollfleet launches one."
+    )
+    tp_size: int = Field(1, ge=1)
+    mem_fraction_static: float = Field(0.8, gt=0, le=1)
+    startup_timeout_s: float = Field(600.0, gt=0)
+    request_timeout_s: float = Field(600.0, gt=0)
+    extra_args: list[str] = Field(default_factory=list)
+    vocab_size: Optional[int] = Field(
+        None,
+        ge=1,
+        description="Vocabulary size for input validation. SGLang's HTTP API does not report it; when "
+        "None it is read from the model's config.json (local folder or Hugging Face cache).",
+    )

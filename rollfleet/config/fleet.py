@@ -1,0 +1,145 @@
+"""The fleet's services: placement, routing, retries, health checks, Prometheus discovery."""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import Field, field_validator, model_validator
+
+from rollfleet.config.base import _Section
+
+
+class PlacementConfig(_Section):
+    """Where replicas run on the Ray cluster (see :mod:`rollfleet.manager.placement`).
+
+    Each replica is one placement group with one bundle per device of its tensor-parallel group,
+    all on one node; across replicas ``strategy`` decides how they share nodes. The bundle of a GPU
+    device is ``{"GPU": 1, "CPU": cpus_per_device, **resources}``, of a CPU device
+    ``{"CPU": cpus_per_device, **resources}``.
+    """
+
+    device: Literal["auto", "gpu", "cpu", "none"] = Field(
+        "auto",
+        description="What a replica reserves per device. auto: 'gpu' when the cluster has GPUs, else 'cpu' for "
+        "real engines and 'none' for the sim engine (it uses no device); none: no placement group at all.",
+    )
+    strategy: Literal["PACK", "SPREAD", "STRICT_SPREAD"] = Field(
+        "PACK",
+        description="Across replicas: PACK fills a node before the next, SPREAD balances replicas over nodes, "
+        "STRICT_SPREAD puts at most one replica on a node.",
+    )
+    cpus_per_device: float = Field(
+        1.0, gt=0, description="CPUs reserved with each device (for a CPU device: the device itself)."
+    )
+    node_labels: dict[str, str] = Field(
+        default_factory=dict,
+        description="Ray label selector every bundle must match, e.g. {'pool': 'rollout'} or "
+        "{'ray.io/accelerator-type': 'H100'}; values may be 'x', '!x', 'in(x,y)' or '!in(x,y)'.",
+    )
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources added to every bundle, e.g. {'rollout_slot': 1}."
+    )
+    timeout_s: float = Field(
+        30.0, gt=0, description="Longest wait for Ray to place one replica before it fails (or stays pending)."
+    )
+    pending_retry_s: float = Field(
+        5.0, gt=0, description="How often a replica waiting for free devices (state 'pending') tries again."
+    )
+    colocate: bool = Field(
+        False,
+        description="The learner shares the replicas' bundles (verl's hybrid engine); set by the colocated "
+        "trainer modes, see trainer.colocate.",
+    )
+    colocate_fraction: float = Field(
+        0.5, gt=0, lt=1, description="Share of each colocated device the learner reserves; replicas take the rest."
+    )
+
+    @model_validator(mode="after")
+    def _resources(self) -> "PlacementConfig":
+        for name, amount in self.resources.items():
+            if name in ("CPU", "GPU") or amount <= 0:
+                raise ValueError(
+                    f"rollout.placement.resources['{name}'] must be a custom resource with an amount > 0 "
+                    "(CPU and GPU come from device and cpus_per_device)"
+                )
+        return self
+
+
+class RoutingConfig(_Section):
+    """The routing policy and the balancer's knobs (no built-in policy has knobs of its own)."""
+
+    policy: str = Field(
+        "least_tokens",
+        description="A registered routing policy: least_inflight | least_tokens | power_of_two | rendezvous, or "
+        "one added with rollfleet.routing.register_policy (checked at construction).",
+    )
+    max_cache_size: int = Field(10_000, ge=1, description="Sticky sessions remembered per client (LRU).")
+    sticky: bool = Field(True, description="Keep all turns of a request_id on one replica.")
+    sticky_overload_factor: float = Field(
+        1.5, ge=1.0, description="A sticky replica gives way when its load exceeds factor x mean load ..."
+    )
+    sticky_overload_slack: int = Field(
+        8, ge=0, description="... and also exceeds mean + slack in-flight requests (both must hold)."
+    )
+    load_refresh_interval_s: float = Field(
+        1.0,
+        gt=0,
+        description="How stale a client's view of other clients' load may get. Changes of membership, health "
+        "and weight versions reach clients at once (they watch the controller); loads are polled at "
+        "health.probe_interval_s, so a shorter value buys little.",
+    )
+
+    @field_validator("policy")
+    @classmethod
+    def _registered_policy(cls, policy: str) -> str:
+        from rollfleet.routing.policies import POLICIES  # names only: no policy is imported
+
+        return POLICIES.check_name(policy)
+
+
+class RetryConfig(_Section):
+    """Bounded retry with exponential backoff, for replica failures and abort-resume."""
+
+    max_attempts: int = Field(16, ge=1, description="Attempts per request (failures plus resumes).")
+    initial_backoff_s: float = Field(0.01, ge=0, description="First wait before a retry.")
+    max_backoff_s: float = Field(1.0, ge=0, description="Cap of the exponential backoff.")
+    multiplier: float = Field(2.0, ge=1.0)
+    jitter: float = Field(0.1, ge=0, le=1, description="Random +- fraction added to each wait.")
+    request_timeout_s: Optional[float] = Field(
+        None, gt=0, description="Wall limit of one attempt; None waits as long as the replica works."
+    )
+    no_server_wait_s: float = Field(
+        300.0,
+        ge=0,
+        description="How long a request waits for a routable replica (all restarting/syncing) "
+        "before failing; these waits do not count as attempts.",
+    )
+
+
+class HealthConfig(_Section):
+    """Health probing of replicas (healthy -> suspect -> dead -> restarting -> syncing -> healthy)."""
+
+    probe_interval_s: float = Field(1.0, gt=0)
+    probe_timeout_s: float = Field(
+        5.0, gt=0, description="A probe slower than this counts as failed (generous: a busy CPU engine answers slowly)."
+    )
+    failures_to_dead: int = Field(3, ge=1, description="Consecutive failed probes before 'dead'.")
+    auto_restart: bool = Field(True, description="Restart dead replicas and sync them before serving.")
+
+
+class PrometheusSection(_Section):
+    """Scrape config the fleet controller writes and refreshes (verl's ``rollout.prometheus``)."""
+
+    enable: bool = Field(False, description="Write (and refresh on membership changes) a Prometheus scrape config.")
+    file: Optional[str] = Field(None, description="Where the scrape config is written (merged into an existing one).")
+    port: Optional[int] = Field(
+        None, ge=1, le=65535, description="Prometheus to ask for a reload (POST /-/reload); None: write only."
+    )
+    host: str = Field("127.0.0.1", description="Host of the Prometheus asked for a reload.")
+    scrape_interval: str = Field("10s", description="scrape_interval of the jobs written to file.")
+
+    @model_validator(mode="after")
+    def _file_when_enabled(self) -> "PrometheusSection":
+        if self.enable and not self.file:
+            raise ValueError("rollout.prometheus.enable=True requires rollout.prometheus.file")
+        return self

@@ -1,0 +1,124 @@
+"""The other top-level sections (``ray``, ``agent``, ``gateway``, ``trainer``) and the whole tree."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rollfleet.config.base import _Section
+from rollfleet.config.rollout import RolloutConfig
+
+
+class RayConfig(_Section):
+    """Where Ray runs. No address: an embedded local cluster is started."""
+
+    address: Optional[str] = Field(
+        None,
+        description="An existing cluster ('auto', 'host:port' or 'ray://host:10001'); None starts an embedded "
+        "one on loopback.",
+    )
+    num_cpus: Optional[int] = Field(None, ge=1, description="Logical CPUs of the embedded cluster.")
+    num_gpus: Optional[int] = Field(None, ge=0, description="GPUs of the embedded cluster; None: what Ray detects.")
+    ship_package: bool = Field(
+        True,
+        description="When joining a cluster, ship this rollfleet package to every node (runtime_env py_modules) "
+        "so worker nodes need no install of their own.",
+    )
+    runtime_env: dict[str, Any] = Field(
+        default_factory=dict, description="Extra Ray runtime_env for the job (env_vars, pip, working_dir, ...)."
+    )
+    namespace: str = "rollfleet"
+    include_dashboard: bool = False
+
+
+class MultiTurnConfig(_Section):
+    """Multi-turn tool calling (verl's ``rollout.multi_turn``)."""
+
+    max_assistant_turns: Optional[int] = Field(None, ge=1, description="None: bounded by the budget only.")
+    max_user_turns: Optional[int] = Field(None, ge=1)
+    max_parallel_calls: int = Field(4, ge=1, description="Tool calls run concurrently per turn.")
+    max_tool_response_length: int = Field(256, ge=1, description="Characters kept of a tool's output.")
+    tool_response_truncate_side: Literal["left", "right", "middle"] = "middle"
+    tool_timeout_s: float = Field(30.0, gt=0)
+    format: str = Field("hermes", description="Tool-call parser: see rollfleet.agent_loop.tool_parser.")
+    tool_config_path: Optional[str] = Field(
+        None,
+        description="YAML listing tools by import path (a BaseTool subclass or a plain function); "
+        "see rollfleet.agent_loop.tools.load_tools.",
+    )
+
+
+class AgentConfig(_Section):
+    """Agent-loop workers (verl's ``rollout.agent``)."""
+
+    num_workers: int = Field(2, ge=1, description="AgentLoopWorker actors; each holds one client.")
+    default_agent_loop: str = "single_turn_agent"
+    agent_loop_config_path: Optional[str] = Field(None, description="YAML naming extra loops by import path.")
+    max_concurrent_trajectories: int = Field(256, ge=1, description="Per worker.")
+    default_reward: Optional[str] = Field(
+        None,
+        description="Reward function (rollfleet.reward registry) for samples whose reward spec names none; "
+        "None: such samples get no score.",
+    )
+    multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)
+
+
+class GatewayConfig(_Section):
+    """The OpenAI-compatible HTTP front door."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535, description="0 picks a free port.")
+    served_model_name: Optional[str] = Field(None, description="Model name in /v1/models; defaults to rollout.model.")
+    admin_token: Optional[str] = Field(None, description="Bearer token for /admin; admin routes are off without one.")
+    request_timeout_s: float = Field(600.0, gt=0)
+    prometheus_file: Optional[str] = Field(None, description="Write a Prometheus scrape config here at start-up.")
+    tokenizer: Optional[str] = Field(
+        None, description="Tokenizer folder (or built-in model name); defaults to rollout.model's folder."
+    )
+    prometheus_port: Optional[int] = Field(
+        None, ge=1, le=65535, description="After writing prometheus_file, ask the Prometheus on this port to reload."
+    )
+    prometheus_scrape_interval: str = Field(
+        "10s", description="scrape_interval of the jobs written to prometheus_file."
+    )
+    stream_chunk_tokens: int = Field(
+        8,
+        ge=1,
+        description="Tokens per SSE chunk when a finished result is streamed (the fleet is not token-streaming).",
+    )
+    max_n: int = Field(16, ge=1, description="Largest 'n' (choices per prompt) one request may ask for.")
+    status_poll_interval_s: float = Field(
+        2.0, gt=0, description="How often fleet health, versions and replica stats are polled for /metrics."
+    )
+    access_log: bool = Field(False, description="uvicorn access log (one line per request: costs throughput).")
+    no_server_wait_s: float = Field(
+        10.0,
+        ge=0,
+        description="How long a request waits for a routable replica before the gateway answers 503 "
+        "(an HTTP caller should hear back sooner than a trainer's rollout waits).",
+    )
+
+
+class TrainerConfig(_Section):
+    """Trainer selection (``trainer_mode``) and the knobs shared by all modes.
+
+    An open section here: its keys are those of ``rollfleet.trainer.config.TrainConfig`` (the
+    trainer layer), checked by :func:`load_config` through the ``trainer`` section validator, not
+    at construction (see the module docstring for why).
+    """
+
+    trainer_mode: str = Field("sync", description="Registered trainer name: sync | colocate_async | separate_async.")
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+
+
+class RollfleetConfig(BaseModel):
+    """The whole tree. Unknown top-level sections are kept (for tools built on top)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
+    agent: AgentConfig = Field(default_factory=AgentConfig)
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
