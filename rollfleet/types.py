@@ -41,8 +41,10 @@ class TokenOutput(BaseModel):
     routed_experts: Optional[Any] = None
     stop_reason: StopReason = "stop"
     num_preempted: int = 0
-    #: Weight version of every token, when the engine can tell (same length as ``token_ids``).
-    token_versions: Optional[list[int]] = None
+    #: Weight version of every token, when known (same length as ``token_ids``). From an engine,
+    #: None marks tokens of the weights it booted with (the replica knows which version that is);
+    #: a replica's output has no None left.
+    token_versions: Optional[list[Optional[int]]] = None
     extra_fields: dict[str, Any] = Field(default_factory=dict)
 
 

@@ -61,7 +61,7 @@ class FullyAsyncLLMServerClient(LLMServerClient):
 
         token_ids: list[int] = []
         log_probs: Optional[list[float]] = []
-        versions: Optional[list[int]] = []
+        versions: Optional[list[Optional[int]]] = []
         attempts: list[dict[str, Any]] = []
         num_preempted = 0
         first_version = last_version = None

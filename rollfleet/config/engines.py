@@ -44,6 +44,9 @@ class SimEngineConfig(_Section):
     tensor_parallel_size: int = Field(
         1, ge=1, description="Devices one simulated replica stands for (what it reserves on a cluster with GPUs)."
     )
+    weight_load_ms: float = Field(
+        0.0, ge=0, description="Simulated time a weight commit takes (ms): the engine generates nothing meanwhile."
+    )
 
 
 class VLLMEngineConfig(_Section):

@@ -4,17 +4,26 @@ Every engine (``vllm``, ``sglang``, ``sim``) implements all of it. An op an engi
 perform raises :class:`rollfleet.errors.NotSupported` naming the engine and the op, rather than
 silently doing nothing, so callers can decide (e.g. the manager skips ``sleep`` on such engines).
 
-Engines know nothing of weight versions, routing or validation: the replica (``rollfleet.server``)
-stamps versions and checks input before it reaches the engine.
+Engines know nothing of routing or validation: the replica (``rollfleet.server``) checks input
+before it reaches the engine. Of weight versions they know only what a two-phase update tells
+them (:meth:`Engine.stage_weights`, :meth:`Engine.commit_weights`): an engine that can keep its
+in-flight requests across an update (``"keep"`` in :attr:`Engine.update_modes`) stamps each token
+with the version that sampled it, since only it knows where in a response the weights changed.
 """
 
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, Literal, Optional
 
+from rollfleet.errors import NotSupported
 from rollfleet.types import SamplingParams, TokenOutput
+
+#: How a commit treats the requests in flight: ``abort`` ends them (they return their partial
+#: tokens, and the client resumes them on the new weights); ``keep`` freezes them with their KV
+#: cache and lets them continue on the new weights (no resubmission, no re-prefill).
+CommitMode = Literal["abort", "keep"]
 
 
 @dataclass(slots=True)
@@ -50,6 +59,9 @@ class Engine(abc.ABC):
     bind_host: str = "127.0.0.1"
     #: Accelerator ids this engine owns (as Ray assigned them); None: whatever the process sees.
     devices: Optional[list[str]] = None
+
+    #: The commit modes :meth:`commit_weights` accepts. Every engine can ``abort``.
+    update_modes: ClassVar[frozenset[str]] = frozenset({"abort"})
 
     def assign(self, host: str, devices: Optional[list[str]] = None) -> None:
         """Where the engine runs, decided by placement before :meth:`start`: it listens on ``host``
@@ -110,7 +122,40 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     async def update_weights(self, weights: Any) -> None:
-        """Load new weights (a state dict, a path, or an engine-specific spec)."""
+        """Load new weights (a state dict, a path, or an engine-specific spec) at once."""
+
+    async def stage_weights(self, weights: Any, version: int) -> None:
+        """Phase 1 of an update, while the engine keeps generating: bring ``weights`` (a state
+        dict or a path) to where :meth:`commit_weights` loads them from quickly. Staging a newer
+        version drops older staged ones. Default: hold them in this process's memory."""
+        staged = self.__dict__.setdefault("_staged_weights", {})
+        staged.clear()
+        staged[version] = weights
+
+    async def commit_weights(self, version: int, mode: CommitMode = "abort") -> None:
+        """Phase 2: load the weights staged under ``version``.
+
+        ``abort``: the caller has paused the engine (its in-flight requests came back aborted) and
+        resumes it afterwards. ``keep`` (engines listing it in :attr:`update_modes`): the engine
+        freezes its in-flight requests itself, loads, labels what it samples from now on with
+        ``version``, and lets them continue. Default: ``abort`` through :meth:`update_weights`.
+        """
+        if mode not in self.update_modes:
+            raise NotSupported(self.name, f"commit_weights(mode={mode!r})", f"modes: {sorted(self.update_modes)}")
+        staged = self.__dict__.get("_staged_weights", {})
+        if version not in staged:
+            raise KeyError(f"no weights staged under version {version} (staged: {sorted(staged)})")
+        await self.update_weights(staged.pop(version))
+
+    async def weights_checksum(self) -> Optional[str]:
+        """A digest of the weights the engine serves with, equal on two engines exactly when their
+        weights are (as far as the engine can see them); None when the engine cannot tell. After
+        a commit the fleet compares them, and restarts a replica that disagrees."""
+        return None
+
+    def drop_staged(self) -> None:
+        """Forget staged weights (an update was given up, or the engine restarts)."""
+        self.__dict__.pop("_staged_weights", None)
 
     @abc.abstractmethod
     async def clear_kv_cache(self) -> None:

@@ -70,6 +70,8 @@ class _Request:
         "admitted_seq",
         "scripted",
         "prefilled",
+        "versions",
+        "sample_key",
     )
 
     def __init__(self, request_id: str, prompt_ids: list[int], max_tokens: int) -> None:
@@ -88,6 +90,8 @@ class _Request:
         self.admitted_seq = 0
         self.scripted: Optional[list[int]] = None
         self.prefilled = False
+        self.versions: list[Optional[int]] = []  # the weight version label of each generated token
+        self.sample_key = (0, 0)  # (prompt key, sampling salt): the token seed under any weights
 
     @property
     def context_len(self) -> int:
@@ -112,6 +116,7 @@ class BatchModel:
     _prefix_cache: OrderedDict[int, None]
     _admit_counter: int
     _stats: dict[str, Any]
+    _version_label: Optional[int]
 
     def _fail_all(self, error: BaseException) -> None:
         for req in list(self._requests.values()):
@@ -146,6 +151,9 @@ class BatchModel:
                     log_probs=list(req.log_probs),
                     stop_reason=reason,
                     num_preempted=req.num_preempted,
+                    # Once told a version by a commit, the engine knows which weights sampled each
+                    # token (tokens before that: None, the replica's boot version).
+                    token_versions=list(req.versions) if self._version_label is not None else None,
                 )
             )
 
@@ -260,6 +268,7 @@ class BatchModel:
             tok, lp = self._next_token(req)
             req.generated.append(tok)
             req.log_probs.append(lp)
+            req.versions.append(self._version_label)
             self._stats["generation_tokens"] += 1
             n = len(req.generated)
             if req.scripted is not None and n >= len(req.scripted):

@@ -19,9 +19,9 @@ from collections import OrderedDict, deque
 from typing import Any, Callable, Optional, Sequence
 
 from rollfleet.config import RolloutConfig, SimEngineConfig
-from rollfleet.engines.base import Engine, EngineHealth, EngineLimits, EngineLoad
+from rollfleet.engines.base import CommitMode, Engine, EngineHealth, EngineLimits, EngineLoad
 from rollfleet.engines.sim.batch import BatchModel, _fingerprint, _int_bytes, _mix, _Request
-from rollfleet.errors import EngineDead
+from rollfleet.errors import EngineDead, NotSupported
 from rollfleet.types import SamplingParams, TokenOutput
 
 #: A script maps (request_id, prompt_ids, sampling_params) to the exact response tokens. The
@@ -33,6 +33,7 @@ class SimEngine(BatchModel, Engine):
     """Simulated continuous-batching engine; see the package docstring for the model."""
 
     name = "sim"
+    update_modes = frozenset({"abort", "keep"})
 
     def __init__(self, config: SimEngineConfig, *, max_model_len: Optional[int] = None, replica_index: int = 0):
         self.config = config
@@ -46,6 +47,9 @@ class SimEngine(BatchModel, Engine):
         self._prefix_cache: OrderedDict[int, None] = OrderedDict()
         self._weights_seed = _mix(config.seed, 0)
         self._num_updates = 0
+        self._weights_fp = 0  # the fingerprint of the weights last loaded (0: the boot weights)
+        self._corrupt_next_load = False
+        self._version_label: Optional[int] = None
         self._admit_counter = 0
         self._paused = False
         self._sleeping = False
@@ -126,6 +130,7 @@ class SimEngine(BatchModel, Engine):
             salt = 0
         else:
             salt = self._rng.getrandbits(63)
+        req.sample_key = (prompt_key, salt)
         req.token_seed = _mix(self._weights_seed, prompt_key, salt)
         if self._script is not None:
             req.scripted = [int(t) for t in self._script(request_id, list(prompt_ids), dict(sampling_params))]
@@ -192,8 +197,40 @@ class SimEngine(BatchModel, Engine):
     async def update_weights(self, weights: Any) -> None:
         self._check_alive()
         self._num_updates += 1
-        self._weights_seed = _mix(self.config.seed, _fingerprint(weights), self._num_updates)
+        self._weights_fp = _fingerprint(weights)
+        if self._corrupt_next_load:
+            self._corrupt_next_load = False
+            self._weights_fp = _mix(self._weights_fp, 0xBAD)
+        self._weights_seed = _mix(self.config.seed, self._weights_fp, self._num_updates)
         self._prefix_cache.clear()
+
+    async def commit_weights(self, version: int, mode: CommitMode = "abort") -> None:
+        """As a real engine: ``abort`` loads on a paused engine; ``keep`` stops stepping (the
+        running requests keep their KV), loads, and lets them continue on the new weights (their
+        next tokens come from the new weights' stream). Either way the load takes
+        ``weight_load_ms`` of simulated time, and tokens are labelled ``version`` from now on."""
+        if mode not in self.update_modes:
+            raise NotSupported(self.name, f"commit_weights(mode={mode!r})", f"modes: {sorted(self.update_modes)}")
+        staged = self.__dict__.get("_staged_weights", {})
+        if version not in staged:
+            raise KeyError(f"no weights staged under version {version} (staged: {sorted(staged)})")
+        was_paused = self._paused
+        self._paused = True  # the step loop emits nothing until the load is done
+        try:
+            if self.config.weight_load_ms:
+                await asyncio.sleep(self.config.weight_load_ms / 1000.0 / self.config.time_scale)
+            await self.update_weights(staged.pop(version))
+            self._version_label = version
+            for req in self._requests.values():  # in flight: the rest comes from the new weights
+                req.token_seed = _mix(self._weights_seed, *req.sample_key)
+        finally:
+            self._paused = was_paused
+            if self._work is not None:
+                self._work.set()
+
+    async def weights_checksum(self) -> Optional[str]:
+        """The fingerprint of the weights last loaded: equal on replicas that loaded the same ones."""
+        return f"{self._weights_fp:016x}"
 
     async def clear_kv_cache(self) -> None:
         self._prefix_cache.clear()
@@ -247,8 +284,11 @@ class SimEngine(BatchModel, Engine):
     def inject_fault(self, kind: str, factor: float = 10.0) -> None:
         """``crash``: every request fails and the engine stays dead; ``hang``: the engine stops
         stepping and stops answering probes; ``slow``: steps take ``factor`` times longer;
+        ``corrupt_load``: the next weight load silently loads something else (a bad transfer);
         ``none``: clear hang/slow."""
-        if kind == "crash":
+        if kind == "corrupt_load":
+            self._corrupt_next_load = True
+        elif kind == "crash":
             self._dead = "engine crashed (injected)"
             self._fail_all(EngineDead(f"sim-{self.replica_index}", self._dead))
         elif kind == "hang":
@@ -261,7 +301,7 @@ class SimEngine(BatchModel, Engine):
             if self._work is not None:
                 self._work.set()
         else:
-            raise ValueError(f"unknown fault kind {kind!r}; valid: crash, hang, slow, none")
+            raise ValueError(f"unknown fault kind {kind!r}; valid: crash, hang, slow, corrupt_load, none")
 
     # ------------------------------------------------------------------ internals
     def _check_alive(self) -> None:
@@ -269,6 +309,17 @@ class SimEngine(BatchModel, Engine):
             raise EngineDead(f"sim-{self.replica_index}", self._dead)
 
     async def _run(self) -> None:
+        """The step loop; should it ever crash, the engine is dead and every request hears so
+        (rather than waiting forever on a loop that is gone)."""
+        try:
+            await self._steps()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._dead = f"engine loop crashed: {exc!r}"
+            self._fail_all(EngineDead(f"sim-{self.replica_index}", self._dead))
+
+    async def _steps(self) -> None:
         assert self._work is not None
         anchor: Optional[tuple[float, float]] = None  # (wall, simulated) time when busy began
         while True:
