@@ -28,6 +28,7 @@ from rollfleet.config.fleet import (
     PrometheusSection,
     RetryConfig,
     RoutingConfig,
+    WeightSyncConfig,
 )
 from rollfleet.config.loading import SECTION_VALIDATORS, load_config, register_section_validator, validate_sections
 from rollfleet.config.rollout import RolloutConfig
@@ -48,6 +49,7 @@ __all__ = [
     "RoutingConfig",
     "RetryConfig",
     "HealthConfig",
+    "WeightSyncConfig",
     "PrometheusSection",
     "RolloutConfig",
     "RayConfig",

@@ -1,4 +1,4 @@
-"""The fleet's services: placement, routing, retries, health checks, Prometheus discovery."""
+"""The fleet's services: placement, routing, retries, health checks, weight sync, Prometheus discovery."""
 
 from __future__ import annotations
 
@@ -143,3 +143,34 @@ class PrometheusSection(_Section):
         if self.enable and not self.file:
             raise ValueError("rollout.prometheus.enable=True requires rollout.prometheus.file")
         return self
+
+
+class WeightSyncConfig(_Section):
+    """How new weights reach the fleet (``rollout.weight_sync``; see :mod:`rollfleet.manager.fanout`).
+
+    Every update has two phases: *stage* (the weights travel to every replica's node while the
+    fleet keeps generating) and *commit* (a short stop in which each engine loads what it staged).
+    ``mode`` decides what a commit does to the requests in flight.
+    """
+
+    mode: Literal["abort", "keep", "rolling"] = Field(
+        "keep",
+        description="abort: every replica aborts its in-flight requests (they come back with their partial tokens "
+        "and clients resume them on the new weights), loads, resumes. keep: in-flight requests are frozen with their "
+        "KV cache and continue on the new weights (no resubmission, no re-prefill); an engine that cannot keep "
+        "falls back to abort. rolling: replicas commit in waves of max_unavailable of the fleet, each with keep "
+        "where the engine can.",
+    )
+    max_unavailable: float = Field(
+        0.5, gt=0, le=1, description="rolling: the fraction of the fleet committing at once (at least one replica)."
+    )
+    stage_dir: Optional[str] = Field(
+        None,
+        description="Node-local folder where engines that load from files stage a state dict (written once per node "
+        "and version); None: /dev/shm/rollfleet-weights (memory, no disk) where it exists, else the temp dir.",
+    )
+    stage_key: Optional[str] = Field(
+        None,
+        description="Subfolder shared by one fleet's replicas, so that replicas on one node share one staged copy; "
+        "None: LLMServerManager gives each fleet its own.",
+    )

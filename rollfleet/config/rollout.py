@@ -14,6 +14,7 @@ from rollfleet.config.fleet import (
     PrometheusSection,
     RetryConfig,
     RoutingConfig,
+    WeightSyncConfig,
 )
 
 
@@ -55,6 +56,7 @@ class RolloutConfig(_Section):
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     retry: RetryConfig = Field(default_factory=RetryConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
+    weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
     sim: SimEngineConfig = Field(default_factory=SimEngineConfig)
     vllm: VLLMEngineConfig = Field(default_factory=VLLMEngineConfig)
     sglang: SGLangEngineConfig = Field(default_factory=SGLangEngineConfig)

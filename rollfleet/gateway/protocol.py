@@ -112,6 +112,9 @@ class RemoveReplicasRequest(_Body):
 class UpdateWeightsRequest(_Body):
     path: str = Field(min_length=1, description="A weights file or folder the replicas can read.")
     version: int = Field(ge=0, description="The new weight version; must be above the current one.")
+    mode: Optional[Literal["abort", "keep", "rolling"]] = Field(
+        None, description="How the commit treats in-flight requests; None: the fleet's rollout.weight_sync.mode."
+    )
 
 
 class ProfileRequest(_Body):

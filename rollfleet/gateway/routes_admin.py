@@ -141,7 +141,7 @@ class AdminRoutes:
                 "version",
                 "version_conflict",
             )
-        result = await self.admin.update_weights(req.path, req.version)
+        result = await self.admin.update_weights(req.path, req.version, req.mode)
         return json_response(result)
 
     async def start_profile(self, request: Request) -> Response:

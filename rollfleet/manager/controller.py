@@ -53,6 +53,7 @@ class FleetController(HealthSupervisor, ControlFanOut):
         self.current_version: Optional[int] = None
         self._weights: Any = None  # the last weights pushed (an ObjectRef when called through Ray)
         self._has_weights = False  # False: the engines' boot weights are the current version
+        self._checksum: Optional[str] = None  # the committed weights' digest (None: engines cannot tell)
         self._probe_task: Optional[asyncio.Task[None]] = None
         self._restart_tasks: dict[str, asyncio.Task[None]] = {}
         self._events: list[FleetEvent] = []
@@ -152,6 +153,12 @@ class FleetController(HealthSupervisor, ControlFanOut):
             version = self.current_version
             await handle.update_weights.remote(self._weights, version)
             record.weight_version = version
+        if self._checksum is not None and record.weight_version == self.current_version:
+            report = await handle.weights_checksum.remote()
+            if report["checksum"] not in (None, self._checksum):
+                raise RuntimeError(
+                    f"{rid}: weights checksum {report['checksum']} differs from the fleet's {self._checksum}"
+                )
         record.consecutive_failures = 0
         self._set_state(record, HealthState.HEALTHY, "started")
         self._membership_changed()

@@ -12,6 +12,7 @@ import uuid
 from typing import Any, Optional, Union
 
 from rollfleet.config import RayConfig, RollfleetConfig, RolloutConfig
+from rollfleet.manager.fanout import WeightsRef
 from rollfleet.manager.ray_runtime import ensure_ray
 from rollfleet.records import FleetStatus, ReplicaInfo
 from rollfleet.utils.aio import auto_await
@@ -47,7 +48,12 @@ class LLMServerManager:
         # driver's Prometheus reads it, and it lives exactly as long as the node the job lives on
         # (Ray's soft affinity was seen placing it on another node, which may die). A Ray-client
         # driver (ray://) is on no node of the cluster: Ray chooses.
-        options: dict[str, Any] = {"name": f"rollfleet-controller-{uuid.uuid4().hex[:8]}"}
+        fleet_id = uuid.uuid4().hex[:8]
+        if self.config.weight_sync.stage_key is None:  # this fleet's replicas share staged weights per node
+            self.config = self.config.model_copy(
+                update={"weight_sync": self.config.weight_sync.model_copy(update={"stage_key": f"fleet-{fleet_id}"})}
+            )
+        options: dict[str, Any] = {"name": f"rollfleet-controller-{fleet_id}"}
         if not ray.util.client.ray.is_connected():
             here = ray.get_runtime_context().get_node_id()
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(here, soft=False)
@@ -133,18 +139,20 @@ class LLMServerManager:
         await self.controller.clear_kv_cache.remote()
 
     @auto_await
-    async def update_weights(self, weights: Any, version: int) -> dict[str, Any]:
+    async def update_weights(self, weights: Any, version: int, mode: Optional[str] = None) -> dict[str, Any]:
         """Push new weights to every replica under ``version`` (which must increase).
 
-        pause -> update -> clear cache -> stamp version -> resume: in-flight requests come back
-        ``aborted`` with their partial tokens and ``FullyAsyncLLMServerClient`` resumes them on
-        the new weights. The weights are put in Ray's object store once and shared by all
-        replicas; the controller keeps the reference to sync restarted replicas.
+        Two phases (see :mod:`rollfleet.manager.fanout`): the replicas stage the weights while
+        the fleet keeps generating, then commit them in ``mode`` (``rollout.weight_sync.mode``
+        unless given): ``keep`` continues in-flight requests on the new weights, ``abort`` returns
+        them ``aborted`` with their partial tokens (``FullyAsyncLLMServerClient`` resumes them),
+        ``rolling`` commits in waves. The weights are put in Ray's object store once; the
+        controller gets and keeps only the reference.
         """
         import ray
 
         ref = weights if isinstance(weights, ray.ObjectRef) or weights is None else ray.put(weights)
-        return await self.controller.update_weights.remote(ref, version)
+        return await self.controller.update_weights.remote(WeightsRef(ref), version, mode)
 
     @auto_await
     async def start_profile(self, **kwargs: Any) -> None:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from rollfleet.config import RolloutConfig
 from rollfleet.engines import Engine, EngineLimits, EngineLoad, build_engine
+from rollfleet.engines.base import CommitMode
 from rollfleet.errors import NotSupported, ReplicaUnavailable
 from rollfleet.health import ReplicaState
 from rollfleet.server.validation import validate_prompt, validate_sampling_params
@@ -187,7 +188,14 @@ class Replica:
         raise ReplicaUnavailable(self.replica_id, f"state is '{self._state.value}'")
 
     def _stamp(self, output: TokenOutput, epoch: int, version: Optional[int]) -> None:
-        if epoch == self._epoch or output.stop_reason == "aborted":
+        if output.token_versions is not None and len(output.token_versions) == len(output.token_ids):
+            # The engine knows which weights sampled each token (it was told at every commit);
+            # tokens from before its first commit carry None: the weights it booted with.
+            output.token_versions = [version if v is None else v for v in output.token_versions]
+            known = [v for v in output.token_versions if v is not None]
+            first = min(known) if known else version
+            last = max(known) if known else version
+        elif epoch == self._epoch or output.stop_reason == "aborted":
             # No weight change during the attempt (an aborted attempt stopped before any change).
             first = last = version
             output.token_versions = [version] * len(output.token_ids) if version is not None else None
@@ -243,33 +251,59 @@ class Replica:
         if self._state == ReplicaState.SLEEPING:
             self._set_state(ReplicaState.PAUSED)
 
-    async def update_weights(self, weights: Any, version: int, *, resume: bool = True) -> None:
-        """pause -> load weights -> clear the prefix cache -> stamp the version [-> resume].
+    async def update_weights(self, weights: Any, version: int, *, resume: bool = True) -> dict[str, Any]:
+        """Both phases at once, in ``abort`` mode: stage, then commit (see :meth:`commit_weights`)."""
+        await self.stage_weights(weights, version)
+        return await self.commit_weights(version, "abort", resume=resume)
 
-        The engine is resumed in ``finally`` when asked to, so a failed update never leaves the
-        replica paused; the version is stamped only after the weights really loaded.
+    async def stage_weights(self, weights: Any, version: int) -> float:
+        """Phase 1, while serving: the engine brings ``weights`` (resolved from the object store on
+        this node by Ray) to where its commit loads them from. Returns the seconds it took."""
+        started = time.monotonic()
+        await self.engine.stage_weights(weights, version)
+        return time.monotonic() - started
+
+    async def commit_weights(self, version: int, mode: CommitMode = "keep", *, resume: bool = True) -> dict[str, Any]:
+        """Phase 2: load the staged ``version``; stamp it only once the weights really loaded.
+
+        ``keep`` (when the engine can; else ``abort``): the engine freezes its in-flight requests
+        and continues them on the new weights, the replica keeps serving. ``abort``: hold new
+        requests at the gate, abort in-flight ones (they return partial tokens), load, clear the
+        prefix cache [, resume] -- in ``finally``, so a failed commit never leaves it paused.
+        Returns the mode used and ``pause_s``, the seconds the engine generated nothing.
         """
+        if mode == "keep" and "keep" in self.engine.update_modes and self._state != ReplicaState.SYNCING:
+            started = time.monotonic()
+            await self.engine.commit_weights(version, "keep")
+            self._set_version(version)
+            return {"mode": "keep", "pause_s": time.monotonic() - started}
         if self._state == ReplicaState.SERVING:
             self._set_state(ReplicaState.PAUSED)
+        started = time.monotonic()
         try:
             await self.engine.pause()
-            await self.engine.update_weights(weights)
+            await self.engine.commit_weights(version, "abort")
             await self.engine.clear_kv_cache()
-            self._version = version
-            self._epoch += 1
-            if self._state == ReplicaState.SYNCING:
-                self._set_state(ReplicaState.PAUSED)  # a restarted replica now has the current weights
+            self._set_version(version)
         finally:
             if resume and self._state == ReplicaState.PAUSED:
                 await self.engine.resume()
                 self._set_state(ReplicaState.SERVING)
+        return {"mode": "abort", "pause_s": time.monotonic() - started}
 
-    async def set_version(self, version: int) -> None:
-        """Stamp a version without loading weights (the weights were placed by other means)."""
+    async def weights_checksum(self) -> dict[str, Any]:
+        """The version this replica serves and its engine's weight digest (None: cannot tell)."""
+        return {"version": self._version, "checksum": await self.engine.weights_checksum()}
+
+    def _set_version(self, version: int) -> None:
         self._version = version
         self._epoch += 1
         if self._state == ReplicaState.SYNCING:
-            self._set_state(ReplicaState.PAUSED)
+            self._set_state(ReplicaState.PAUSED)  # a restarted replica now has the current weights
+
+    async def set_version(self, version: int) -> None:
+        """Stamp a version without loading weights (the weights were placed by other means)."""
+        self._set_version(version)
 
     async def clear_kv_cache(self) -> None:
         await self.engine.clear_kv_cache()

@@ -83,7 +83,10 @@ async def test_tool_agent_on_ray_workers(fleet, agents, tokenizer):
     assert result.metrics["agent_loop/tool_calls/min"] >= 0.3  # every trajectory waited for the hung tool
 
 
-async def test_weight_update_mid_turn_streams_groups(fleet, agents, tokenizer):
+@pytest.mark.parametrize("mode", ["abort", "keep"])
+async def test_weight_update_mid_turn_streams_groups(fleet, agents, tokenizer, mode):
+    """abort: the first turns are interrupted and resumed; keep: they continue, and the batch says
+    which version sampled every token."""
     texts = [
         "thinking " * 80 + '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>',
         "The answer is 5.",
@@ -110,7 +113,7 @@ async def test_weight_update_mid_turn_streams_groups(fleet, agents, tokenizer):
         assert time.perf_counter() < deadline and not consumer.done()
         await asyncio.sleep(0.02)
     await asyncio.sleep(0.05)
-    await fleet.update_weights({"step": version + 1}, version + 1)
+    await fleet.update_weights({"step": version + 1}, version + 1, mode)
     await consumer
     assert agents.inflight == [0, 0]
     assert len(groups) == 3
@@ -121,7 +124,16 @@ async def test_weight_update_mid_turn_streams_groups(fleet, agents, tokenizer):
         assert (group.max_global_steps == version + 1).all()
     lows = [int(v) for g in groups for v in g.min_global_steps]
     assert lows == [version] * 6, "the update landed in every trajectory's first turn"
-    assert min(g.metrics["agent_loop/num_resumes/min"] for g in groups) >= 1
+    if mode == "abort":
+        assert min(g.metrics["agent_loop/num_resumes/min"] for g in groups) >= 1
+    else:
+        assert max(g.metrics["agent_loop/num_resumes/max"] for g in groups) == 0
+        for g in groups:
+            model = g.response_mask.bool()
+            assert (g.token_versions[~model] == -1).all()
+            for row, mask in zip(g.token_versions, model):
+                sampled = row[mask].tolist()
+                assert sampled == sorted(sampled) and sampled[0] == version and sampled[-1] == version + 1
 
 
 def load_example():

@@ -93,7 +93,12 @@ async def test_weight_update_mid_request_is_resumed_inside_the_gateway(admin_htt
             break
         await asyncio.sleep(0.025)
     await asyncio.sleep(0.3)  # ... and generating there: 300 tokens take ~2 s at 1x
-    resp = await admin_http.post("/admin/update_weights", json={"path": "/weights/step-1", "version": 1}, headers=AUTH)
+    bad = {"path": "/weights/step-1", "version": 1, "mode": "pause"}
+    refused = await admin_http.post("/admin/update_weights", json=bad, headers=AUTH)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "mode"
+    # abort mode: the requests are interrupted and resumed inside the gateway, invisibly
+    body = {"path": "/weights/step-1", "version": 1, "mode": "abort"}
+    resp = await admin_http.post("/admin/update_weights", json=body, headers=AUTH)
     assert resp.status_code == 200, resp.text
     assert resp.json()["version"] == 1 and resp.json()["failed"] == []
     choices = await requests

@@ -60,7 +60,11 @@ async def wait_until(pred, timeout=20.0):
     return False
 
 
-async def test_rollout_survives_weight_updates(manager):
+@pytest.mark.parametrize("mode", ["abort", "keep", "rolling"])
+async def test_rollout_survives_weight_updates(manager, mode):
+    """abort: interrupted requests come back with their partial tokens and are resumed; keep and
+    rolling: nothing is interrupted, and requests that lived through an update carry the exact
+    version of every token."""
     client = manager.get_client(FullyAsyncLLMServerClient)
     start_version = (await manager.status()).current_version
     rollout = asyncio.ensure_future(asyncio.gather(*(run_trajectory(client, i) for i in range(200))))
@@ -70,8 +74,11 @@ async def test_rollout_survives_weight_updates(manager):
         while client.balancer.get_total_inflight() < 20 and not rollout.done():
             await asyncio.sleep(0.005)
         versions.append(versions[-1] + 1)
-        result = await manager.update_weights({"step": versions[-1]}, versions[-1])
-        assert result["failed"] == []
+        result = await manager.update_weights({"step": versions[-1]}, versions[-1], mode)
+        assert result["failed"] == [] and result["mode"] == mode
+        expected = "abort" if mode == "abort" else "keep"
+        assert set(result["modes"].values()) == {expected}
+        assert result["waves"] == (2 if mode == "rolling" else 1)  # max_unavailable 0.5 of 4
     trajectories = await rollout
     assert len(trajectories) == 200
     resumed = 0
@@ -84,7 +91,14 @@ async def test_rollout_survives_weight_updates(manager):
             assert prev_max <= lo <= hi  # monotone within and across turns
             prev_max = hi
             resumed += out.extra_fields["num_resumes"]
-    assert resumed > 0, "the updates should have interrupted some requests"
+            if mode != "abort":  # every token carries its version, in order, within [lo, hi]
+                tv = out.token_versions
+                assert tv is not None and len(tv) == len(out.token_ids)
+                assert tv == sorted(tv) and tv[0] == lo and tv[-1] == hi
+    if mode == "abort":
+        assert resumed > 0, "the updates should have interrupted some requests"
+    else:
+        assert resumed == 0, "keep mode continues requests, it never interrupts them"
     assert any(o.extra_fields["min_global_steps"] < o.extra_fields["max_global_steps"] for t in trajectories for o in t)
     assert client.balancer.get_total_inflight() == 0
 
@@ -194,6 +208,34 @@ async def test_crashed_replica_loses_no_trajectory_and_rejoins_on_current_weight
     assert await wait_until(rejoined)
     out = await client.generate("after", prompt_ids=[1, 2, 3], sampling_params={"max_tokens": 5})
     assert out.extra_fields["global_steps"] == version
+
+
+@pytest.mark.parametrize("fault", ["corrupt_load", "crash"])
+async def test_replica_failing_a_commit_never_serves_and_returns_on_the_committed_weights(manager, fault):
+    """corrupt_load: the replica loads something else (its checksum disagrees with the fleet's);
+    crash: its engine dies before the commit. Either way it is taken out at once, restarted from
+    the controller's reference, and serves again on the committed version with matching weights."""
+    client = manager.get_client(FullyAsyncLLMServerClient)
+    version = (await manager.status()).current_version + 1
+    await manager.inject_fault("replica-1", fault)
+    restarts = (await manager.status()).replicas["replica-1"].restarts
+    result = await manager.update_weights({"step": version}, version)
+    assert result["checksum"] is not None
+    if fault == "corrupt_load" or result["failed"]:  # a crash may be caught by the prober first
+        assert result["failed"] == ["replica-1"]
+        assert (await manager.status()).replicas["replica-1"].state != "healthy"
+
+    async def rejoined():
+        r = (await manager.status()).replicas["replica-1"]
+        return r.state == "healthy" and r.restarts > restarts and r.weight_version == version
+
+    assert await wait_until(rejoined)
+    stats = await manager.replica_stats()
+    assert stats["replica-1"]["weight_version"] == version
+    outs = await asyncio.gather(
+        *(client.generate(f"v{i}", prompt_ids=[1, 2, i], sampling_params={"max_tokens": 3}) for i in range(20))
+    )
+    assert {o.extra_fields["global_steps"] for o in outs} == {version}
 
 
 async def test_hung_replica_is_detected_and_bypassed(ray_session):
