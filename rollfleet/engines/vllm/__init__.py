@@ -8,9 +8,21 @@ Why a server subprocess (``python -m vllm.entrypoints.openai.api_server``) and n
 OpenAI clients and Prometheus (``/metrics``) talk to, so what rollfleet measures is what everyone
 else sees.
 
-Where things are: :mod:`.wire` (request body, response and error parsing, the HTTP facts of vLLM
-0.32), :mod:`.launch` (command line, environment, devices, CPU thread binding), :mod:`.engine`
-(the engine: hooks into :class:`rollfleet.engines.http.HTTPEngine` and vLLM's own routes).
+What a launched server is used for beyond plain serving, vLLM 0.32's RL API: generation through
+``/inference/v1/generate`` (the one route that says which weights sampled each token) and weight
+updates in two phases that barely stop it: staged to a node-local tmpfs file while it generates,
+then committed between ``/pause?mode=keep`` and ``/resume`` (``/start_weight_update``,
+``/update_weights``, ``/finish_weight_update``), the requests in flight frozen with their KV cache
+and continued on the new weights. vLLM has no weight-transfer backend that works without a GPU, so
+rollfleet brings one, ``rollfleet_tmpfs`` (:mod:`rollfleet.vllm_plugin`, loaded by vLLM through
+its ``vllm.general_plugins`` entry point). A server someone else runs (``base_url``) is driven
+through ``/v1/completions`` and ``reload_weights`` unless it is declared to have the RL routes.
+
+Where things are: :mod:`.wire` (request bodies, response and error parsing, the HTTP facts of vLLM
+0.32), :mod:`.launch` (command line, environment, devices, CPU thread binding), :mod:`.staging`
+(the stage files: written once per node, shared by a fleet's replicas, released by the last one),
+:mod:`.engine` (the engine: hooks into :class:`rollfleet.engines.http.HTTPEngine` and vLLM's own
+routes).
 """
 
 from rollfleet.engines.http import BUSY_GRACE_S, parse_metrics

@@ -2,27 +2,39 @@
 
 The server is driven over HTTP (see :mod:`rollfleet.engines.http` for why a subprocess and how it
 is supervised); this module holds only what is vLLM's own: its hooks into
-:class:`~rollfleet.engines.http.HTTPEngine` and the ops whose routes are vLLM's:
+:class:`~rollfleet.engines.http.HTTPEngine` and the ops whose routes are vLLM's. A server rollfleet
+launches gets vLLM 0.32's RL API (``--enable-scale-out``, ``--weight-transfer-config`` with
+rollfleet's ``rollfleet_tmpfs`` backend, see :mod:`.launch`), and the engine uses it:
 
-* ``POST /collective_rpc`` ``{"method": "reload_weights", "kwargs": {"weights_path": DIR}}``
-  reloads the safetensors files of DIR in place (a partial set of tensors is fine), answering
-  ``{"results": [null]}``; an in-memory state dict is written to a temporary folder first;
-* ``/reset_prefix_cache`` after a weight update (cached KV was computed with the old weights);
+* generation goes through ``POST /inference/v1/generate`` (token ids in and out): it is the one
+  route whose answer says which weights sampled each token (``weight_versions`` spans, turned into
+  ``TokenOutput.token_versions``), which a request kept across an update needs. Every request
+  carries ``cache_salt`` = the server's current weight label, so that after an update that kept the
+  KV cache no new request reuses prefix blocks the old weights computed (vLLM salts block hashes);
+  requests within one version still share their prefixes;
+* two-phase weight updates (``update_modes``: ``abort`` and ``keep``): staged to a node-local tmpfs
+  file while the engine generates, committed through ``/start_weight_update``,
+  ``/update_weights``, ``/finish_weight_update``, in ``keep`` mode between ``/pause?mode=keep`` and
+  ``/resume`` so that the requests in flight continue on the new weights (:mod:`.weights`);
+* ``POST /collective_rpc`` ``reload_weights`` for one-phase updates (:meth:`update_weights`) and
+  for servers without the RL routes (:mod:`.weights`);
+* ``/reset_prefix_cache`` after an update in ``abort`` mode (cached KV was computed with the old weights);
 * ``/start_profile`` exists only when the server was launched with ``--profiler-config``
   (:mod:`.launch` adds one writing into the engine's work dir, which shutdown then keeps);
 * on the CPU build ``/sleep`` answers 200 but frees nothing: ``sleep`` raises ``NotSupported``.
 
 ``base_url`` attaches to a vLLM server someone else runs (started with ``VLLM_SERVER_DEV_MODE=1``);
-give ``vocab_size`` then unless ``model`` resolves to a local folder with a ``config.json``.
+give ``vocab_size`` then unless ``model`` resolves to a local folder with a ``config.json``. Such a
+server may lack the RL flags, so by default the engine keeps to what every dev-mode server has:
+``/v1/completions`` for generation (no per-token versions) and ``reload_weights`` for updates
+(``abort`` only). ``rl_routes=True`` says the server was launched as rollfleet launches it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import os
-import shutil
-import tempfile
+import uuid
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -32,23 +44,27 @@ from rollfleet.engines.base import EngineLimits, EngineLoad
 from rollfleet.engines.http import HTTPEngine, ServerStartupError, parse_metrics, read_vocab_size
 from rollfleet.engines.vllm import wire
 from rollfleet.engines.vllm.launch import VLLMLaunch
-from rollfleet.errors import InvalidRequest, NotSupported, ReplicaUnavailable
+from rollfleet.engines.vllm.staging import Staged, StageDir, default_root
+from rollfleet.engines.vllm.weights import SLOW_CONTROL_S, VLLMWeights
+from rollfleet.errors import InvalidRequest, NotSupported
 from rollfleet.types import SamplingParams, TokenOutput
-
-#: Weight loads, sleep and profile traces take longer than a control call.
-SLOW_CONTROL_S = 300.0
 
 
 class VLLMStartupError(ServerStartupError):
     """The vLLM server did not come up (exited or timed out); the message holds its log tail."""
 
 
-class VLLMEngine(VLLMLaunch, HTTPEngine):
+class VLLMEngine(VLLMLaunch, VLLMWeights, HTTPEngine):
     """One vLLM OpenAI server, driven over HTTP (see the module docstring).
 
     It listens on :attr:`bind_host` only (the node's IP on a cluster, loopback on an embedded one)
     and sees exactly :attr:`devices` when placement assigned some (``CUDA_VISIBLE_DEVICES``); the
     CPU build keeps its per-replica thread binding.
+
+    ``stage_dir``/``stage_key``: where :meth:`stage_weights` writes (``<stage_dir>/<stage_key>/``;
+    by default ``/dev/shm/rollfleet-weights`` and a key of this engine's own). Replicas of one
+    fleet on one node that share a key write each version once. ``rl_routes``: whether the server
+    has the RL routes (default: when rollfleet launches it; see the module docstring).
     """
 
     name = "vllm"
@@ -81,6 +97,9 @@ class VLLMEngine(VLLMLaunch, HTTPEngine):
         device: Optional[str] = None,
         base_url: Optional[str] = None,
         vocab_size: Optional[int] = None,
+        rl_routes: Optional[bool] = None,
+        stage_dir: Optional[str] = None,
+        stage_key: Optional[str] = None,
     ) -> None:
         super().__init__(
             label=f"vllm-{replica_index}", base_url=base_url, startup_timeout_s=startup_timeout_s,
@@ -107,6 +126,16 @@ class VLLMEngine(VLLMLaunch, HTTPEngine):
         self.model_path: Optional[str] = None
         self._vocab = 0  # known once start() has resolved the model
         self._seq = itertools.count()
+        self.rl_routes = (base_url is None) if rl_routes is None else bool(rl_routes)
+        self.stage = StageDir(stage_dir or default_root(), stage_key or f"engine-{uuid.uuid4().hex[:12]}")
+        self._staged: dict[int, Staged] = {}
+        #: The server's weight label (vLLM's ``weight_version``): the cache salt of new requests.
+        self._label = wire.BOOT_VERSION
+        self._reloads = itertools.count(1)
+        self._weights_lock = asyncio.Lock()  # one load at a time, and no resume during one
+        #: What the last stage and commit took (seconds, bytes, pause window), for operators and tests.
+        self.last_stage: dict[str, Any] = {}
+        self.last_commit: dict[str, Any] = {}
 
     @classmethod
     def from_config(cls, config: Any, replica_index: int) -> "VLLMEngine":
@@ -130,7 +159,19 @@ class VLLMEngine(VLLMLaunch, HTTPEngine):
             request_timeout_s=v.request_timeout_s,
             extra_args=v.extra_args,
             extra_env=v.extra_env,
+            stage_dir=config.weight_sync.stage_dir,
+            stage_key=config.weight_sync.stage_key,
         )
+
+    @property
+    def update_modes(self) -> frozenset[str]:  # type: ignore[override]  # a class constant elsewhere; here it depends on the server
+        """``abort`` and ``keep`` with the RL routes; ``abort`` (``reload_weights``) without."""
+        return frozenset({"abort", "keep"}) if self.rl_routes else frozenset({"abort"})
+
+    @property
+    def weight_label(self) -> str:
+        """The server's weight label: ``"default"`` until the first commit, then its version."""
+        return self._label
 
     @property
     def profile_dir(self) -> Optional[Path]:
@@ -138,6 +179,7 @@ class VLLMEngine(VLLMLaunch, HTTPEngine):
 
     # ------------------------------------------------------------------ hooks
     async def _prepare(self) -> None:
+        self._label = wire.BOOT_VERSION  # a (re)started server has the weights it boots with
         if self.base_url is None or self.vocab_size is None:
             from rollfleet.models import get_model_path
 
@@ -148,6 +190,10 @@ class VLLMEngine(VLLMLaunch, HTTPEngine):
         self._vocab = int(vocab)
 
     async def _discover_limits(self) -> EngineLimits:
+        if self.rl_routes and self.base_url is not None:  # attached: the server may have been updated
+            resp = await self._request("GET", "/weight_info", op="start")
+            self._raise_for(resp, "start")
+            self._label = str(resp.json().get("weight_version") or wire.BOOT_VERSION)
         return EngineLimits(vocab_size=self._vocab, max_model_len=self.max_model_len)
 
     def _build_request(self, prompt_ids: list[int], sampling_params: SamplingParams,
@@ -155,7 +201,10 @@ class VLLMEngine(VLLMLaunch, HTTPEngine):
         """``extras``: ``priority`` is passed to vLLM (it matters with ``--scheduling-policy
         priority``); other per-request extras (multimodal data) are not supported by this
         text-only adapter."""
-        body, max_tokens = wire.completion_body(self.model, prompt_ids, sampling_params, self.max_model_len)
+        if self.rl_routes:
+            body, max_tokens = wire.generate_body(prompt_ids, sampling_params, self.max_model_len)
+        else:
+            body, max_tokens = wire.completion_body(self.model, prompt_ids, sampling_params, self.max_model_len)
         if "priority" in extras:
             body["priority"] = int(extras.pop("priority"))
         if extras:
@@ -166,23 +215,31 @@ class VLLMEngine(VLLMLaunch, HTTPEngine):
         return f"{wire.header_safe(request_id)}~{next(self._seq)}"
 
     def _generate_call(self, wire_id: str, body: dict[str, Any]) -> tuple[str, bytes, dict[str, str]]:
-        return "/v1/completions", orjson.dumps(body), {"X-Request-Id": wire_id, "Content-Type": "application/json"}
+        headers = {"X-Request-Id": wire_id, "Content-Type": "application/json"}
+        if self.rl_routes:
+            # Salted when it goes out (past the gate), with the label of the weights it will run on.
+            return wire.GENERATE_ROUTE, orjson.dumps(wire.salted(body, self._label)), headers
+        return "/v1/completions", orjson.dumps(body), headers
 
     def _invalid(self, message: str, param: Any, prompt_ids: list[int], body: dict[str, Any]) -> InvalidRequest:
         return wire.invalid_request(message, param, prompt_ids, body)
 
     def _parse_output(self, raw: bytes, budget: Optional[int]) -> TokenOutput:
+        if self.rl_routes:
+            return wire.parse_generate(raw, budget)
         return wire.parse_completion(raw, budget)
 
     def _abort_requests(self, wire_ids: list[str], everything: bool) -> list[tuple[str, dict[str, Any]]]:
-        return [("/abort_requests", wire.abort_body(wire_ids))]  # our ids only, even for "everything"
+        return [("/abort_requests", wire.abort_body(wire_ids, self.rl_routes))]  # our ids only, even for "everything"
 
     async def _pause_server(self) -> bool:
-        await self._control("POST", "/pause", op="pause", params={"mode": "abort", "clear_cache": "false"})
+        async with self._weights_lock:  # a keep commit in progress finishes first
+            await self._control("POST", "/pause", op="pause", params={"mode": "abort", "clear_cache": "false"})
         return True
 
     async def _resume_server(self) -> None:
-        await self._control("POST", "/resume", op="resume")
+        async with self._weights_lock:  # never between /start_weight_update and /finish_weight_update
+            await self._control("POST", "/resume", op="resume")
 
     async def _server_load(self) -> EngineLoad:
         """running / waiting / KV usage from vLLM's ``/metrics`` (in-flight tokens: our own count)."""
@@ -202,6 +259,12 @@ class VLLMEngine(VLLMLaunch, HTTPEngine):
         profiles = workdir / "profiles"
         return profiles.exists() and any(profiles.iterdir())  # traces nobody collected
 
+    async def shutdown(self, grace_s: float = 10.0) -> None:
+        """Stop the server (see :meth:`HTTPEngine.shutdown`) and release this engine's staged files."""
+        await super().shutdown(grace_s)
+        self._staged.clear()
+        await asyncio.to_thread(self.stage.release_all)
+
     # ------------------------------------------------------------------ vLLM's own ops
     async def sleep(self) -> None:
         if self.device == "cpu":
@@ -218,43 +281,7 @@ class VLLMEngine(VLLMLaunch, HTTPEngine):
     async def clear_kv_cache(self) -> None:
         await self._control("POST", "/reset_prefix_cache", op="clear_kv_cache")
 
-    async def update_weights(self, weights: Any) -> None:
-        """Load new weights: a state dict (name -> tensor, or an iterable of pairs), a
-        ``.safetensors`` file, or a folder of ``*.safetensors``. Names are those of the Hugging
-        Face checkpoint (``model.layers.0.self_attn.q_proj.weight``...); a subset is fine."""
-        self._check_alive()
-        tmp: Optional[str] = None
-        try:
-            if isinstance(weights, (str, os.PathLike)):
-                path = Path(weights)
-                # Two stat calls on a local path: not worth a thread hop.
-                if path.is_dir():  # noqa: ASYNC240
-                    weights_dir = str(path)
-                elif path.is_file() and path.suffix == ".safetensors":  # noqa: ASYNC240
-                    tmp = tempfile.mkdtemp(prefix="rollfleet-weights-")
-                    os.symlink(path.resolve(), Path(tmp) / "model.safetensors")  # noqa: ASYNC240
-                    weights_dir = tmp
-                else:
-                    raise ValueError(f"update_weights: {path} is neither a folder nor a .safetensors file")
-            else:
-                items = weights.items() if isinstance(weights, Mapping) else weights
-                tmp = tempfile.mkdtemp(prefix="rollfleet-weights-")
-                await asyncio.to_thread(_save_state_dict, dict(items), Path(tmp) / "model.safetensors")
-                weights_dir = tmp
-            await self._control(
-                "POST", "/collective_rpc", op="update_weights",
-                json={"method": "reload_weights", "kwargs": {"weights_path": weights_dir}},
-                timeout=max(self.control_timeout_s, 2 * SLOW_CONTROL_S),
-            )  # fmt: skip
-        finally:
-            if tmp is not None:
-                shutil.rmtree(tmp, ignore_errors=True)
-        # Cached KV was computed with the old weights. Best effort: a busy engine may refuse.
-        try:
-            await self._control("POST", "/reset_prefix_cache", op="clear_kv_cache", ok=False)
-        except ReplicaUnavailable:
-            pass
-
+    # ------------------------------------------------------------------ profiling
     async def start_profile(self, **kwargs: Any) -> None:
         body = {k: v for k, v in kwargs.items() if k in ("profile_prefix", "delay_iterations", "max_iterations")}
         resp = await self._control("POST", "/start_profile", op="start_profile", ok=False, json=body or None,
@@ -271,23 +298,6 @@ class VLLMEngine(VLLMLaunch, HTTPEngine):
         if resp.status_code == 404:
             raise NotSupported("vllm", op, "the server was launched without --profiler-config")
         self._raise_for(resp, op)
-
-
-def _save_state_dict(state: dict[str, Any], path: Path) -> None:
-    from safetensors.torch import save_file
-
-    tensors = {}
-    seen: set[int] = set()
-    for name, t in state.items():
-        t = t.detach()
-        if t.device.type != "cpu":
-            t = t.to("cpu")
-        t = t.contiguous()
-        if t.data_ptr() in seen:  # tied weights: safetensors refuses shared storage
-            t = t.clone()
-        seen.add(t.data_ptr())
-        tensors[name] = t
-    save_file(tensors, str(path), metadata={"format": "pt"})
 
 
 __all__ = ["VLLMEngine", "VLLMStartupError"]

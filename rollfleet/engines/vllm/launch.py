@@ -10,7 +10,15 @@ CPU build each replica gets its own slice of the cores (:func:`omp_threads_bind`
 one machine do not fight over the same cores.
 
 The control routes (``/abort_requests``, ``/pause``, ``/sleep``, ``/collective_rpc``...) exist only
-in dev mode (``VLLM_SERVER_DEV_MODE=1``), ``/start_profile`` only with ``--profiler-config``.
+in dev mode (``VLLM_SERVER_DEV_MODE=1``), ``/start_profile`` only with ``--profiler-config``. The RL
+API the engine uses for generation and two-phase weight updates needs two flags more:
+``--enable-scale-out`` (``/inference/v1/generate``, the route that labels each token with its
+weights) and ``--weight-transfer-config '{"backend": "rollfleet_tmpfs"}'`` (``/start_weight_update``
+... ``/finish_weight_update``; the backend is rollfleet's vLLM plugin, :mod:`rollfleet.vllm_plugin`,
+which vLLM loads through its ``vllm.general_plugins`` entry point; if ``VLLM_PLUGINS`` restricts
+the plugins loaded, ``rollfleet`` is added to it). A ``--weight-transfer-config`` of your own in
+``extra_args`` replaces rollfleet's (the engine's commits then need a backend that takes
+``{"path": FILE}``).
 """
 
 from __future__ import annotations
@@ -21,6 +29,11 @@ import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
+
+from rollfleet.vllm_plugin import BACKEND
+
+#: The entry-point name of rollfleet's vLLM plugin (``pyproject.toml``).
+PLUGIN_NAME = "rollfleet"
 
 
 def has_gpu() -> bool:
@@ -74,6 +87,10 @@ def omp_threads_bind(
     per_rank = max(1, len(mine) // tp)
     groups = [mine[i * per_rank : (i + 1) * per_rank] or mine[-per_rank:] for i in range(tp)]
     return "|".join(_format_ids(g) for g in groups)
+
+
+def _has_flag(args: list[str], *flags: str) -> bool:
+    return any(a == f or a.startswith(f + "=") for a in args for f in flags)
 
 
 class VLLMLaunch:
@@ -143,6 +160,10 @@ class VLLMLaunch:
             cmd.append("--enforce-eager")
         if self.device == "cuda":
             cmd += ["--gpu-memory-utilization", str(self.gpu_memory_utilization), "--enable-sleep-mode"]
+        if not _has_flag(self.extra_args, "--enable-scale-out", "--tokens-only"):
+            cmd.append("--enable-scale-out")
+        if not _has_flag(self.extra_args, "--weight-transfer-config"):
+            cmd += ["--weight-transfer-config", json.dumps({"backend": BACKEND})]
         cmd += self.extra_args
         return cmd
 
@@ -167,7 +188,10 @@ class VLLMLaunch:
                 self.omp_threads_bind, self.replica_index, self.num_replicas, self.tensor_parallel_size
             )
         env.update(self.extra_env)
+        plugins = env.get("VLLM_PLUGINS")
+        if plugins is not None and PLUGIN_NAME not in plugins.split(","):  # an allow-list without ours
+            env["VLLM_PLUGINS"] = ",".join(p for p in (plugins, PLUGIN_NAME) if p)
         return env
 
 
-__all__ = ["VLLMLaunch", "omp_threads_bind", "has_gpu"]
+__all__ = ["VLLMLaunch", "omp_threads_bind", "has_gpu", "PLUGIN_NAME"]

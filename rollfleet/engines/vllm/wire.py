@@ -1,8 +1,26 @@
-"""vLLM's wire format: the completion request, its response, its errors (pure: no I/O).
+"""vLLM's wire format: the generate and completion requests, their responses, errors (pure: no I/O).
 
-HTTP details this relies on (verified against vLLM 0.32.0, CPU build):
+HTTP details this relies on (verified against vLLM 0.32.0, CPU build; see also
+``docs/vllm-rl-api-on-cpu.md``):
 
-* ``POST /v1/completions`` with ``prompt`` = list of token ids, ``return_token_ids: true``,
+* ``POST /inference/v1/generate`` (token ids in and out; exists with ``--enable-scale-out``, else it
+  answers 403) takes ``{"token_ids", "sampling_params": <vLLM SamplingParams as JSON>, "stream",
+  "output_mode": "tokens", "cache_salt", "priority"}`` and answers ``choices[0].token_ids``,
+  ``choices[0].logprobs.content[i].logprob`` (with ``sampling_params.logprobs: 0``: the sampled
+  token's), ``finish_reason`` (``stop | length | abort``), ``stop_reason`` (the matched stop id) and
+  ``weight_versions``: ``[{"version", "start", "end"}]`` spans over the output tokens, the label of
+  the weights each token was sampled with (``"default"`` until the first
+  ``/finish_weight_update {"weight_version"}``; the engine labels its commits ``str(version)``). Unknown sampling keys are ignored; stop strings
+  need ``detokenize: true`` (a 400 otherwise), which is the only reason to let the server decode;
+* the request id comes from the ``X-Request-Id`` header; vLLM registers it as
+  ``generate-tokens-<id>``, and ``/abort_requests`` ``{"request_ids": [...]}`` (dev mode) aborts it by
+  that name, the request then answering ``finish_reason: "abort"`` with its partial tokens;
+* rejected generate input is answered 400 with ``param`` ``temperature``, ``top_p``,
+  ``max_tokens``... for a sampling field, ``body.token_ids`` for a schema error, or null with
+  "Token id N is out of vocabulary" / "The decoder prompt (length N) is longer than the maximum
+  model length";
+* ``POST /v1/completions`` (used against a server rollfleet did not launch, which may lack
+  ``--enable-scale-out``) with ``prompt`` = list of token ids, ``return_token_ids: true``,
   ``logprobs: 0`` (and ``return_tokens_as_token_ids: true``, which spares the server a per-token
   decode) answers ``choices[0].token_ids`` (generated ids) and
   ``choices[0].logprobs.token_logprobs`` (logprob of each sampled token, same length) and
@@ -40,7 +58,21 @@ RESERVED_KEYS = frozenset(
      "return_tokens_as_token_ids"}
 )  # fmt: skip
 #: ``param`` values vLLM uses for the prompt.
-PROMPT_PARAMS = frozenset({"prompt", "prompt_token_ids", "input_ids", "prompt_ids", "input_tokens"})
+PROMPT_PARAMS = frozenset({"prompt", "prompt_token_ids", "input_ids", "prompt_ids", "input_tokens", "token_ids"})
+#: Phrases of vLLM's null-``param`` messages about the prompt.
+PROMPT_MESSAGES = ("token id", "decoder prompt", "maximum model length", "maximum context length")
+#: Sampling keys rollfleet sets itself in a generate request (the caller's are ignored), and keys
+#: of the caller's sampling parameters that are not sampling parameters (request-level fields of
+#: ``/v1/completions``, which took them in the same body).
+GENERATE_RESERVED = frozenset(
+    {"n", "logprobs", "max_tokens", "max_new_tokens", "output_kind", "prompt", "model", "stream",
+     "stream_options", "echo", "return_token_ids", "request_id", "use_beam_search", "best_of",
+     "prompt_embeds", "suffix", "return_tokens_as_token_ids", "priority", "cache_salt"}
+)  # fmt: skip
+#: vLLM's label of the weights a server booted with.
+BOOT_VERSION = "default"
+#: Routes of the RL API (dev mode, ``--weight-transfer-config``).
+GENERATE_ROUTE = "/inference/v1/generate"
 
 METRIC_RUNNING = "vllm:num_requests_running"
 METRIC_WAITING = "vllm:num_requests_waiting"
@@ -63,13 +95,48 @@ def header_safe(request_id: str) -> str:
     return safe[:128] or "req"
 
 
-def engine_request_id(header_id: str) -> str:
-    """The id vLLM registers a completion under, for the ``X-Request-Id`` we sent."""
-    return f"cmpl-{header_id}-0"
+def engine_request_id(header_id: str, generate: bool = False) -> str:
+    """The id vLLM registers a request under, for the ``X-Request-Id`` we sent: a completion as
+    ``cmpl-<id>-0``, a generate request as ``generate-tokens-<id>``."""
+    return f"generate-tokens-{header_id}" if generate else f"cmpl-{header_id}-0"
 
 
-def abort_body(header_ids: list[str]) -> dict[str, Any]:
-    return {"request_ids": [engine_request_id(i) for i in header_ids]}
+def abort_body(header_ids: list[str], generate: bool = False) -> dict[str, Any]:
+    return {"request_ids": [engine_request_id(i, generate) for i in header_ids]}
+
+
+def generate_body(
+    prompt_ids: list[int], sampling_params: SamplingParams, max_model_len: int
+) -> tuple[dict[str, Any], int]:
+    """(``/inference/v1/generate`` body, token budget); the budget defaults to the rest of the context.
+
+    ``priority`` and ``cache_salt`` among the sampling parameters go to the request, as
+    ``/v1/completions`` took them; the body is sent :func:`salted`."""
+    max_tokens = budget_of(sampling_params)
+    if max_tokens is None:
+        max_tokens = max_model_len - len(prompt_ids)
+    sp: dict[str, Any] = {k: v for k, v in sampling_params.items() if k not in GENERATE_RESERVED and v is not None}
+    sp.update({"max_tokens": int(max_tokens), "n": 1, "logprobs": 0})  # logprobs 0: the sampled token's
+    if not sp.get("stop"):
+        # Token ids only: the server need not decode every token (only stop strings need text).
+        sp.setdefault("detokenize", False)
+    body: dict[str, Any] = {"token_ids": list(prompt_ids), "sampling_params": sp, "stream": False,
+                            "output_mode": "tokens"}  # fmt: skip
+    for key in ("priority", "cache_salt"):
+        if sampling_params.get(key) is not None:
+            body[key] = sampling_params[key]
+    return body, int(max_tokens)
+
+
+def salted(body: dict[str, Any], label: str) -> dict[str, Any]:
+    """``body`` with ``cache_salt`` = the weight label (after the caller's own salt, if any).
+
+    vLLM hashes prefix-cache blocks with the salt, so a request never reuses KV computed under
+    another one. Salted with the label of the weights it will run on, a request sent after an
+    update that kept the cache (``keep``) cannot hit blocks the old weights computed, while the
+    requests of one version still share their prefixes."""
+    own = body.get("cache_salt")
+    return {**body, "cache_salt": f"{own}.{label}" if own else label}
 
 
 def completion_body(
@@ -99,16 +166,25 @@ def completion_body(
 
 
 def invalid_request(message: str, param: Any, prompt_ids: list[int], body: dict[str, Any]) -> InvalidRequest:
-    """The InvalidRequest for a 400/422 answer, naming the field vLLM complained about."""
-    if param in (None, "") and "token id" in str(message).lower():
-        where = "prompt_ids"  # "Token id N is out of vocabulary"
-    elif param in (None, ""):
-        where = "request"
-    elif param in PROMPT_PARAMS:
+    """The InvalidRequest for a 400/422 answer, naming the field vLLM complained about (of a
+    completion or a generate body: a generate request's sampling fields are nested)."""
+    field = str(param or "")
+    for prefix in ("body.sampling_params.", "body.", "sampling_params."):
+        field = field.removeprefix(prefix)
+    field = field.split(".")[0].split("[")[0]
+    if not field:
+        where = "prompt_ids" if any(p in str(message).lower() for p in PROMPT_MESSAGES) else "request"
+    elif field in PROMPT_PARAMS:
         where = "prompt_ids"
+    elif field == "sampling_params":
+        where = "sampling_params"
+    elif field in ("cache_salt", "priority"):
+        where = field
     else:
-        where = f"sampling_params.{param}"
-    value = prompt_ids if where == "prompt_ids" else body.get(str(param)) if param else None
+        where = f"sampling_params.{field}"
+    sampling = body.get("sampling_params")
+    fields = sampling if isinstance(sampling, dict) else body
+    value = prompt_ids if where == "prompt_ids" else fields.get(field, body.get(field)) if field else None
     return InvalidRequest(where, "accepted by the vLLM server", value, str(message)[:1000])
 
 
@@ -133,7 +209,76 @@ def parse_completion(raw: bytes, max_tokens: Optional[int]) -> TokenOutput:
     return TokenOutput(token_ids=token_ids, log_probs=log_probs, stop_reason=reason, extra_fields=extra)
 
 
+def token_labels(spans: Any, n: int) -> Optional[list[Optional[str]]]:
+    """The weight label of each of ``n`` output tokens, from vLLM's ``weight_versions`` spans
+    (``[{"version", "start", "end"}]``); None where the server sent none; a token no span covers
+    (never seen) gets None."""
+    if not isinstance(spans, list):
+        return None
+    labels: list[Optional[str]] = [None] * n
+    for span in spans:
+        start, end = max(0, int(span["start"])), min(n, int(span["end"]))
+        for i in range(start, end):
+            labels[i] = str(span["version"])
+    return labels
+
+
+def label_version(label: Optional[str]) -> Optional[int]:
+    """A weight label as rollfleet's integer version: the labels the engine commits are
+    ``str(version)``; anything else (vLLM's boot label ``"default"``, a label someone else set)
+    is None: the engine cannot tell which version those weights are."""
+    if label is None or not (label.isascii() and label.isdigit()):
+        return None
+    return int(label)
+
+
+def token_versions(spans: Any, n: int) -> Optional[list[Optional[int]]]:
+    """``TokenOutput.token_versions`` from vLLM's spans: the version of each token, None for a token
+    of the weights the server booted with (label ``"default"``: the replica knows their version).
+    None as a whole when the server sent no spans, or when a label is neither (weights loaded by
+    ``reload_weights``, or labelled by someone else): which version sampled them is unknown."""
+    labels = token_labels(spans, n)
+    if labels is None or any(label is None for label in labels):
+        return None
+    versions = [label_version(label) for label in labels]
+    if any(v is None and label != BOOT_VERSION for v, label in zip(versions, labels)):
+        return None
+    return versions
+
+
+def parse_generate(raw: bytes, max_tokens: Optional[int]) -> TokenOutput:
+    """A 200 answer of ``/inference/v1/generate`` -> TokenOutput (ids, logprobs and versions aligned)."""
+    data = orjson.loads(raw)
+    choice = data["choices"][0]
+    token_ids = [int(t) for t in (choice.get("token_ids") or [])]
+    content = (choice.get("logprobs") or {}).get("content")
+    log_probs: Optional[list[float]] = None
+    if content is not None and len(content) == len(token_ids):  # never seen otherwise: no misaligned data
+        log_probs = [float(c["logprob"]) if c.get("logprob") is not None else math.nan for c in content]
+    extra: dict[str, Any] = {}
+    if choice.get("stop_reason") is not None:
+        extra["vllm_stop_reason"] = choice["stop_reason"]
+    details = (data.get("usage") or {}).get("prompt_tokens_details") or {}
+    if details.get("cached_tokens") is not None:
+        extra["cached_tokens"] = details["cached_tokens"]
+    return TokenOutput(
+        token_ids=token_ids,
+        log_probs=log_probs,
+        stop_reason=stop_reason(choice.get("finish_reason"), len(token_ids), max_tokens),
+        token_versions=token_versions(choice.get("weight_versions"), len(token_ids)),
+        extra_fields=extra,
+    )
+
+
 __all__ = [
+    "GENERATE_ROUTE",
+    "BOOT_VERSION",
+    "generate_body",
+    "salted",
+    "parse_generate",
+    "token_labels",
+    "label_version",
+    "token_versions",
     "RESERVED_KEYS",
     "STATS_METRICS",
     "LOAD_METRICS",

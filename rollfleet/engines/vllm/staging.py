@@ -1,0 +1,194 @@
+"""Where a two-phase weight update puts its weights between the phases: node-local safetensors
+files that vLLM's workers read through the ``rollfleet_tmpfs`` backend (:mod:`rollfleet.vllm_plugin`).
+
+Layout: ``<root>/<key>/v<version>.safetensors``. ``root`` defaults to ``/dev/shm`` (tmpfs: the file
+is memory, and a worker's memory map of it costs no disk read); ``key`` names the fleet, so that
+the replicas of one fleet on one node share each file: the first one to stage a version writes it
+(under a temporary name, then ``os.replace``: a file under the final name is always complete),
+the others find it and reuse it. The replica keeps generating meanwhile: the writing is plain,
+blocking file I/O that the engine runs in a thread.
+
+Who removes a shared file: each engine that stages a version holds its own hard link to it,
+``v<version>.safetensors.<owner>``, and loads from that link. Releasing a version (after a newer
+commit, at shutdown) removes the engine's link, then the shared name once no other engine links
+it (``st_nlink == 1``): one replica restarting mid-update never pulls a file from under the
+others, and the memory is freed when the last replica is done with it. (A replica process killed
+outright leaves its links behind; with the default per-engine key that is one folder of its own.)
+
+The writer streams tensor by tensor (:func:`write_safetensors`) rather than building the whole
+serialized file in memory first, as ``safetensors.torch.save_file`` does: a replica staging a
+large model holds one tensor's extra copy at most (a GPU tensor is copied to the host one at a
+time), not a second model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+import tempfile
+import time
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+#: ``v<version>.safetensors`` (a staged version's shared name), or ``...safetensors.<owner>`` (a link).
+_NAME = re.compile(r"^v(\d+)\.safetensors(?:\.(.+))?$")
+
+_DTYPES = {  # torch dtype name -> safetensors dtype
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
+    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+}  # fmt: skip
+
+
+def default_root() -> Path:
+    """``/dev/shm/rollfleet-weights`` where there is a ``/dev/shm`` (tmpfs), else the temp dir."""
+    shm = Path("/dev/shm")
+    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+    return base / "rollfleet-weights"
+
+
+def weight_files(path: str | os.PathLike[str]) -> list[Path]:
+    """The safetensors files of a path given by the user: the file itself, or a folder's
+    ``*.safetensors`` (sorted). Raise ValueError for anything else."""
+    p = Path(path)
+    if p.is_dir():
+        files = sorted(f for f in p.glob("*.safetensors") if f.is_file())
+        if not files:
+            raise ValueError(f"no *.safetensors in {p}")
+        return files
+    if p.is_file() and p.suffix == ".safetensors":
+        return [p]
+    raise ValueError(f"{p} is neither a folder nor a .safetensors file")
+
+
+def write_safetensors(weights: Mapping[str, Any] | Iterable[tuple[str, Any]], path: Path) -> int:
+    """Write a state dict (name -> tensor, or an iterable of pairs) as one safetensors file, a
+    tensor at a time; return the bytes written. Tied tensors are simply written twice."""
+    import torch
+
+    items = list(weights.items() if isinstance(weights, Mapping) else weights)
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, t in items:
+        dtype = _DTYPES.get(str(t.dtype).removeprefix("torch."))
+        if dtype is None:
+            raise ValueError(f"{name}: dtype {t.dtype} cannot be written to safetensors")
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": dtype, "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors' own writer does
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for _, t in items:
+            t = t.detach()
+            if t.device.type != "cpu":
+                t = t.to("cpu")
+            if t.numel():
+                f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+    return 8 + len(raw) + offset
+
+
+@dataclass
+class Staged:
+    """What a commit of one version loads: ``files``, in order. ``owned``: links this engine
+    holds in its stage dir (released later); else paths the user gave (never removed)."""
+
+    files: list[Path]
+    owned: bool
+    #: Bytes this engine wrote (0 when it reused a file another replica wrote, or the user's).
+    written: int = 0
+    #: Seconds the writing took (in its thread).
+    write_s: float = 0.0
+
+
+class StageDir:
+    """One engine's view of ``<root>/<key>``; blocking file operations (run them in a thread)."""
+
+    def __init__(self, root: str | os.PathLike[str], key: str, owner: Optional[str] = None) -> None:
+        if not key or "/" in key or key in (".", ".."):
+            raise ValueError(f"stage_key must be a plain folder name, got {key!r}")
+        self.path = Path(root) / key
+        self.owner = owner or f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+    def shared(self, version: int) -> Path:
+        return self.path / f"v{int(version)}.safetensors"
+
+    def link(self, version: int) -> Path:
+        return self.path / f"v{int(version)}.safetensors.{self.owner}"
+
+    def stage(self, weights: Mapping[str, Any] | Iterable[tuple[str, Any]], version: int) -> Staged:
+        """Write ``weights`` as version ``version`` unless a replica sharing the key already did;
+        return this engine's link to it."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        shared, mine = self.shared(version), self.link(version)
+        written, started = 0, time.monotonic()
+        for _ in range(3):  # the shared name can vanish between our check and our link (its last user released it)
+            if not shared.exists():
+                tmp = self.path / f".v{int(version)}.{self.owner}.{uuid.uuid4().hex[:6]}.tmp"
+                try:
+                    written = write_safetensors(weights, tmp)
+                    os.replace(tmp, shared)  # atomic: the final name only ever names a complete file
+                finally:
+                    tmp.unlink(missing_ok=True)
+            try:
+                mine.unlink(missing_ok=True)  # staged twice: link the current file
+                os.link(shared, mine)
+                return Staged([mine], owned=True, written=written, write_s=time.monotonic() - started)
+            except FileNotFoundError:
+                continue
+        raise OSError(f"could not stage version {version} in {self.path}")
+
+    def release(self, versions: Iterable[int]) -> None:
+        """Drop this engine's links to ``versions``, and each shared file no one links any more."""
+        for version in versions:
+            self.link(version).unlink(missing_ok=True)
+            self._drop_unused(self.shared(version))
+
+    def release_older(self, version: int) -> list[int]:
+        """After a commit of ``version``: release every older version in the folder (this engine's
+        links, and the shared files no other engine still links); return the versions seen."""
+        seen = [v for v in self._versions(mine=False) if v < version]
+        self.release(seen)
+        return seen
+
+    def linked(self) -> list[int]:
+        """The versions this engine holds a link to."""
+        return self._versions(mine=True)
+
+    def release_all(self) -> None:
+        """At shutdown: release every version this engine links; remove the folder once empty."""
+        self.release(self.linked())
+        try:
+            self.path.rmdir()
+        except OSError:
+            pass  # still used by another replica of the fleet (or never made)
+
+    def _versions(self, mine: bool) -> list[int]:
+        """Versions this engine links (``mine``), or every version in the folder plus those."""
+        try:
+            names = os.listdir(self.path)
+        except FileNotFoundError:
+            return []
+        found = set()
+        for m in map(_NAME.match, names):
+            if m and (m.group(2) == self.owner or (not mine and m.group(2) is None)):
+                found.add(int(m.group(1)))
+        return sorted(found)
+
+    @staticmethod
+    def _drop_unused(shared: Path) -> None:
+        try:
+            if shared.stat().st_nlink <= 1:
+                shared.unlink(missing_ok=True)
+        except FileNotFoundError:
+            pass
+
+
+__all__ = ["StageDir", "Staged", "default_root", "weight_files", "write_safetensors"]
