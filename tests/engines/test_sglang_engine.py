@@ -17,7 +17,7 @@ import pytest_asyncio
 
 from rollfleet.config import RolloutConfig
 from rollfleet.engines.sglang import SGLangEngine, normalize_finish_reason, translate_sampling_params, wire
-from rollfleet.errors import EngineDead, InvalidRequest, NotSupported, ReplicaUnavailable
+from rollfleet.errors import EngineDead, InvalidRequest, ReplicaUnavailable
 
 try:
     from tests.engines.fake_server import wait_until
@@ -287,24 +287,32 @@ async def test_duplicate_request_ids_in_flight_get_distinct_rids(fake, engine):
 
 @pytest.mark.asyncio
 async def test_update_weights_from_disk_changes_outputs(fake, engine, tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
     before = await engine.generate("w1", PROMPT, {"max_tokens": 8})
     ckpt = tmp_path / "step_1"
     ckpt.mkdir()
+    save_file({"lm_head.weight": torch.zeros(2, 2)}, str(ckpt / "model.safetensors"))
     await engine.update_weights(str(ckpt))
-    assert fake.bodies("/update_weights_from_disk") == [{"model_path": str(ckpt)}]
+    # one phase, no version: labelled so that no token of these weights passes for a version
+    assert fake.bodies("/update_weights_from_disk") == [{"model_path": str(ckpt), "weight_version": "reload-1"}]
+    assert fake.loads == [(str(ckpt), ["lm_head.weight"])] and fake.weight_version == "reload-1"
     after = await engine.generate("w2", PROMPT, {"max_tokens": 8})
     assert after.token_ids != before.token_ids
     assert after.token_ids == expected_tokens(PROMPT, 8, salt=salt_for(str(ckpt)), vocab_size=VOCAB)
+    assert after.token_versions is None and fake.bodies("/generate")[-1]["extra_key"] == "reload-1"
 
     await engine.update_weights({"model_path": ckpt, "weight_version": "7"})
     assert fake.bodies("/update_weights_from_disk")[-1] == {"model_path": str(ckpt), "weight_version": "7"}
 
     with pytest.raises(InvalidRequest) as err:
         await engine.update_weights(str(tmp_path / "missing"))
-    assert err.value.field == "weights"
-    with pytest.raises(NotSupported) as err2:
+    assert err.value.field == "weights" and "Failed to get weights iterator" in err.value.detail
+    with pytest.raises(InvalidRequest) as err:  # a mapping that is no state dict
         await engine.update_weights({"lm_head.weight": [0.0, 1.0]})
-    assert err2.value.engine == "sglang" and err2.value.op == "update_weights"
+    assert err.value.field == "weights"
+    assert not list(engine.stage.path.glob("reload-*"))  # its scratch folder is gone
 
 
 @pytest.mark.asyncio

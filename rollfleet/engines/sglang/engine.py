@@ -3,30 +3,34 @@
 The engine either connects to a running server (``rollout.sglang.base_url``) or launches one on
 its node's address and supervises it like every HTTP engine (:mod:`rollfleet.engines.http`: own
 session, parent guard, exit watcher, busy-not-dead health grace). Everything goes through SGLang's
-*native* HTTP API; routes from ``python/sglang/srt/entrypoints/http_server.py`` @ 0025436eab05:
+*native* HTTP API. Routes and fields as read in the sglang 0.5.23 release (PyPI; ``python/sglang/srt/``
+``entrypoints/http_server.py``, ``managers/io_struct.py``, ``managers/tokenizer_manager.py``,
+``managers/scheduler.py``), with the release that brought each (checked release by release):
 
 * ``/health``, ``/health_generate`` (readiness of a launched server: it runs a generation),
   ``/get_model_info``, ``/get_server_info`` (newer servers rename them ``/model_info`` and
   ``/server_info`` and keep the old names as deprecated aliases; we try the old name, then the
-  new one), ``/get_load``, ``/metrics``, ``/generate``, ``/abort_request``;
-* ``/pause_generation`` (``PauseGenerationReqInput``: ``mode`` ``"abort" | "retract" | "in_place"``;
-  ``TokenizerManager.pause_generation(mode="abort")`` sets ``is_pause``, so new requests wait on
-  ``is_pause_cond``, and aborts every registered request until none is left) and
-  ``/continue_generation``; servers before them answer 404 and get an abort of everything instead;
+  new one), ``/get_load``, ``/metrics``, ``/generate`` (``extra_key``: 0.5.3), ``/abort_request``;
+* ``/pause_generation`` and ``/continue_generation`` (0.4.9; before, 404 and an abort of
+  everything instead). ``PauseGenerationReqInput.mode`` (0.5.6; earlier servers ignore the body
+  and abort): ``"abort"`` sets ``TokenizerManager.is_pause`` (new requests wait on
+  ``is_pause_cond`` before they reach the scheduler) and aborts every registered request until none
+  is left; ``"in_place"`` and ``"retract"`` set it too and stop the scheduler's loop, ``in_place``
+  leaving running requests and their KV cache as they are, ``retract`` moving them back to the
+  waiting queue with their KV freed (recomputed on continue);
 * ``/update_weights_from_disk`` (``UpdateWeightFromDiskReqInput``: ``model_path``, ``load_format``,
-  ``abort_all_requests``, ``weight_version``, ``flush_cache``...), ``/flush_cache`` (refused with 400
-  while requests run: retried briefly), ``/release_memory_occupation`` and
-  ``/resume_memory_occupation`` (``tags``: optional list of ``"weights"``, ``"kv_cache"``; None =
-  all), ``/start_profile`` (``ProfileReq``: ``output_dir``, ``num_steps``, ``activities``...),
-  ``/stop_profile``.
+  ``abort_all_requests``, ``weight_version`` (0.5.1), ``flush_cache`` (0.5.6)...; while
+  ``is_pause`` is set it loads at once, otherwise it waits for every running request under a
+  writer lock), ``/flush_cache`` (refused with 400 while requests run: retried briefly),
+  ``/release_memory_occupation`` and ``/resume_memory_occupation`` (``tags``: optional list of
+  ``"weights"``, ``"kv_cache"``; None = all), ``/start_profile`` (``ProfileReq``: ``output_dir``,
+  ``num_steps``, ``activities``...), ``/stop_profile``; answers carry ``meta_info.weight_versions``
+  spans from 0.5.19.
 
 Decisions:
 
-* ``update_weights(path)`` -> ``/update_weights_from_disk``; a mapping with ``model_path`` is sent as
-  an ``UpdateWeightFromDiskReqInput``. In-memory state dicts raise ``NotSupported``:
-  ``/update_weights_from_tensor`` takes tensors serialised with SGLang's
-  ``MultiprocessingSerializer`` (CUDA IPC handles, base64 in JSON) that only a process on the same
-  node and GPUs can produce; it belongs with a colocated trainer, not here.
+* Weights (two-phase ``stage_weights``/``commit_weights``, ``keep``, per-token versions, the
+  one-phase ``update_weights``): :mod:`.weights`.
 * ``load()`` reads ``/metrics`` (has KV usage); if metrics are off (404) it falls back to
   ``/get_load``. In-flight tokens are the server's count (it sees every client).
 * ``sleep`` aborts in-flight requests and holds new ones until ``wake_up``, independently of
@@ -41,8 +45,10 @@ Decisions:
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import time
+import uuid
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
@@ -53,6 +59,8 @@ from rollfleet.engines.http import HTTPEngine, metric_samples, read_vocab_size
 from rollfleet.engines.http.inflight import DRAIN_TIMEOUT_S
 from rollfleet.engines.sglang import wire
 from rollfleet.engines.sglang.launch import SGLangLaunch
+from rollfleet.engines.sglang.staging import Staged, StageFolders, default_root
+from rollfleet.engines.sglang.weights import SGLangWeights
 from rollfleet.errors import EngineDead, InvalidRequest, NotSupported
 from rollfleet.types import SamplingParams, TokenOutput
 
@@ -63,8 +71,13 @@ if TYPE_CHECKING:
 CONTROL_TIMEOUT_S = 60.0
 
 
-class SGLangEngine(SGLangLaunch, HTTPEngine):
-    """An SGLang server behind one replica (see the module docstring for the wire contract)."""
+class SGLangEngine(SGLangLaunch, SGLangWeights, HTTPEngine):
+    """An SGLang server behind one replica (see the module docstring for the wire contract).
+
+    ``stage_dir``/``stage_key``: where :meth:`stage_weights` writes (``<stage_dir>/<stage_key>/``;
+    by default ``/dev/shm/rollfleet-weights`` (else the temp dir) and a key of this engine's own).
+    Replicas of one fleet on one node that share a key write each version once.
+    """
 
     name: ClassVar[str] = "sglang"
     server_name: ClassVar[str] = "SGLang server"
@@ -74,7 +87,8 @@ class SGLangEngine(SGLangLaunch, HTTPEngine):
         self, *, model: str, base_url: Optional[str] = None, replica_id: str = "sglang-0", tp_size: int = 1,
         mem_fraction_static: float = 0.8, context_length: Optional[int] = None, vocab_size: Optional[int] = None,
         seed: Optional[int] = None, startup_timeout_s: float = 600.0, request_timeout_s: float = 600.0,
-        probe_timeout_s: float = 2.0, extra_args: Optional[list[str]] = None,
+        probe_timeout_s: float = 2.0, extra_args: Optional[list[str]] = None, stage_dir: Optional[str] = None,
+        stage_key: Optional[str] = None,
     ) -> None:  # fmt: skip
         super().__init__(
             label=replica_id, base_url=base_url, startup_timeout_s=startup_timeout_s, request_timeout_s=request_timeout_s,
@@ -85,6 +99,22 @@ class SGLangEngine(SGLangLaunch, HTTPEngine):
         self.extra_args = list(extra_args or [])
         self._metrics_available: Optional[bool] = None
         self._profile_dir: Optional[str] = None
+        self.stage = StageFolders(stage_dir or default_root(), stage_key or f"engine-{uuid.uuid4().hex[:12]}")
+        self._staged: dict[int, Staged] = {}
+        #: The label of the weights the server runs, as this engine set it: each request's
+        #: ``extra_key`` (None: the weights it booted with, or a label someone else set).
+        self._label: Optional[str] = None
+        #: The labels this engine committed -> their versions: what ``token_versions`` may say.
+        self._versions: dict[str, int] = {}
+        self._reloads = itertools.count(1)
+        #: ``keep`` commits begun: a request that saw one begin may have a token mislabelled.
+        self._keep_commits = 0
+        self._server_version: Optional[tuple[int, int, int]] = None
+        self._overlap = True  # the server runs the overlap scheduler (SGLang's default)
+        self._weights_lock = asyncio.Lock()  # one load at a time; pause/resume wait for a keep commit
+        #: What the last stage and commit took (seconds, bytes, pause window), for operators and tests.
+        self.last_stage: dict[str, Any] = {}
+        self.last_commit: dict[str, Any] = {}
 
     @classmethod
     def from_config(cls, config: "RolloutConfig", replica_index: int) -> "SGLangEngine":
@@ -94,8 +124,21 @@ class SGLangEngine(SGLangLaunch, HTTPEngine):
             mem_fraction_static=sg.mem_fraction_static, context_length=config.max_model_len,
             vocab_size=getattr(sg, "vocab_size", None), seed=config.seed, startup_timeout_s=sg.startup_timeout_s,
             request_timeout_s=sg.request_timeout_s, probe_timeout_s=config.health.probe_timeout_s,
-            extra_args=sg.extra_args,
+            extra_args=sg.extra_args, stage_dir=config.weight_sync.stage_dir,
+            stage_key=config.weight_sync.stage_key,
         )  # fmt: skip
+
+    @property
+    def update_modes(self) -> frozenset[str]:  # type: ignore[override]  # a class constant elsewhere; here it depends on the server
+        """``abort``, and ``keep`` once start found SGLang >= 0.5.7 (see the module docstring)."""
+        if self._server_version is not None and self._server_version >= wire.KEEP_SINCE:
+            return frozenset({"abort", "keep"})
+        return frozenset({"abort"})
+
+    @property
+    def weight_label(self) -> Optional[str]:
+        """The label of the weights the server runs, as this engine set it (None: boot weights)."""
+        return self._label
 
     # ------------------------------------------------------------------ hooks
     def _ready_route(self) -> str:
@@ -104,6 +147,10 @@ class SGLangEngine(SGLangLaunch, HTTPEngine):
     async def _discover_limits(self) -> EngineLimits:
         model_info = await self._get_json_first(("/get_model_info", "/model_info"))
         server_info = await self._get_json_first(("/get_server_info", "/server_info"))
+        self._server_version = wire.server_version(server_info)
+        self._overlap = wire.overlap_scheduled(server_info)
+        running = model_info.get("weight_version") if isinstance(model_info, Mapping) else None
+        self._label = running if isinstance(running, str) and running in self._versions else None
         max_len: Optional[int] = None
         if isinstance(server_info, Mapping):
             if isinstance(server_info.get("context_length"), int):
@@ -149,28 +196,44 @@ class SGLangEngine(SGLangLaunch, HTTPEngine):
         return rid
 
     def _generate_call(self, wire_id: str, body: dict[str, Any]) -> tuple[str, bytes, dict[str, str]]:
-        return "/generate", orjson.dumps({**body, "rid": wire_id}), {"Content-Type": "application/json"}
+        payload = {**body, "rid": wire_id}
+        if self._label is not None:  # past the gate: the label of the weights it will run on
+            payload["extra_key"] = self._label
+        return "/generate", orjson.dumps(payload), {"Content-Type": "application/json"}
 
     def _invalid(self, message: str, param: Any, prompt_ids: list[int], body: dict[str, Any]) -> InvalidRequest:
         return wire.invalid_request(message, param)
 
     def _parse_output(self, raw: bytes, budget: Optional[int]) -> TokenOutput:
-        return wire.parse_generate(orjson.loads(raw), budget)
+        return wire.parse_generate(orjson.loads(raw), budget, self._versions)
 
     def _abort_requests(self, wire_ids: list[str], everything: bool) -> list[tuple[str, dict[str, Any]]]:
         return [("/abort_request", body) for body in wire.abort_bodies(wire_ids, everything)]
 
     async def _pause_server(self) -> bool:
-        resp = await self._control("POST", "/pause_generation", op="pause", ok=False, json={"mode": "abort"})
+        async with self._weights_lock:  # a keep commit in progress finishes first
+            resp = await self._control("POST", "/pause_generation", op="pause", ok=False, json={"mode": "abort"})
         if resp.status_code == 404:  # servers before pause_generation: abort everything instead
             return False
         self._raise_for(resp, "pause")
         return True
 
     async def _resume_server(self) -> None:
-        resp = await self._control("POST", "/continue_generation", op="resume", ok=False, json={})
+        async with self._weights_lock:  # never in the middle of a keep commit
+            resp = await self._control("POST", "/continue_generation", op="resume", ok=False, json={})
         if resp.status_code != 404:
             self._raise_for(resp, "resume")
+
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], sampling_params: SamplingParams, **kwargs: Any
+    ) -> TokenOutput:
+        commits = self._keep_commits
+        out = await super().generate(request_id, prompt_ids, sampling_params, **kwargs)
+        if out.token_versions is not None and self._keep_commits != commits and self._overlap:
+            # In flight across a keep commit on the overlap scheduler: SGLang's span boundary may be
+            # one token late (see the module docstring), so which weights sampled it is not exact.
+            out.token_versions = None
+        return out
 
     async def _server_load(self) -> EngineLoad:
         if self._metrics_available is not False:
@@ -208,28 +271,7 @@ class SGLangEngine(SGLangLaunch, HTTPEngine):
             )
         self._raise_for(resp, op)
 
-    async def update_weights(self, weights: Any) -> None:
-        if isinstance(weights, (str, os.PathLike)):
-            body: dict[str, Any] = {"model_path": os.fspath(weights)}
-        elif isinstance(weights, Mapping) and isinstance(weights.get("model_path"), (str, os.PathLike)):
-            body = {k: (os.fspath(v) if isinstance(v, os.PathLike) else v) for k, v in weights.items()}
-        else:
-            raise NotSupported(
-                self.name, "update_weights",
-                "only checkpoint paths (/update_weights_from_disk) are supported; in-memory state dicts need "
-                "/update_weights_from_tensor with MultiprocessingSerializer payloads from a process on the same node",
-            )  # fmt: skip
-        resp = await self._control("POST", "/update_weights_from_disk", op="update_weights", ok=False, json=body,
-                                   timeout=self.request_timeout_s)  # fmt: skip
-        try:
-            result = resp.json()
-        except ValueError:
-            result = None
-        if resp.status_code == 400 or (isinstance(result, Mapping) and result.get("success") is False):
-            message = str(result.get("message")) if isinstance(result, Mapping) else resp.text
-            raise InvalidRequest("weights", "a checkpoint the SGLang server can load", body["model_path"], message)
-        self._raise_for(resp, "update_weights")
-
+    # ------------------------------------------------------------------ weights
     async def clear_kv_cache(self) -> None:
         # SGLang refuses (400) while requests are running or waiting; retry briefly.
         deadline = time.monotonic() + DRAIN_TIMEOUT_S
@@ -239,6 +281,12 @@ class SGLangEngine(SGLangLaunch, HTTPEngine):
                 self._raise_for(resp, "clear_kv_cache")
                 return
             await asyncio.sleep(0.05)
+
+    async def shutdown(self, grace_s: float = 10.0) -> None:
+        """Stop the server (see :meth:`HTTPEngine.shutdown`) and release this engine's staged files."""
+        await super().shutdown(grace_s)
+        self._staged.clear()
+        await asyncio.to_thread(self.stage.release_all)
 
     async def start_profile(self, **kwargs: Any) -> None:
         body = dict(kwargs)

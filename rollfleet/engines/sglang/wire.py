@@ -23,6 +23,18 @@ Shapes and where they come from (sgl-project/sglang; commits are the ones read):
   by :func:`rollfleet.engines.http.wire.stop_reason`.
 * Token ids come from ``output_ids``; logprobs from ``output_token_logprobs``. If their lengths
   disagree, the ids of the logprob triples are used so ids and logprobs always align.
+* Weight versions (sglang >= 0.5.19, ``python/sglang/srt/utils/weight_versions.py``): a finished or
+  aborted request's ``meta_info`` has ``weight_versions``, spans ``[{"version", "start", "end"}]``
+  over the output tokens (the scheduler records, at every weight update, how many output ids each
+  live request had under the old label), and ``weight_version`` is the last span's label (older
+  servers: the server's label when the answer was built). :func:`token_versions` turns spans
+  into ``TokenOutput.token_versions`` when every label is a version the engine committed.
+* Weight updates: ``/update_weights_from_disk`` takes ``UpdateWeightFromDiskReqInput``
+  (``model_path``, ``abort_all_requests``, ``weight_version`` (>= 0.5.1), ``flush_cache``
+  (>= 0.5.6; before, the scheduler flushed after every load and asserted that it could)...;
+  unknown keys are ignored) and answers ``{"success", "message", "num_paused_requests"}``, 400
+  when ``success`` is false. ``/get_server_info`` (``/server_info``) has ``version`` and the
+  server arguments, among them ``disable_overlap_schedule`` (nested in newer servers).
 * Load: ``/get_load`` answers a list with one entry per DP rank ``{"dp_rank", "num_reqs",
   "num_waiting_reqs", "num_tokens"}`` (newer servers add ``num_pending_tokens`` and mean the KV
   capacity by ``num_tokens``); Prometheus gauges on ``/metrics`` (only with ``--enable-metrics``,
@@ -146,8 +158,86 @@ def invalid_request(message: str, param: Any = None) -> InvalidRequest:
     return InvalidRequest(field_from_message(message, param), "accepted by the SGLang server", None, message)
 
 
-def parse_generate(body: Any, budget: Optional[int]) -> TokenOutput:
-    """A 200 answer of ``/generate`` -> TokenOutput; ValueError when it is not one."""
+#: The first SGLang release whose ``/pause_generation`` takes ``mode="in_place"`` and whose
+#: ``/update_weights_from_disk`` takes ``flush_cache`` (both 0.5.6) and applies ``weight_version``
+#: while the server is paused (0.5.7; 0.5.6 returned early without it). What ``keep`` needs.
+KEEP_SINCE: tuple[int, int, int] = (0, 5, 7)
+
+
+def server_version(info: Any) -> Optional[tuple[int, int, int]]:
+    """SGLang's release from ``/get_server_info``'s ``version`` (``"0.5.23"``, ``"0.5.5.post3"``,
+    ``"0.5.24.dev3+g1a2b"``); None when absent or unreadable. (A source build without version
+    metadata says ``"0.0.0.dev0"``: it reads as older than everything.)"""
+    version = info.get("version") if isinstance(info, Mapping) else None
+    m = re.match(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?", str(version)) if version is not None else None
+    if m is None:
+        return None
+    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
+
+
+def overlap_scheduled(info: Any) -> bool:
+    """Whether the server runs the overlap scheduler (SGLang's default): False only when
+    ``disable_overlap_schedule`` is true, at the top of ``/get_server_info`` or one level down
+    (newer servers nest their arguments by group)."""
+    if not isinstance(info, Mapping):
+        return True
+    if "disable_overlap_schedule" in info:
+        return not bool(info["disable_overlap_schedule"])
+    for value in info.values():
+        if isinstance(value, Mapping) and "disable_overlap_schedule" in value:
+            return not bool(value["disable_overlap_schedule"])
+    return True
+
+
+def update_body(model_path: str, label: str, *, keep: bool) -> dict[str, Any]:
+    """``UpdateWeightFromDiskReqInput`` of a commit. ``abort_all_requests``: abort mode (the caller
+    paused; anything still running is aborted, as the mode says), never keep. ``flush_cache``
+    false in both: keep's frozen requests make SGLang refuse a flush, which fails the whole call
+    after the weights loaded (0.5.22 on: "Weights were updated, but the cache was not flushed";
+    0.5.6 to 0.5.21: an ``assert`` that takes the scheduler down); abort mode flushes with
+    ``/flush_cache`` right after, retrying while SGLang still says busy."""
+    return {"model_path": model_path, "weight_version": label, "abort_all_requests": not keep, "flush_cache": False}
+
+
+def load_touched_weights(message: str) -> bool:
+    """Whether a failed ``/update_weights_from_disk`` got as far as writing weights: SGLang answers
+    "Failed to update weights: ... Rolling back to original weights." when ``load_weights``
+    raised midway; its rollback reads the new ``model_path`` again, so the weights are in an unknown
+    state. Any other failure ("Failed to get weights iterator: Cannot find any model weights...",
+    "Failed to get model loader") left them untouched."""
+    return "Failed to update weights" in message
+
+
+def token_versions(spans: Any, n: int, versions: Mapping[str, int]) -> Optional[list[int]]:
+    """``TokenOutput.token_versions`` from SGLang's ``weight_versions`` spans over ``n`` output
+    tokens: every token's label must be one of ``versions`` (the labels the engine committed:
+    ``str(version)`` -> version), and the spans must cover every token once. None otherwise: no
+    spans (older servers), tokens from the weights the server booted with (``"default"``; the
+    replica knows that version, and ``token_versions`` holds ints), or labels someone else set."""
+    if not isinstance(spans, list):
+        return None
+    out: list[Optional[int]] = [None] * n
+    for span in spans:
+        if not isinstance(span, Mapping):
+            return None
+        try:
+            start, end, label = int(span["start"]), int(span["end"]), str(span["version"])
+        except (KeyError, TypeError, ValueError):
+            return None
+        if label not in versions or not 0 <= start <= end <= n:
+            return None
+        for i in range(start, end):
+            if out[i] is not None:
+                return None
+            out[i] = versions[label]
+    if any(v is None for v in out):
+        return None
+    return [v for v in out if v is not None]
+
+
+def parse_generate(body: Any, budget: Optional[int], versions: Optional[Mapping[str, int]] = None) -> TokenOutput:
+    """A 200 answer of ``/generate`` -> TokenOutput; ValueError when it is not one. ``versions``:
+    the labels the engine committed, to read per-token versions from (see :func:`token_versions`)."""
     if isinstance(body, list) and len(body) == 1:
         body = body[0]
     if not isinstance(body, Mapping):
@@ -171,11 +261,15 @@ def parse_generate(body: Any, budget: Optional[int]) -> TokenOutput:
         if key in meta:
             extra[f"engine_{key}"] = meta[key]
     preempted = meta.get("num_retractions", meta.get("total_retractions", 0)) or 0
+    spans = meta.get("weight_versions")
+    if spans is not None:
+        extra["engine_weight_versions"] = spans
     return TokenOutput(
         token_ids=token_ids,
         log_probs=log_probs,
         stop_reason=normalize_finish_reason(finish, len(token_ids), budget),
         num_preempted=int(preempted),
+        token_versions=token_versions(spans, len(token_ids), versions) if versions else None,
         extra_fields=extra,
     )
 
