@@ -46,9 +46,11 @@ class AgentLoopOutput:
     ``response_ids`` holds every token after the prompt: the model's (``response_mask`` 1) and
     those the loop inserted (tool results, user turns, chat-template boundaries: mask 0).
     ``response_logprobs`` is aligned with ``response_ids`` (0.0 where the mask is 0), or None
-    when logprobs were not asked for. ``extra_fields`` always holds ``min_global_steps`` and
-    ``max_global_steps`` (weight versions of the trajectory's first and last model token),
-    ``turn_scores`` and ``tool_rewards``.
+    when logprobs were not asked for. ``response_versions``, aligned with ``response_ids`` too,
+    is the weight version that sampled each model token (-1 where unknown and on inserted
+    tokens), or None when the fleet did not say. ``extra_fields`` always holds
+    ``min_global_steps`` and ``max_global_steps`` (weight versions of the trajectory's first and
+    last model token), ``turn_scores`` and ``tool_rewards``.
     """
 
     prompt_ids: list[int]
@@ -59,6 +61,7 @@ class AgentLoopOutput:
     reward_score: Optional[float] = None
     metrics: AgentLoopMetrics = field(default_factory=AgentLoopMetrics)
     extra_fields: dict[str, Any] = field(default_factory=dict)
+    response_versions: Optional[list[int]] = None
 
     def __post_init__(self) -> None:
         if len(self.response_mask) != len(self.response_ids):
@@ -69,6 +72,10 @@ class AgentLoopOutput:
             raise ValueError(
                 f"response_logprobs has {len(self.response_logprobs)} entries for {len(self.response_ids)} tokens"
             )
+        if self.response_versions is not None and len(self.response_versions) != len(self.response_ids):
+            raise ValueError(
+                f"response_versions has {len(self.response_versions)} entries for {len(self.response_ids)} tokens"
+            )
         for key, default in (
             ("turn_scores", []),
             ("tool_rewards", []),
@@ -76,6 +83,14 @@ class AgentLoopOutput:
             ("max_global_steps", None),
         ):
             self.extra_fields.setdefault(key, default)
+
+
+def token_versions_of(out: Any, n: int) -> Optional[list[int]]:
+    """The versions of the first ``n`` tokens of a ``TokenOutput`` (-1 where unknown), or None."""
+    versions = getattr(out, "token_versions", None)
+    if versions is None or len(versions) < n:
+        return None
+    return [-1 if v is None else int(v) for v in versions[:n]]
 
 
 @dataclass

@@ -23,6 +23,10 @@ response_lengths       [B]          int64     real response tokens
 num_turns              [B]          int64     user + assistant turns + 1 (verl's count)
 min_global_steps       [B]          int64     weight version of the first model token (-1: unknown)
 max_global_steps       [B]          int64     weight version of the last model token (-1: unknown)
+token_versions         [B, R]       int64     weight version that sampled each model token; where the
+                                              fleet did not say, the sample's min_global_steps (the
+                                              oldest it may be); -1 off the mask or unknown
+resume_exhausted       [B]          bool      a request gave up resuming: the response is a partial
 group_index            [B]          int64     0..G-1: which GRPO group a sample belongs to
 uid                    list[str]              group id (equal for the ``n`` samples of a prompt)
 extra_fields           list[dict]             each trajectory's ``extra_fields``
@@ -60,6 +64,8 @@ class RolloutBatch:
     num_turns: torch.Tensor
     min_global_steps: torch.Tensor
     max_global_steps: torch.Tensor
+    token_versions: torch.Tensor
+    resume_exhausted: torch.Tensor
     group_index: torch.Tensor
     uid: list[str]
     extra_fields: list[dict[str, Any]] = field(default_factory=list)
@@ -114,6 +120,8 @@ def collate(
     num_turns = torch.zeros(b, dtype=torch.long)
     min_steps = torch.full((b,), -1, dtype=torch.long)
     max_steps = torch.full((b,), -1, dtype=torch.long)
+    token_versions = torch.full((b, r), -1, dtype=torch.long)
+    exhausted = torch.zeros(b, dtype=torch.bool)
     group_of: dict[str, int] = {}
     group_index = torch.tensor([group_of.setdefault(u, len(group_of)) for u in uids], dtype=torch.long)
 
@@ -138,8 +146,15 @@ def collate(
         num_turns[i] = out.num_turns
         min_steps[i] = _version(out.extra_fields.get("min_global_steps"))
         max_steps[i] = _version(out.extra_fields.get("max_global_steps"))
+        exhausted[i] = bool(out.extra_fields.get("resume_exhausted"))
+        if lr:
+            if out.response_versions is not None:
+                token_versions[i, :lr] = torch.tensor(out.response_versions[:lr], dtype=torch.long)
+            unknown = token_versions[i, :lr] < 0
+            token_versions[i, :lr][unknown] = min_steps[i]
 
     response_mask = response_mask * response_attn
+    token_versions[response_mask == 0] = -1
     if logprobs is not None:
         logprobs = logprobs * response_mask
     attention_mask = torch.cat([prompt_attn, response_attn], dim=1)
@@ -160,6 +175,8 @@ def collate(
         num_turns=num_turns,
         min_global_steps=min_steps,
         max_global_steps=max_steps,
+        token_versions=token_versions,
+        resume_exhausted=exhausted,
         group_index=group_index,
         uid=list(uids),
         extra_fields=[dict(o.extra_fields) for o in outputs],

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from rollfleet.agent_loop.base import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, versions_of
+from rollfleet.agent_loop.base import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, token_versions_of, versions_of
 from rollfleet.agent_loop.registry import register
 from rollfleet.types import SamplingParams
 
@@ -58,7 +58,14 @@ class SingleTurnAgentLoop(AgentLoopBase):
             replica_ids=[out.extra_fields.get("replica_id")],
         )
         return AgentLoopOutput(
-            prompt_ids, response, [1] * len(response), logprobs, num_turns=2, metrics=metrics, extra_fields=extra
+            prompt_ids,
+            response,
+            [1] * len(response),
+            logprobs,
+            num_turns=2,
+            metrics=metrics,
+            extra_fields=extra,
+            response_versions=token_versions_of(out, len(response)),
         )
 
 

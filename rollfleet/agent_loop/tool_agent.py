@@ -20,7 +20,14 @@ import time
 from collections import Counter
 from typing import Any, Mapping, Optional
 
-from rollfleet.agent_loop.base import AgentLoopBase, AgentLoopContext, AgentLoopMetrics, AgentLoopOutput, versions_of
+from rollfleet.agent_loop.base import (
+    AgentLoopBase,
+    AgentLoopContext,
+    AgentLoopMetrics,
+    AgentLoopOutput,
+    token_versions_of,
+    versions_of,
+)
 from rollfleet.agent_loop.registry import register
 from rollfleet.agent_loop.tool_parser import get_tool_parser
 from rollfleet.agent_loop.tools import BaseTool, ToolSession
@@ -63,6 +70,7 @@ class ToolAgentLoop(AgentLoopBase):
         tool_errors: Counter[str] = Counter()
         assistant_turns = user_turns = 0
         termination = "budget"
+        versions: Optional[list[int]] = []  # per response token; None once a turn lacks them
         try:
             while True:
                 max_tokens = self.room_for(len(prompt_ids) + len(response), budget - len(response))
@@ -83,6 +91,9 @@ class ToolAgentLoop(AgentLoopBase):
                 new = list(out.token_ids[:max_tokens])
                 response += new
                 mask += [1] * len(new)
+                if versions is not None:
+                    turn_versions = token_versions_of(out, len(new))
+                    versions = None if turn_versions is None else versions + turn_versions
                 if logprobs is not None:
                     if out.log_probs is None:
                         logprobs = None  # the engine gave none: report none rather than zeros
@@ -127,6 +138,8 @@ class ToolAgentLoop(AgentLoopBase):
                 user_turns += 1
                 response += delta
                 mask += [0] * len(delta)
+                if versions is not None:
+                    versions += [-1] * len(delta)
                 if logprobs is not None:
                     logprobs += [0.0] * len(delta)
                 if len(response) >= budget:
@@ -137,6 +150,8 @@ class ToolAgentLoop(AgentLoopBase):
             await session.release_all()
 
         response, mask = response[:budget], mask[:budget]
+        if versions is not None:
+            versions = versions[:budget]
         if logprobs is not None:
             logprobs = logprobs[:budget]
         low, high = versions_of(outputs)
@@ -162,6 +177,7 @@ class ToolAgentLoop(AgentLoopBase):
             num_turns=assistant_turns + user_turns + 1,
             metrics=metrics,
             extra_fields=extra,
+            response_versions=versions,
         )
 
 

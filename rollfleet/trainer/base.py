@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import abc
 import logging
+import math
 import os
 import statistics
 import time
@@ -201,23 +202,39 @@ class Trainer(abc.ABC):
         unscored = ~batch.has_score
         if unscored.any():  # never train on a sample without a reward
             batch.response_mask[unscored] = 0
+        masked = self._mask_off_policy(batch)
         with self.tracker.span("trainer", "train", step=self.step):
             metrics = await self.learner.update(batch)
+        metrics.update(masked)
         metrics["reward/mean"] = float(batch.scores.mean())
         metrics["reward/max"] = float(batch.scores.max())
         metrics["response_length/mean"] = float(batch.response_lengths.float().mean())
         return metrics
 
-    def fleet_paused(self) -> None:
-        """Record that the fleet stopped generating (for the timeline)."""
-        now = time.time()
+    def _mask_off_policy(self, batch: Any) -> dict[str, float]:
+        """Take out of the loss what must not be trained on: partial responses whose resumption
+        gave up (never trained as if complete) and, with ``max_off_policy_strategy: mask``, every
+        token sampled more than the bound ago (its exact version: ``batch.token_versions``)."""
+        out = {"rollout/resume_exhausted_masked": float(batch.resume_exhausted.sum())}
+        batch.response_mask[batch.resume_exhausted] = 0
+        if self.train.max_off_policy_strategy == "mask":
+            limit = math.ceil(self.train.max_off_policy_steps)
+            stale = (batch.response_mask > 0) & (batch.token_versions >= 0)
+            stale &= batch.token_versions < self.version - limit
+            out["staleness/masked_tokens"] = float(stale.sum())
+            batch.response_mask[stale] = 0
+        return out
+
+    def fleet_paused(self, at: Optional[float] = None) -> None:
+        """Record that the fleet stopped generating (for the timeline), now or ``at`` (wall time)."""
+        now = time.time() if at is None else at
         if self._fleet_active_since is not None and self.tracker is not None:
             self.tracker.span_event("fleet", "generating", self._fleet_active_since, now)
         self._fleet_active_since = None
         self._fleet_paused_since = now
 
-    def fleet_resumed(self) -> None:
-        now = time.time()
+    def fleet_resumed(self, at: Optional[float] = None) -> None:
+        now = time.time() if at is None else at
         if self._fleet_paused_since is not None and self.tracker is not None:
             self.tracker.span_event("fleet", "paused", self._fleet_paused_since, now)
         self._fleet_paused_since = None
@@ -232,12 +249,16 @@ class Trainer(abc.ABC):
         with self.tracker.span("trainer", "sync", step=self.step):
             weights = await self.learner.state_dict_for_inference()  # an ObjectRef
             self.version += 1
-            paused_here = self._fleet_active_since is not None
-            if paused_here:
-                self.fleet_paused()  # update_weights pauses every replica while weights load
-            result = await self.manager.update_weights(weights, self.version)
-            if paused_here:
-                self.fleet_resumed()
+            generating = self._fleet_active_since is not None
+            # Without partial rollout a response must come from one policy: interrupt, never keep.
+            mode = None if self.train.partial_rollout else "abort"
+            result = await self.manager.update_weights(weights, self.version, mode)
+            # The fleet generated through the staging; it stopped only while each commit wave ran,
+            # and only when a wave was the whole fleet (not so in rolling mode).
+            if generating and result.get("mode") != "rolling":
+                for start, end in result.get("paused", []):
+                    self.fleet_paused(at=start)
+                    self.fleet_resumed(at=end)
         self.syncs += 1
         self._last_sync = result
         await self.on_sync_end()

@@ -44,12 +44,18 @@ class TrainConfig(BaseModel):
     total_steps: int = Field(20, ge=1, description="Learner steps to run.")
     train_batch_size: int = Field(8, ge=1, description="Prompts (GRPO groups) per learner step.")
     parameter_sync_step: int = Field(1, ge=1, description="Learner steps between weight syncs to the fleet.")
-    max_off_policy_steps: int = Field(
-        2, ge=0, description="Most weight versions a trained sample may lag (version now - version of its first token)."
+    max_off_policy_steps: float = Field(
+        2,
+        ge=0,
+        description="Most weight versions a trained token may lag: ceil of this (version now - version that sampled "
+        "it). A fraction also bounds how far ahead the rollouter runs, like verl's staleness_threshold: 0.5 lets it "
+        "start half a batch more than the current version needs.",
     )
-    max_off_policy_strategy: Literal["drop", "wait"] = Field(
+    max_off_policy_strategy: Literal["drop", "wait", "mask"] = Field(
         "drop",
-        description="drop: discard stale groups and generate more; wait: pause the rollouter before they go stale.",
+        description="drop: discard stale groups (counted with their lengths) and generate more; wait: hold the "
+        "rollouter back and train groups in the order they started, so none goes stale or is dropped; mask: train "
+        "every group but mask the tokens sampled more than the bound ago out of the loss.",
     )
     partial_rollout: bool = Field(
         True, description="Resume aborted requests on the new weights; off: regenerate them from scratch."

@@ -72,16 +72,16 @@ class Rollouter:
         while True:
             await sem.acquire()
             try:
-                await self.buffer.wait_to_start()
+                ticket = await self.buffer.wait_to_start()
             except BaseException:
                 sem.release()
                 raise
             sample = self.stream.sample_at(self._reissue.pop(0)) if self._reissue else self.stream.next()
-            task = asyncio.get_running_loop().create_task(self._group(sample))
+            task = asyncio.get_running_loop().create_task(self._group(sample, ticket))
             self._groups.add(task)
             task.add_done_callback(group_done)
 
-    async def _group(self, sample: dict[str, Any]) -> None:
+    async def _group(self, sample: dict[str, Any], ticket: int = -1) -> None:
         index = int(sample.get("task_index", -1))
         started = self._version()
         self.inflight[index] = started
@@ -111,6 +111,7 @@ class Rollouter:
                 max_version=hi,
                 task_index=index,
                 resumes=resumes,
+                ticket=ticket,
             )
             await self.buffer.put(group)
             delivered = True
@@ -129,7 +130,7 @@ class Rollouter:
         finally:
             self.inflight.pop(index, None)
             if not delivered:
-                await asyncio.shield(self.buffer.abandon())
+                await asyncio.shield(self.buffer.abandon(ticket))
 
     async def stop(self) -> None:
         for task in [self._task, *self._groups]:

@@ -92,3 +92,23 @@ def test_padding_invariants(items):
         assert (batch.rollout_log_probs[i] != 0).sum() == sum(m[:lr])
         assert batch.rm_scores[i].sum() == (1.0 if lr else 0.0)
         assert batch.position_ids[i, 8] == (lp if lr else max(lp - 1, 0))
+
+
+def test_token_versions_exact_where_known_and_conservative_where_not():
+    exact = traj(2, [1, 1, 0, 1], versions=(3, 5))
+    exact.response_versions = [3, 4, -1, 5]  # the tool token in the middle was not sampled
+    unknown = traj(2, [1, 1, 1], versions=(2, 4))  # the fleet said only first and last
+    exhausted = traj(2, [1, 1], versions=(1, 1))
+    exhausted.extra_fields["resume_exhausted"] = True
+    batch = collate([exact, unknown, exhausted], ["a", "b", "c"], prompt_length=4, response_length=5, pad_token_id=PAD)
+    assert batch.token_versions.tolist() == [
+        [3, 4, -1, 5, -1],
+        [2, 2, 2, -1, -1],  # the oldest it may be: a staleness bound on it errs on the safe side
+        [1, 1, -1, -1, -1],
+    ]
+    assert batch.resume_exhausted.tolist() == [False, False, True]
+
+
+def test_response_versions_must_align_with_the_response():
+    with pytest.raises(ValueError, match="response_versions"):
+        AgentLoopOutput([1], [5, 6], [1, 1], response_versions=[0])

@@ -144,12 +144,32 @@ async def test_separate_async_wait_holds_the_rollouter(ray_session, tmp_path):
     trainer = await run(cfg)
     assert all(s <= 1 for entry in trainer.trained_log for s in entry["staleness"])
     assert trainer.tracker.history[-1]["rollout/waits"] > 0
+    assert sum(r["staleness/dropped"] for r in trainer.tracker.history) == 0  # wait never drops
+    assert trainer.tracker.history[-1]["staleness/over_bound_total"] == 0
+
+
+async def test_separate_async_mask_trains_every_group_and_masks_stale_tokens(ray_session, tmp_path):
+    cfg = config(
+        tmp_path,
+        "separate_async",
+        total_steps=5,
+        max_off_policy_steps=0,
+        max_off_policy_strategy="mask",
+        max_inflight_groups=6,
+        max_queue_groups=6,
+    )
+    trainer = await run(cfg)
+    history = trainer.tracker.history
+    assert sum(r["staleness/dropped"] for r in history) == 0
+    assert sum(r["staleness/masked_tokens"] for r in history) > 0, "groups generated ahead hold stale tokens"
+    assert all(len(e["staleness"]) == 2 for e in trainer.trained_log)
 
 
 async def test_no_trajectory_exceeds_response_length_across_syncs(ray_session, tmp_path):
     cfg = config(
         tmp_path, "separate_async", total_steps=6, max_off_policy_steps=3, max_inflight_groups=4, max_queue_groups=2
     )
+    cfg.rollout.weight_sync.mode = "abort"  # syncs interrupt requests: they are resumed within the budget
     cfg.rollout.sim.time_scale = 0.2  # slow generation: syncs land mid-trajectory
     cfg.rollout.sim.mean_response_tokens = 200
     trainer = await run(cfg)

@@ -3,8 +3,9 @@
 A rollouter keeps GRPO groups generating into a bounded buffer while the learner trains; every
 ``parameter_sync_step`` steps the weights sync with abort -> resume (in-flight requests continue
 on the new weights through ``FullyAsyncLLMServerClient``). Staleness is bounded by
-``max_off_policy_steps`` (``drop`` or ``wait``) and reported per step; with ``partial_rollout``
-off, interrupted groups are regenerated instead of resumed.
+``max_off_policy_steps`` (``drop``, ``wait`` or ``mask``: see :mod:`rollfleet.trainer.staleness`) and
+reported per step, dropped groups with their lengths; with ``partial_rollout`` off, interrupted
+groups are regenerated instead of resumed.
 """
 
 from __future__ import annotations
@@ -53,8 +54,13 @@ class SeparateAsyncTrainer(Trainer):
 
     async def sample(self) -> tuple[list[Group], dict[str, Any]]:
         groups, dropped = await self.buffer.take(self.train.train_batch_size)
+        lengths = [n for g in dropped for n in g.response_lengths()]
         return groups, {
-            "staleness/dropped": dropped,
+            "staleness/dropped": len(dropped),
+            "staleness/dropped_samples": len(lengths),
+            "staleness/dropped_response_len_mean": sum(lengths) / len(lengths) if lengths else 0.0,
+            "staleness/dropped_total": self.buffer.dropped,
+            "staleness/over_bound_total": self.buffer.over_bound,
             "rollout/queue": len(self.buffer),
             "rollout/inflight_groups": len(self.rollouter.inflight),
             "rollout/regenerated": self.rollouter.regenerated,

@@ -1,0 +1,116 @@
+"""The group buffer's staleness strategies, driven by hand (no fleet): drop, wait, mask."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from rollfleet.trainer.staleness import Group, GroupBuffer
+
+pytestmark = pytest.mark.unit
+
+
+def _group(ticket: int, started: int, length: int) -> Group:
+    outputs = [SimpleNamespace(response_ids=[1] * length)]
+    return Group(f"g{ticket}", outputs, started, started, started, task_index=ticket, ticket=ticket)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.version = 0
+
+    def __call__(self) -> int:
+        return self.version
+
+
+async def test_wait_delivers_in_start_order_and_never_drops():
+    """A long group that started first is trained first, even when short ones finish before it:
+    the trainer waits for it rather than letting it go stale (the bias toward short answers)."""
+    clock = Clock()
+    buf = GroupBuffer(capacity=8, max_off_policy_steps=1, strategy="wait", groups_per_version=2, version=clock)
+    tickets = [await buf.wait_to_start() for _ in range(4)]
+    assert tickets == [0, 1, 2, 3]
+    assert not buf.may_start()  # (version 0 + bound 1 + 1) x 2 groups per version started
+    await buf.put(_group(1, 0, 5))  # short ones finish first
+    await buf.put(_group(2, 0, 5))
+    await buf.put(_group(3, 0, 5))
+    take = asyncio.create_task(buf.take(2))
+    await asyncio.sleep(0.05)
+    assert not take.done()  # group 0, the long one, is still generating: the trainer waits
+    await buf.put(_group(0, 0, 400))
+    taken, dropped = await asyncio.wait_for(take, 1)
+    assert [g.ticket for g in taken] == [0, 1] and dropped == []
+    clock.version = 3  # far beyond the bound: wait still trains, counts, never drops
+    taken, dropped = await buf.take(2)
+    assert [g.ticket for g in taken] == [2, 3] and dropped == []
+    assert buf.dropped == 0 and buf.over_bound == 2
+
+
+async def test_wait_skips_abandoned_tickets():
+    buf = GroupBuffer(capacity=8, max_off_policy_steps=2, strategy="wait", groups_per_version=4, version=Clock())
+    for _ in range(3):
+        await buf.wait_to_start()
+    await buf.abandon(0)  # failed; its prompt is re-issued under a new ticket
+    await buf.put(_group(2, 0, 3))
+    await buf.put(_group(1, 0, 3))
+    taken, _ = await asyncio.wait_for(buf.take(2), 1)
+    assert [g.ticket for g in taken] == [1, 2]
+
+
+async def test_drop_returns_the_dropped_groups_with_their_lengths():
+    clock = Clock()
+    buf = GroupBuffer(capacity=8, max_off_policy_steps=0, strategy="drop", groups_per_version=2, version=clock)
+    for _ in range(3):
+        await buf.wait_to_start()
+    await buf.put(_group(0, 0, 300))
+    clock.version = 1
+    await buf.put(_group(1, 1, 10))
+    await buf.put(_group(2, 1, 12))
+    taken, dropped = await buf.take(2)
+    assert [g.ticket for g in taken] == [1, 2]
+    assert [g.response_lengths() for g in dropped] == [[300]]
+    assert buf.dropped == 1
+
+
+async def test_mask_delivers_as_finished_and_drops_nothing():
+    clock = Clock()
+    buf = GroupBuffer(capacity=8, max_off_policy_steps=0.5, strategy="mask", groups_per_version=2, version=clock)
+    assert buf.limit == 1  # a fraction bounds tokens at its ceiling
+    await buf.wait_to_start()
+    await buf.wait_to_start()
+    await buf.put(_group(1, 0, 3))
+    clock.version = 5
+    await buf.put(_group(0, 0, 3))
+    taken, dropped = await buf.take(2)
+    assert [g.ticket for g in taken] == [1, 0] and dropped == []
+
+
+async def test_fractional_bound_lets_the_rollouter_run_part_of_a_batch_ahead():
+    buf = GroupBuffer(capacity=99, max_off_policy_steps=0.5, strategy="wait", groups_per_version=4, version=Clock())
+    started = 0
+    while buf.may_start():
+        await buf.wait_to_start()
+        started += 1
+    assert started == 6  # (0 + 0.5 + 1) x 4
+
+
+def test_mask_strategy_takes_stale_tokens_and_exhausted_partials_out_of_the_loss():
+    import torch
+
+    from rollfleet.trainer.base import Trainer
+
+    batch = SimpleNamespace(
+        response_mask=torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]]),
+        token_versions=torch.tensor([[2, 3, 5, -1], [5, 5, -1, -1], [4, 4, 5, 5]]),
+        resume_exhausted=torch.tensor([False, False, True]),
+    )
+    owner = SimpleNamespace(train=SimpleNamespace(max_off_policy_strategy="mask", max_off_policy_steps=1.5), version=5)
+    metrics = Trainer._mask_off_policy(owner, batch)  # type: ignore[arg-type]
+    # bound ceil(1.5) = 2: at version 5, tokens of versions 2 (and older) go; version 3 stays
+    assert batch.response_mask.tolist() == [[0, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]]
+    assert metrics == {"rollout/resume_exhausted_masked": 1.0, "staleness/masked_tokens": 1.0}
+    owner.train.max_off_policy_strategy = "drop"  # other strategies leave tokens alone
+    batch.response_mask = torch.ones(3, 4, dtype=torch.long)
+    assert Trainer._mask_off_policy(owner, batch) == {"rollout/resume_exhausted_masked": 1.0}
