@@ -151,9 +151,10 @@ class BatchModel:
                     log_probs=list(req.log_probs),
                     stop_reason=reason,
                     num_preempted=req.num_preempted,
-                    # Once told a version by a commit, the engine knows which weights sampled each
-                    # token (tokens before that: None, the replica's boot version).
-                    token_versions=list(req.versions) if self._version_label is not None else None,
+                    # The engine knows which weights sampled each token: the version its last
+                    # commit named, None before any (the weights it booted with). Always given, so
+                    # an answer that reaches the replica after a commit is still labelled exactly.
+                    token_versions=list(req.versions),
                 )
             )
 
