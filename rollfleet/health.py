@@ -96,6 +96,9 @@ class FleetSnapshot:
     versions: dict[str, Optional[int]]
     loads: dict[str, LoadReport] = field(default_factory=dict)
     handles: Optional[dict[str, Any]] = None
+    #: The version a rolling update is committing wave by wave (None otherwise): replicas already
+    #: on it serve too, and new trajectories prefer them.
+    rolling_version: Optional[int] = None
 
     def signature(self) -> tuple:
         """What routing depends on, comparable across processes (no salted hashes)."""
@@ -104,15 +107,29 @@ class FleetSnapshot:
             self.current_version,
             tuple(sorted(self.states.items())),
             tuple(sorted(self.versions.items(), key=lambda kv: kv[0])),
+            self.rolling_version,
         )
 
     def routable_ids(self) -> list[str]:
+        """Healthy (or suspect) replicas on the current version, or on the one being rolled out."""
+        rolling = self.rolling_version
         return [
             rid
             for rid, state in self.states.items()
             if state in (HealthState.HEALTHY.value, HealthState.SUSPECT.value)
-            and self.versions.get(rid) == self.current_version
+            and (
+                self.versions.get(rid) == self.current_version
+                or (rolling is not None and self.versions.get(rid) == rolling)
+            )
         ]
+
+    def preferred_ids(self) -> Optional[list[str]]:
+        """During a rolling update, the routable replicas already on the new version (where new
+        trajectories should start, so that fewer tokens are sampled by weights on their way out);
+        None otherwise."""
+        if self.rolling_version is None:
+            return None
+        return [rid for rid in self.routable_ids() if self.versions.get(rid) == self.rolling_version]
 
 
 __all__ = ["HealthState", "ReplicaState", "ALLOWED_TRANSITIONS", "can_transition", "ReplicaRecord", "FleetSnapshot"]

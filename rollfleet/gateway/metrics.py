@@ -167,7 +167,7 @@ class FleetCollector(Collector):
             "Routing decisions (every attempt, resumes included) by policy and reason.",
             labels=["policy", "reason"],
         )
-        for reason in ("sticky", "spill_over", "least_loaded", "sticky_invalidated"):
+        for reason in ("sticky", "spill_over", "least_loaded", "newest_version", "sticky_invalidated"):
             decisions.setdefault(reason, 0)
         for reason, n in sorted(decisions.items()):
             routing.add_metric([policy, reason], n)

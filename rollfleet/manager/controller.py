@@ -54,6 +54,7 @@ class FleetController(HealthSupervisor, ControlFanOut):
         self._weights: Any = None  # the last weights pushed (an ObjectRef when called through Ray)
         self._has_weights = False  # False: the engines' boot weights are the current version
         self._checksum: Optional[str] = None  # the committed weights' digest (None: engines cannot tell)
+        self._rolling_version: Optional[int] = None  # the version a rolling update is committing
         self._probe_task: Optional[asyncio.Task[None]] = None
         self._restart_tasks: dict[str, asyncio.Task[None]] = {}
         self._events: list[FleetEvent] = []
@@ -214,6 +215,7 @@ class FleetController(HealthSupervisor, ControlFanOut):
             states={rid: r.state.value for rid, r in records.items()},
             versions={rid: r.weight_version for rid, r in records.items()},
             loads={rid: r.load for rid, r in records.items() if r.load is not None},
+            rolling_version=self._rolling_version,
         )
         if known_epoch != self._membership_epoch:
             snap.handles = {rid: _route_handle(r) for rid, r in records.items()}

@@ -49,6 +49,7 @@ class ControlFanOut:
     _weights: Any
     _has_weights: bool
     _checksum: Optional[str]
+    _rolling_version: Optional[int]
     _update_lock: Optional[asyncio.Lock]
 
     if TYPE_CHECKING:
@@ -155,22 +156,29 @@ class ControlFanOut:
             paused: list[list[float]] = []
             modes: dict[str, str] = {}
             longest = 0.0
-            for i in range(0, len(ready), wave_size):
-                wave = ready[i : i + wave_size]
-                wave_start = time.time()
-                results = await asyncio.gather(
-                    *(r.handle.commit_weights.remote(version, commit_mode) for r in wave), return_exceptions=True
-                )
-                paused.append([wave_start, time.time()])
-                for r, res in zip(wave, results):
-                    if isinstance(res, BaseException):
-                        failed.append(r.replica_id)
-                        self._fail(r, f"weight commit failed: {res!r}")
-                    else:
-                        r.weight_version = version
-                        modes[r.replica_id] = res["mode"]
-                        longest = max(longest, res["pause_s"])
-            checksum = await self._verify(ready, failed, version)
+            if mode == "rolling":  # replicas on either version serve meanwhile; new work prefers the new one
+                self._rolling_version = version
+            try:
+                for i in range(0, len(ready), wave_size):
+                    wave = ready[i : i + wave_size]
+                    wave_start = time.time()
+                    results = await asyncio.gather(
+                        *(r.handle.commit_weights.remote(version, commit_mode) for r in wave), return_exceptions=True
+                    )
+                    paused.append([wave_start, time.time()])
+                    for r, res in zip(wave, results):
+                        if isinstance(res, BaseException):
+                            failed.append(r.replica_id)
+                            self._fail(r, f"weight commit failed: {res!r}")
+                        else:
+                            r.weight_version = version
+                            modes[r.replica_id] = res["mode"]
+                            longest = max(longest, res["pause_s"])
+                    if mode == "rolling":
+                        self._notify()  # clients route new trajectories to this wave at once
+                checksum = await self._verify(ready, failed, version)
+            finally:
+                self._rolling_version = None
             # Publish atomically (no await between): every replica that has the new weights is
             # routable under the new version, the others are not.
             self._checksum = checksum
@@ -213,6 +221,13 @@ class ControlFanOut:
             failed.append(r.replica_id)
             self._fail(r, problem)
         return majority
+
+    async def weights_checksums(self) -> dict[str, Optional[str]]:
+        """Each live replica's weight digest, as its engine reports it (None: it cannot tell):
+        equal on every replica after a verified commit."""
+        results = await self._fan_out("weights_checksum")
+        self._raise_first(results, "weights_checksums")
+        return {rid: res["checksum"] for rid, res in results.items() if isinstance(res, dict)}
 
     def _fail(self, record: ReplicaRecord, detail: str) -> None:
         self._set_state(record, HealthState.DEAD, detail)

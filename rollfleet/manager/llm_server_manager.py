@@ -155,6 +155,12 @@ class LLMServerManager:
         return await self.controller.update_weights.remote(WeightsRef(ref), version, mode)
 
     @auto_await
+    async def weights_checksums(self) -> dict[str, Optional[str]]:
+        """Each live replica's weight digest (None where its engine cannot tell): after a verified
+        update they are all equal."""
+        return await self.controller.weights_checksums.remote()
+
+    @auto_await
     async def start_profile(self, **kwargs: Any) -> None:
         await self.controller.start_profile.remote(**kwargs)
 

@@ -81,6 +81,7 @@ class GlobalRequestLoadBalancer:
         self._slack = sticky_overload_slack
         self._servers: dict[str, _ServerState] = {}
         self._request_id_to_server: LRUCache[str, str] = LRUCache(maxsize=max_cache_size)
+        self._preferred: Optional[frozenset[str]] = None  # see set_preferred
         self.decisions: Counter[str] = Counter()
         self.add_servers(servers)
 
@@ -106,6 +107,11 @@ class GlobalRequestLoadBalancer:
                 for sid, s in servers.items()
                 if s.routable
             ]
+            if self._preferred is not None:
+                preferred = [c for c in candidates if c.replica_id in self._preferred]
+                if preferred:
+                    candidates = preferred
+                    reason = "newest_version" if reason == "least_loaded" else reason
             if not candidates:
                 if servers:
                     raise NoServerAvailable(f"none of {len(servers)} replicas is routable (unhealthy or stale weights)")
@@ -153,6 +159,12 @@ class GlobalRequestLoadBalancer:
         state = self._servers.get(server_id)
         if state is not None:
             state.routable = routable
+
+    def set_preferred(self, server_ids: Optional[Iterable[str]]) -> None:
+        """Replicas that new assignments go to while any of them is routable (None: no preference).
+        A rolling weight update sets the replicas already on the new version: new trajectories
+        start there, sticky sessions stay where their prefix cache is."""
+        self._preferred = frozenset(server_ids) if server_ids is not None else None
 
     def is_routable(self, server_id: str) -> bool:
         state = self._servers.get(server_id)

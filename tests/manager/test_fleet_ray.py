@@ -111,6 +111,41 @@ async def test_rollout_survives_weight_updates(manager, mode):
     assert await wait_until(replicas_idle)
 
 
+async def test_a_rolling_update_serves_throughout_and_new_trajectories_start_on_the_new_version(ray_session):
+    """While the second wave loads (2 s), the first is back on the new version: new trajectories go
+    there and never wait for the loading replica; every token they get is the new version's."""
+    m = await LLMServerManager.create(fleet_config(num_replicas=2, sim={"time_scale": 20.0, "weight_load_ms": 40_000}))
+    try:
+        client = m.get_client()
+        version = (await m.status()).current_version + 1
+        update = asyncio.ensure_future(m.update_weights({"step": version}, version, "rolling"))
+
+        async def first_wave_committed():
+            await client.fleet.refresh()
+            return any(v == version for v in (await m.controller.snapshot.remote()).versions.values())
+
+        assert await wait_until(first_wave_committed, timeout=10.0)
+        snapshot = await m.controller.snapshot.remote()
+        (updated,) = [rid for rid, v in snapshot.versions.items() if v == version]
+        assert sorted(snapshot.routable_ids()) == sorted(snapshot.versions)  # the old version serves too
+        outs = await asyncio.gather(
+            *(
+                client.generate(f"new-{i}", prompt_ids=[3, 4, 5 + i], sampling_params={"max_tokens": 16})
+                for i in range(8)
+            )
+        )
+        assert not update.done(), "the second wave should still be loading"
+        assert {o.extra_fields["replica_id"] for o in outs} == {updated}
+        assert all(o.token_versions is not None and set(o.token_versions) == {version} for o in outs)
+        result = await update
+        assert result["waves"] == 2 and result["failed"] == [] and result["version"] == version
+        assert (await m.controller.snapshot.remote()).preferred_ids() is None
+        checksums = await m.weights_checksums()
+        assert len(checksums) == 2 and set(checksums.values()) == {result["checksum"]} and result["checksum"]
+    finally:
+        await m.shutdown()
+
+
 async def test_sessions_stick_and_hit_the_prefix_cache(manager):
     client = manager.get_client()
     before = await manager.replica_stats()

@@ -149,7 +149,13 @@ async def test_greedy_outputs_change_only_with_a_weight_update(fleet):
         k: v + 0.5 * torch.randn(v.shape, generator=gen) if "embed" in k or "lm_head" in k else v
         for k, v in state.items()
     }
-    await fleet.update_weights(state, version)
+    before = await fleet.weights_checksums()
+    result = await fleet.update_weights(state, version)
+    assert result["failed"] == [] and set(result["modes"].values()) == {"keep"}
+    # every replica's vLLM reports the same digest of its weights (/weight_checker), a new one
+    after = await fleet.weights_checksums()
+    assert len(set(after.values())) == 1 and result["checksum"] in after.values()
+    assert set(after.values()) != set(before.values())
     c = await client.generate("g3", prompt_ids=prompt, sampling_params=params)
     assert c.token_ids != a.token_ids
     assert c.extra_fields["global_steps"] == version

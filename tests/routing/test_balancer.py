@@ -171,3 +171,26 @@ def test_power_of_two_balances():
         lb.acquire_server(f"r{i}", prompt_len=10)
     loads = lb.get_status()["servers"].values()
     assert max(loads) - min(loads) <= 20
+
+
+def test_a_rolling_update_sends_new_trajectories_to_the_new_version_and_keeps_sessions_where_they_are():
+    from rollfleet.client.fleet_view import FleetView
+    from rollfleet.health import FleetSnapshot
+
+    lb = make(3, policy="least_tokens", seed=0)
+    old_session, _ = lb.acquire_server("old-session")
+    healthy = {f"s{i}": "healthy" for i in range(3)}
+    rolling = FleetSnapshot(1, 4, healthy, {"s0": 5, "s1": 4, "s2": 4}, rolling_version=5)
+    assert sorted(rolling.routable_ids()) == ["s0", "s1", "s2"]  # both versions serve meanwhile
+    assert rolling.preferred_ids() == ["s0"]
+    FleetView(lb).apply(rolling)
+    assert {lb.acquire_server(f"new-{i}")[0] for i in range(6)} == {"s0"}
+    assert lb.acquire_server("old-session")[0] == old_session  # a session stays with its prefix cache
+    assert lb.decisions["newest_version"] == 6
+
+    done = FleetSnapshot(1, 5, healthy, {"s0": 5, "s1": 5, "s2": 4})  # s2 failed its commit
+    assert done.preferred_ids() is None and sorted(done.routable_ids()) == ["s0", "s1"]
+    FleetView(lb).apply(done)
+    assert "s2" not in {lb.acquire_server(f"after-{i}")[0] for i in range(6)}  # stale weights: never
+    # a booting replica (no version yet) is never routable, rolling or not
+    assert "s1" not in FleetSnapshot(1, 4, healthy, {"s0": 4, "s1": None, "s2": 4}, rolling_version=5).routable_ids()
