@@ -162,14 +162,27 @@ async def test_a_dead_nodes_replicas_resume_elsewhere_without_losing_a_trajector
         before = {r.replica_id: r.node_id for r in await manager.get_replicas()}
         assert set(before.values()) == {a.node_id, b.node_id}
         client = manager.get_client(FullyAsyncLLMServerClient)
-        rollout = asyncio.gather(
-            *(
+        tasks = [
+            asyncio.ensure_future(
                 client.generate(f"t{i}", prompt_ids=[1 + i % 400, 2, 3], sampling_params={"max_tokens": 64})
-                for i in range(500)
             )
-        )
+            for i in range(500)
+        ]
+        rollout = asyncio.gather(*tasks)
         doomed = next(rid for rid, node in before.items() if node == a.node_id)
-        busy = await wait_for(lambda s: (s.replicas[doomed].inflight or 0) > 0, manager, timeout_s=10)
+
+        def served_by_doomed() -> bool:
+            return any(t.done() and t.result().extra_fields["replica_id"] == doomed for t in tasks)
+
+        # kill the node once its replica has both answered some requests and has others in flight
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 30
+        while True:
+            busy = await manager.status()
+            if served_by_doomed() and (busy.replicas[doomed].inflight or 0) > 0:
+                break
+            assert loop.time() < deadline, "the doomed replica never served and held requests at once"
+            await asyncio.sleep(0.02)
         assert not rollout.done()
         await asyncio.to_thread(cluster.remove_node, a)  # a real node death, requests in flight on it
         assert busy.replicas[doomed].inflight > 0
