@@ -161,7 +161,10 @@ async def test_greedy_outputs_change_only_with_a_weight_update(fleet):
     assert c.extra_fields["global_steps"] == version
 
 
-async def test_weight_update_mid_generation_is_resumed_with_exact_budget(fleet):
+@pytest.mark.parametrize("mode", ["abort", "keep"])
+async def test_weight_update_mid_generation_keeps_the_exact_budget(fleet, mode):
+    """abort: the interrupted generations are resumed; keep: they go on with their KV cache on the new
+    weights, never resubmitted, and every token names the weights that sampled it."""
     client = fleet.get_client(FullyAsyncLLMServerClient)
     state = tiny_state_dict()
     budget = LONG
@@ -191,8 +194,8 @@ async def test_weight_update_mid_generation_is_resumed_with_exact_budget(fleet):
             await asyncio.gather(*tasks)
             continue
         version = (await fleet.status()).current_version + 1
-        result = await fleet.update_weights(state, version)
-        assert result["failed"] == []
+        result = await fleet.update_weights(state, version, mode)
+        assert result["failed"] == [] and set(result["modes"].values()) == {mode}
         outs = await asyncio.gather(*tasks)
         seen = [
             (o.extra_fields["min_global_steps"], o.extra_fields["max_global_steps"], o.extra_fields["num_resumes"])
@@ -201,6 +204,17 @@ async def test_weight_update_mid_generation_is_resumed_with_exact_budget(fleet):
         for out in outs:
             assert len(out.token_ids) == budget and len(out.log_probs) == budget  # the budget is exact
             assert out.stop_reason == "length"
+        if mode == "keep":
+            assert all(o.extra_fields["num_resumes"] == 0 for o in outs), seen  # nothing was interrupted
+            spanned = [o for o in outs if o.extra_fields["min_global_steps"] < o.extra_fields["max_global_steps"]]
+            if len(spanned) < 12:
+                print(f"try {attempt}: the update reached only {len(spanned)} generations: {seen}")
+                continue
+            for o in spanned:  # vLLM's own per-token versions: old weights first, then the new ones
+                tv = o.token_versions
+                assert tv is not None and len(tv) == budget and tv == sorted(tv), seen
+                assert set(tv) == {version - 1, version}, set(tv or [])
+            return
         # The update landed mid-generation: the outputs were resumed, with tokens of both versions.
         resumed = [o for o in outs if o.extra_fields["num_resumes"] >= 1]
         if len(resumed) < 12:
