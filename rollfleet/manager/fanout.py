@@ -165,7 +165,13 @@ class ControlFanOut:
                     results = await asyncio.gather(
                         *(r.handle.commit_weights.remote(version, commit_mode) for r in wave), return_exceptions=True
                     )
-                    paused.append([wave_start, time.time()])
+                    windows = [res["window"] for res in results if isinstance(res, dict) and res.get("window")]
+                    # the span in which a replica of this wave was paused (else the whole call)
+                    paused.append(
+                        [min(w[0] for w in windows), max(w[1] for w in windows)]
+                        if windows
+                        else [wave_start, time.time()]
+                    )
                     for r, res in zip(wave, results):
                         if isinstance(res, BaseException):
                             failed.append(r.replica_id)

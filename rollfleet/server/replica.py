@@ -270,16 +270,18 @@ class Replica:
         and continues them on the new weights, the replica keeps serving. ``abort``: hold new
         requests at the gate, abort in-flight ones (they return partial tokens), load, clear the
         prefix cache [, resume] -- in ``finally``, so a failed commit never leaves it paused.
-        Returns the mode used and ``pause_s``, the seconds the engine generated nothing.
+        Returns the mode used, ``pause_s`` (the seconds the engine generated nothing) and its
+        ``window`` (wall-clock start and end).
         """
+        started = time.time()
         if mode == "keep" and "keep" in self.engine.update_modes and self._state != ReplicaState.SYNCING:
-            started = time.monotonic()
             await self.engine.commit_weights(version, "keep")
             self._set_version(version)
-            return {"mode": "keep", "pause_s": time.monotonic() - started}
+            # The engine's own pause window where it reports one (the call also releases files).
+            window = (getattr(self.engine, "last_commit", None) or {}).get("window") or (started, time.time())
+            return {"mode": "keep", "pause_s": window[1] - window[0], "window": list(window)}
         if self._state == ReplicaState.SERVING:
             self._set_state(ReplicaState.PAUSED)
-        started = time.monotonic()
         try:
             await self.engine.pause()
             await self.engine.commit_weights(version, "abort")
@@ -289,7 +291,8 @@ class Replica:
             if resume and self._state == ReplicaState.PAUSED:
                 await self.engine.resume()
                 self._set_state(ReplicaState.SERVING)
-        return {"mode": "abort", "pause_s": time.monotonic() - started}
+        ended = time.time()
+        return {"mode": "abort", "pause_s": ended - started, "window": [started, ended]}
 
     async def weights_checksum(self) -> dict[str, Any]:
         """The version this replica serves and its engine's weight digest (None: cannot tell)."""

@@ -191,13 +191,13 @@ class SGLangWeights:
         await asyncio.to_thread(self.stage.release_older, version)
         self.last_commit = {"version": version, "mode": mode, "seconds": time.monotonic() - started, **timings}
 
-    async def _commit_keep(self, body: dict[str, Any], version: int) -> dict[str, float]:
+    async def _commit_keep(self, body: dict[str, Any], version: int) -> dict[str, Any]:
         """Pause in place, load, continue; new calls wait at the gate meanwhile (they go out with
         the new label). The server is continued even when the load failed: a paused SGLang holds
         every request, and a model the load did not touch serves on."""
         self._keep_commits += 1
         self._table.hold("commit")
-        started = time.monotonic()
+        started, paused_at = time.monotonic(), time.time()
         paused = loaded = started
         failed = True
         try:
@@ -216,7 +216,7 @@ class SGLangWeights:
                 self._table.release("commit")
         resumed = time.monotonic()
         return {"pause_s": resumed - started, "pause_call_s": paused - started, "load_s": loaded - paused,
-                "continue_call_s": resumed - loaded}  # fmt: skip
+                "continue_call_s": resumed - loaded, "window": (paused_at, time.time())}  # fmt: skip
 
     async def _load(self, body: dict[str, Any], op: str, version: Optional[int] = None) -> None:
         """``/update_weights_from_disk``, then the engine's label is the body's ``weight_version``

@@ -152,7 +152,7 @@ class VLLMWeights:
         """Pause (keep, KV kept), load, label, resume; new calls wait at the gate meanwhile."""
         self._table.hold("commit")
         try:
-            started = time.monotonic()
+            started, paused_at = time.monotonic(), time.time()
             try:
                 await self._control("POST", "/pause", op="commit_weights",
                                     params={"mode": "keep", "clear_cache": "false"})  # fmt: skip
@@ -163,12 +163,12 @@ class VLLMWeights:
             await self._load(files, str(version))
             loaded = time.monotonic()
             await self._resume_loaded()
-            resumed = time.monotonic()
+            resumed, resumed_at = time.monotonic(), time.time()
         finally:
             self._table.release("commit")
         self.last_commit = {
             "version": version, "mode": "keep", "pause_s": resumed - started, "pause_call_s": paused - started,
-            "load_s": loaded - paused, "resume_call_s": resumed - loaded,
+            "load_s": loaded - paused, "resume_call_s": resumed - loaded, "window": (paused_at, resumed_at),
         }  # fmt: skip
 
     async def _load(self, files: list[Path], label: str) -> None:
