@@ -40,6 +40,7 @@ from rich.table import Table
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 from rollfleet.config import RollfleetConfig
+from rollfleet.engines.vllm import wire as vllm_wire
 from rollfleet.manager import LLMServerManager
 
 
@@ -58,17 +59,14 @@ async def bounded(concurrency: int, jobs):
 
 
 def _body(prompt: list[int], max_tokens: int) -> dict:
-    return {
-        "model": "tiny",
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 1.0,
-        "ignore_eos": True,
-        "logprobs": 0,
-        "return_token_ids": True,
-        "return_tokens_as_token_ids": True,  # the body rollfleet's adapter sends
-        "n": 1,
-    }
+    """The body rollfleet's vLLM adapter sends (``/inference/v1/generate``, token ids in and out,
+    salted with the weights' label), built by the adapter's own wire module."""
+    params = {"max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True, "logprobs": 0}
+    return vllm_wire.salted(vllm_wire.generate_body(prompt, params, 512)[0], "default")
+
+
+def _tokens(raw: bytes, max_tokens: int) -> int:
+    return len(vllm_wire.parse_generate(raw, max_tokens).token_ids)
 
 
 async def direct_round(
@@ -85,9 +83,9 @@ async def direct_round(
             http = await stack.enter_async_context(httpx.AsyncClient(base_url=address, timeout=600, limits=limits))
 
             async def post(i: int, prompt: list[int]) -> int:
-                resp = await http.post("/v1/completions", json=_body(prompt, max_tokens), headers=headers(i))
+                resp = await http.post(vllm_wire.GENERATE_ROUTE, json=_body(prompt, max_tokens), headers=headers(i))
                 resp.raise_for_status()
-                return len(resp.json()["choices"][0]["token_ids"])
+                return _tokens(resp.content, max_tokens)
 
         else:
             session = await stack.enter_async_context(
@@ -98,10 +96,10 @@ async def direct_round(
 
             async def post(i: int, prompt: list[int]) -> int:
                 async with session.post(
-                    "/v1/completions", data=orjson.dumps(_body(prompt, max_tokens)), headers=headers(i)
+                    vllm_wire.GENERATE_ROUTE, data=orjson.dumps(_body(prompt, max_tokens)), headers=headers(i)
                 ) as resp:
                     resp.raise_for_status()
-                    return len(orjson.loads(await resp.read())["choices"][0]["token_ids"])
+                    return _tokens(await resp.read(), max_tokens)
 
         start = time.perf_counter()
         counts = await bounded(concurrency, [functools.partial(post, i, p) for i, p in enumerate(batch)])
