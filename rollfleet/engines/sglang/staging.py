@@ -37,24 +37,18 @@ import fcntl
 import os
 import re
 import shutil
-import tempfile
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from rollfleet.engines.http.staging import check_stage_key, default_root, write_safetensors
+
 #: The one weight file of a staged version's folder.
 WEIGHTS_FILE = "model.safetensors"
 _VERSION_DIR = re.compile(r"^v(\d+)$")
 _FILE_DIR = re.compile(r"^f(\d+)\.(.+)$")
-
-
-def default_root() -> Path:
-    """``/dev/shm/rollfleet-weights`` where there is a writable ``/dev/shm`` (tmpfs), else the temp dir."""
-    shm = Path("/dev/shm")
-    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
-    return base / "rollfleet-weights"
 
 
 def has_weights(folder: Path) -> bool:
@@ -89,9 +83,7 @@ class StageFolders:
     """One engine's view of ``<root>/<key>``; blocking file operations (run them in a thread)."""
 
     def __init__(self, root: str | os.PathLike[str], key: str, owner: Optional[str] = None) -> None:
-        if not key or "/" in key or key in (".", ".."):
-            raise ValueError(f"stage_key must be a plain folder name, got {key!r}")
-        self.path = Path(root) / key
+        self.path = Path(root) / check_stage_key(key)
         self.owner = owner or f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
     def folder(self, version: int) -> Path:
@@ -103,8 +95,6 @@ class StageFolders:
     def stage(self, weights: Mapping[str, Any] | Iterable[tuple[str, Any]], version: int) -> Staged:
         """Write ``weights`` (Hugging Face names -> tensors) as version ``version``, unless a replica
         sharing the key already did; link it for this engine; return the folder to load."""
-        from rollfleet.engines.vllm.staging import write_safetensors  # the streaming writer (see the report)
-
         folder = self.folder(version)
         shared, mine = folder / WEIGHTS_FILE, self.link(version)
         for _ in range(3):  # the folder can vanish between our mkdir and our lock: its last user released it
@@ -137,8 +127,6 @@ class StageFolders:
 
     def scratch(self, weights: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> Path:
         """A folder of this engine's own holding ``weights`` (a one-phase load; the caller removes it)."""
-        from rollfleet.engines.vllm.staging import write_safetensors
-
         folder = self.path / f"reload-{self.owner}-{uuid.uuid4().hex[:8]}"
         folder.mkdir(parents=True, exist_ok=True)
         try:
