@@ -43,6 +43,7 @@ HTTP details this relies on (verified against vLLM 0.32.0, CPU build; see also
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any, Optional
 
 import orjson
@@ -188,6 +189,18 @@ def invalid_request(message: str, param: Any, prompt_ids: list[int], body: dict[
     return InvalidRequest(where, "accepted by the vLLM server", value, str(message)[:1000])
 
 
+def _extra_fields(data: Mapping[str, Any], choice: Mapping[str, Any]) -> dict[str, Any]:
+    """What both answer shapes add to ``extra_fields``: vLLM's own stop reason (the stop string or
+    token that ended it) and the prompt tokens served from its prefix cache."""
+    extra: dict[str, Any] = {}
+    if choice.get("stop_reason") is not None:
+        extra["vllm_stop_reason"] = choice["stop_reason"]
+    details = (data.get("usage") or {}).get("prompt_tokens_details") or {}
+    if details.get("cached_tokens") is not None:
+        extra["cached_tokens"] = details["cached_tokens"]
+    return extra
+
+
 def parse_completion(raw: bytes, max_tokens: Optional[int]) -> TokenOutput:
     """A 200 answer of ``/v1/completions`` -> TokenOutput (ids and logprobs always aligned)."""
     data = orjson.loads(raw)
@@ -199,12 +212,7 @@ def parse_completion(raw: bytes, max_tokens: Optional[int]) -> TokenOutput:
         log_probs = [float(x) if x is not None else math.nan for x in log_probs]
         if len(log_probs) != len(token_ids):  # never seen; do not hand out misaligned data
             log_probs = None
-    extra: dict[str, Any] = {}
-    if choice.get("stop_reason") is not None:
-        extra["vllm_stop_reason"] = choice["stop_reason"]
-    details = (data.get("usage") or {}).get("prompt_tokens_details") or {}
-    if details.get("cached_tokens") is not None:
-        extra["cached_tokens"] = details["cached_tokens"]
+    extra = _extra_fields(data, choice)
     reason = stop_reason(choice.get("finish_reason"), len(token_ids), max_tokens)
     return TokenOutput(token_ids=token_ids, log_probs=log_probs, stop_reason=reason, extra_fields=extra)
 
@@ -255,12 +263,7 @@ def parse_generate(raw: bytes, max_tokens: Optional[int]) -> TokenOutput:
     log_probs: Optional[list[float]] = None
     if content is not None and len(content) == len(token_ids):  # never seen otherwise: no misaligned data
         log_probs = [float(c["logprob"]) if c.get("logprob") is not None else math.nan for c in content]
-    extra: dict[str, Any] = {}
-    if choice.get("stop_reason") is not None:
-        extra["vllm_stop_reason"] = choice["stop_reason"]
-    details = (data.get("usage") or {}).get("prompt_tokens_details") or {}
-    if details.get("cached_tokens") is not None:
-        extra["cached_tokens"] = details["cached_tokens"]
+    extra = _extra_fields(data, choice)
     return TokenOutput(
         token_ids=token_ids,
         log_probs=log_probs,
