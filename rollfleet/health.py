@@ -99,6 +99,9 @@ class FleetSnapshot:
     #: The version a rolling update is committing wave by wave (None otherwise): replicas already
     #: on it serve too, and new trajectories prefer them.
     rolling_version: Optional[int] = None
+    #: Why each replica is in its state (the controller's last transition detail), so that a client
+    #: that finds nothing routable can say why; not part of :meth:`signature`.
+    details: dict[str, str] = field(default_factory=dict)
 
     def signature(self) -> tuple:
         """What routing depends on, comparable across processes (no salted hashes)."""
@@ -122,6 +125,16 @@ class FleetSnapshot:
                 or (rolling is not None and self.versions.get(rid) == rolling)
             )
         ]
+
+    def describe(self) -> str:
+        """One line naming each replica's state and version, and why: what an error says when no
+        replica is routable (``replica-0 dead v3 (probe failed (2x): TimeoutError); ...``)."""
+        parts = []
+        for rid in sorted(self.states):
+            why = self.details.get(rid)
+            parts.append(f"{rid} {self.states[rid]} v{self.versions.get(rid)}" + (f" ({why})" if why else ""))
+        rolling = f", rolling to v{self.rolling_version}" if self.rolling_version is not None else ""
+        return f"fleet on v{self.current_version}{rolling}: " + "; ".join(parts or ["no replicas"])
 
     def preferred_ids(self) -> Optional[list[str]]:
         """During a rolling update, the routable replicas already on the new version (where new

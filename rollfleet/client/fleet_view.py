@@ -41,6 +41,7 @@ class FleetView:
         self.last_refresh = float("-inf")
         self._signature: Optional[tuple] = None
         self._inflight_refresh: Optional[asyncio.Future[None]] = None
+        self._last: Optional[FleetSnapshot] = None
 
     async def ensure_started(self) -> None:
         """Start the refresher in the running loop (restart it if the loop changed).
@@ -115,6 +116,7 @@ class FleetView:
                     bal.set_handle(sid, handle)  # restarted: a new actor behind the same id
                     self._quarantined.pop(sid, None)
             self._epoch = snapshot.membership_epoch
+        self._last = snapshot
         self.current_version = snapshot.current_version
         self._signature = snapshot.signature()
         now = time.monotonic()
@@ -138,6 +140,14 @@ class FleetView:
             if until <= now:
                 del self._quarantined[sid]
                 self.balancer.set_routable(sid, self.controller is None or sid in self._routable)
+
+    def describe(self) -> str:
+        """Why replicas are (not) routable, as of the last snapshot: for errors and logs."""
+        if self._last is None:
+            return "no fleet snapshot yet" if self.controller is not None else "a fixed set of servers"
+        quarantined = sorted(self._quarantined)
+        extra = f"; quarantined here after a failed call: {', '.join(quarantined)}" if quarantined else ""
+        return self._last.describe() + extra
 
     def quarantine(self, server_id: str, reason: str = "") -> None:
         """Stop routing to a replica that just failed a call, and tell the controller."""

@@ -160,7 +160,11 @@ class LLMServerClient:
                     now = time.monotonic()
                     no_server_since = no_server_since or now
                     if now - no_server_since > self.config.retry.no_server_wait_s:
-                        raise RetriesExhausted(request_id, attempt, exc) from exc
+                        why = NoServerAvailable(
+                            f"{exc.detail}; waited {now - no_server_since:.0f}s "
+                            f"(retry.no_server_wait_s); {self.fleet.describe()}"
+                        )
+                        raise RetriesExhausted(request_id, attempt, why) from exc
                     attempt -= 1
                     no_server_waits += 1
                     backoff_step = no_server_waits

@@ -124,7 +124,31 @@ class HealthConfig(_Section):
         5.0, gt=0, description="A probe slower than this counts as failed (generous: a busy CPU engine answers slowly)."
     )
     failures_to_dead: int = Field(3, ge=1, description="Consecutive failed probes before 'dead'.")
+    busy_grace_s: float = Field(
+        30.0,
+        ge=0,
+        description="How long an engine that answers neither its load nor its health in time still counts as busy "
+        "(starved of CPU while it generates) rather than hung; its probes fail after that.",
+    )
     auto_restart: bool = Field(True, description="Restart dead replicas and sync them before serving.")
+    restart_backoff_s: float = Field(
+        2.0, gt=0, description="Wait after a failed restart before the next try; doubles each time."
+    )
+    max_restart_backoff_s: float = Field(60.0, gt=0, description="Cap of the wait between restart tries.")
+    max_restart_attempts: Optional[int] = Field(
+        None,
+        ge=1,
+        description="Tries to bring one dead replica back before it stays dead (status shows why); None: forever.",
+    )
+    start_timeout_s: float = Field(
+        1800.0, gt=0, description="Wall limit of starting one replica and loading the current weights into it."
+    )
+    control_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="Per-replica limit of a control call (pause, resume, sleep, wake_up, profile, abort, weight "
+        "check): a replica slower than this is fenced (marked dead, restarted) and the call completes on the others.",
+    )
 
 
 class PrometheusSection(_Section):
@@ -163,6 +187,18 @@ class WeightSyncConfig(_Section):
     )
     max_unavailable: float = Field(
         0.5, gt=0, le=1, description="rolling: the fraction of the fleet committing at once (at least one replica)."
+    )
+    stage_timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        description="Per-replica limit of staging one update (the weights reach its node): a replica slower than "
+        "this is fenced and the update goes on without it.",
+    )
+    commit_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="Per-replica limit of committing staged weights (pause, load, resume): a replica slower than this "
+        "is fenced; the others never wait for it, each pauses only for its own commit.",
     )
     stage_dir: Optional[str] = Field(
         None,

@@ -19,10 +19,11 @@ import uuid
 from typing import TYPE_CHECKING, Any, Optional
 
 from rollfleet.config import RolloutConfig
-from rollfleet.engines import Engine, EngineLimits, EngineLoad, build_engine
+from rollfleet.engines import Engine, EngineLimits, build_engine
 from rollfleet.engines.base import CommitMode
 from rollfleet.errors import NotSupported, ReplicaUnavailable
 from rollfleet.health import ReplicaState
+from rollfleet.server.liveness import EngineLiveness
 from rollfleet.server.validation import validate_prompt, validate_sampling_params
 from rollfleet.types import LoadReport, ReplicaResponse, SamplingParams, TokenOutput
 
@@ -32,11 +33,6 @@ if TYPE_CHECKING:
 #: States in which requests wait at the replica's gate rather than fail: a pause for a weight
 #: update or a sleep is short, and verl's contract is that requests queue on a paused engine.
 _HOLDING_STATES = (ReplicaState.PAUSED, ReplicaState.SLEEPING)
-
-#: How long a load poll may take before the replica answers with its last known load instead
-#: (the engine's health is then checked): shorter than the prober's timeout, long enough for a
-#: metrics scrape of a busy engine.
-ENGINE_LOAD_TIMEOUT_S = 1.5
 
 
 class Replica:
@@ -60,7 +56,8 @@ class Replica:
         self._inflight = 0
         self._inflight_tokens = 0
         self._sessions: dict[str, set[str]] = {}
-        self._engine_load = EngineLoad()
+        health = config.health
+        self._liveness = EngineLiveness(replica_id, self.engine, health.probe_timeout_s, health.busy_grace_s)
         self._limits: Optional[EngineLimits] = None  # known once the engine has started
         self._data_plane: Optional["DataPlaneServer"] = None
         self._counters = {"requests": 0, "invalid": 0, "aborted": 0, "errors": 0, "tokens_out": 0}
@@ -207,7 +204,7 @@ class Replica:
         output.extra_fields["max_global_steps"] = last
 
     def _report(self) -> LoadReport:
-        load = self._engine_load
+        load = self._liveness.load
         return LoadReport(
             replica_id=self.replica_id,
             inflight=self._inflight,
@@ -327,18 +324,10 @@ class Replica:
         }
 
     async def load(self) -> LoadReport:
-        """Poll the engine and return the full report; this is also the controller's liveness probe.
-
-        A busy engine may be slow to report its load (vLLM on CPU, mid weight reload): then the
-        last known load is returned if the engine still says it is healthy. A dead engine raises,
-        and a hung one never answers, so the prober's timeout decides.
-        """
-        try:
-            self._engine_load = await asyncio.wait_for(self.engine.load(), ENGINE_LOAD_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            health = await self.engine.health()
-            if not health.healthy:
-                raise ReplicaUnavailable(self.replica_id, f"engine unhealthy: {health.detail}") from None
+        """Poll the engine and return the full report; this is also the controller's liveness
+        probe, answered within its timeout even when the engine is slow (see
+        :mod:`rollfleet.server.liveness`): busy is not dead, silent is."""
+        await self._liveness.poll()
         return self._report()
 
     async def stats(self) -> dict[str, Any]:

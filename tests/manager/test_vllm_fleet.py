@@ -47,7 +47,7 @@ async def fleet(ray_session):
                 "health": {
                     "probe_interval_s": 0.5,
                     "probe_timeout_s": 5.0,
-                    "failures_to_dead": 2,
+                    "failures_to_dead": 3,
                     "auto_restart": False,
                 },
                 "retry": {"max_attempts": 40, "initial_backoff_s": 0.05, "max_backoff_s": 0.5},
@@ -61,6 +61,21 @@ async def fleet(ray_session):
     manager = await LLMServerManager.create(config)
     yield manager
     await manager.shutdown()
+
+
+async def serving(fleet: LLMServerManager, timeout_s: float = 60.0) -> None:
+    """Wait until every replica is healthy on the fleet's version; else fail with the fleet's
+    recent transitions (what a previous test left behind shows here, not as a vague timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = await fleet.status()
+        states = {rid: (r.state, r.weight_version) for rid, r in status.replicas.items()}
+        if all(state == "healthy" and v == status.current_version for state, v in states.values()):
+            return
+        if time.monotonic() > deadline:
+            events = "\n".join(f"  {e.replica_id}: {e.from_state} -> {e.to} ({e.detail})" for e in status.events)
+            raise AssertionError(f"fleet not serving (v{status.current_version}): {states}\n{events}")
+        await asyncio.sleep(0.5)
 
 
 async def vllm_metric(address: str, name: str) -> float:
@@ -165,6 +180,7 @@ async def test_greedy_outputs_change_only_with_a_weight_update(fleet):
 async def test_weight_update_mid_generation_keeps_the_exact_budget(fleet, mode):
     """abort: the interrupted generations are resumed; keep: they go on with their KV cache on the new
     weights, never resubmitted, and every token names the weights that sampled it."""
+    await serving(fleet)
     client = fleet.get_client(FullyAsyncLLMServerClient)
     state = tiny_state_dict()
     budget = LONG
@@ -228,6 +244,7 @@ async def test_weight_update_mid_generation_keeps_the_exact_budget(fleet, mode):
 
 
 async def test_bad_input_is_rejected_and_replicas_keep_serving(fleet):
+    await serving(fleet)
     client = fleet.get_client()
     vocab = (await fleet.get_replicas())[0]
     with pytest.raises(InvalidRequest) as err:

@@ -1,0 +1,81 @@
+"""The liveness probe of a replica whose engine is slow: busy is not dead, silent is."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+from rollfleet.engines.base import EngineHealth, EngineLoad
+from rollfleet.errors import ReplicaUnavailable
+from rollfleet.server import liveness
+from rollfleet.server.liveness import EngineLiveness
+
+pytestmark = pytest.mark.unit
+
+PROBE_TIMEOUT_S = 1.0
+
+
+class SlowEngine:
+    """Answers load and health after ``delay_s`` (None: never, like a SIGSTOPped server)."""
+
+    def __init__(self) -> None:
+        self.delay_s: Any = 0.0
+        self.health_delay_s: Any = None  # None: as slow as load
+        self.healthy = True
+        self.running = 3
+
+    @staticmethod
+    async def _wait(delay_s: Any) -> None:
+        if delay_s is None:
+            await asyncio.Event().wait()
+        await asyncio.sleep(delay_s)
+
+    async def load(self) -> EngineLoad:
+        await self._wait(self.delay_s)
+        return EngineLoad(running=self.running)
+
+    async def health(self) -> EngineHealth:
+        await self._wait(self.delay_s if self.health_delay_s is None else self.health_delay_s)
+        return EngineHealth(self.healthy, "ok" if self.healthy else "server gone")
+
+
+async def timed_poll(probe: EngineLiveness) -> tuple[Any, float]:
+    started = time.monotonic()
+    try:
+        result: Any = await probe.poll()
+    except ReplicaUnavailable as exc:
+        result = exc
+    return result, time.monotonic() - started
+
+
+async def test_a_starved_engine_is_reported_busy_within_the_probe_budget():
+    engine = SlowEngine()
+    probe = EngineLiveness("r0", engine, PROBE_TIMEOUT_S, busy_grace_s=30.0)  # type: ignore[arg-type]
+    load, took = await timed_poll(probe)
+    assert load.running == 3 and took < 0.2
+    engine.delay_s, engine.running = 5.0, 7  # answers, but far later than any probe waits
+    load, took = await timed_poll(probe)
+    assert load.running == 3  # the last known load: the engine answered recently
+    assert took <= liveness.PROBE_BUDGET_SHARE * PROBE_TIMEOUT_S + 0.1, took
+    probe.busy_grace_s = 0.0  # now it has been silent too long
+    err, took = await timed_poll(probe)
+    assert isinstance(err, ReplicaUnavailable) and "silent" in err.reason
+    assert took <= liveness.PROBE_BUDGET_SHARE * PROBE_TIMEOUT_S + 0.1, took
+
+
+async def test_an_engine_that_answers_unhealthy_fails_at_once_and_a_hung_one_after_its_silence():
+    engine = SlowEngine()
+    probe = EngineLiveness("r0", engine, PROBE_TIMEOUT_S, busy_grace_s=30.0)  # type: ignore[arg-type]
+    engine.delay_s, engine.health_delay_s = 0.5, 0.0  # load times out (0.3 s); health answers at once
+    engine.healthy = False
+    err, _ = await timed_poll(probe)
+    assert isinstance(err, ReplicaUnavailable) and "server gone" in err.reason
+    engine.delay_s, engine.health_delay_s, engine.healthy = None, None, True  # hung from now on
+    probe.busy_grace_s = 1.0
+    assert not isinstance((await timed_poll(probe))[0], ReplicaUnavailable)  # answered < 1 s ago
+    await asyncio.sleep(1.0)
+    err, took = await timed_poll(probe)
+    assert isinstance(err, ReplicaUnavailable) and "silent" in err.reason and took < PROBE_TIMEOUT_S
