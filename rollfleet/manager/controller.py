@@ -148,20 +148,24 @@ class FleetController(HealthSupervisor, ControlFanOut):
         record.data_plane = info.get("data_plane") or ""
         record.data_plane_token = info.pop("data_plane_token", None) or ""
         record.weight_version = boot_version
-        # Never serve stale weights: a new or restarted replica loads the current ones first (again
-        # if an update landed while it was loading).
-        while record.weight_version != self.current_version:
-            version = self.current_version
-            await handle.update_weights.remote(self._weights, version)
-            record.weight_version = version
-        if self._checksum is not None and record.weight_version == self.current_version:
-            report = await handle.weights_checksum.remote()
-            if report["checksum"] not in (None, self._checksum):
-                raise RuntimeError(
-                    f"{rid}: weights checksum {report['checksum']} differs from the fleet's {self._checksum}"
-                )
-        record.consecutive_failures = 0
-        self._set_state(record, HealthState.HEALTHY, "started")
+        # Never serve stale weights: a new or restarted replica loads the current ones first. Under
+        # the update lock: an update in flight (which does not include this replica) publishes
+        # first, and then this one loads that version, instead of going healthy on the old one.
+        if self._update_lock is None:
+            self._update_lock = asyncio.Lock()
+        async with self._update_lock:
+            while record.weight_version != self.current_version:
+                version = self.current_version
+                await handle.update_weights.remote(self._weights, version)
+                record.weight_version = version
+            if self._checksum is not None:
+                report = await handle.weights_checksum.remote()
+                if report["checksum"] not in (None, self._checksum):
+                    raise RuntimeError(
+                        f"{rid}: weights checksum {report['checksum']} differs from the fleet's {self._checksum}"
+                    )
+            record.consecutive_failures = 0
+            self._set_state(record, HealthState.HEALTHY, "started")
         self._membership_changed()
         return _info(record)
 
@@ -216,6 +220,7 @@ class FleetController(HealthSupervisor, ControlFanOut):
             versions={rid: r.weight_version for rid, r in records.items()},
             loads={rid: r.load for rid, r in records.items() if r.load is not None},
             rolling_version=self._rolling_version,
+            details={rid: r.detail for rid, r in records.items() if r.detail},
         )
         if known_epoch != self._membership_epoch:
             snap.handles = {rid: _route_handle(r) for rid, r in records.items()}
@@ -360,10 +365,12 @@ def _info(r: ReplicaRecord) -> ReplicaInfo:
 
 
 def _kill(handle: Any) -> None:
+    """Kill a replica's actor (an in-process handle has none: nothing to do, and no Ray to start)."""
     try:
         import ray
 
-        ray.kill(handle, no_restart=True)
+        if isinstance(handle, ray.actor.ActorHandle):
+            ray.kill(handle, no_restart=True)
     except Exception:
         pass
 

@@ -25,8 +25,24 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 from rollfleet.config import RolloutConfig
-from rollfleet.errors import FleetOperationFailed, NotSupported
+from rollfleet.errors import FleetOperationFailed, InvalidRequest, NotSupported
 from rollfleet.health import HealthState, ReplicaRecord
+
+#: What a replica raises when the caller asked for something it cannot do, not because it failed:
+#: every replica would answer the same, so nothing is fenced and the error goes back as is.
+CALLER_ERRORS = (NotSupported, InvalidRequest, ValueError, TypeError)
+
+
+class ControlTimeout(asyncio.TimeoutError):
+    """A replica did not finish a control call in time (it is fenced)."""
+
+
+class ReplicaGone(RuntimeError):
+    """The replica was declared dead (by the prober) while a control call waited for it."""
+
+
+async def _awaited(ref: Any) -> Any:
+    return await ref
 
 
 @dataclass(frozen=True)
@@ -63,63 +79,101 @@ class ControlFanOut:
     def _live(self) -> list[ReplicaRecord]:
         return [r for r in self._records.values() if r.state in (HealthState.HEALTHY, HealthState.SUSPECT)]
 
-    async def _fan_out(self, method: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    async def _call(self, record: ReplicaRecord, method: str, *args: Any, timeout_s: float, **kwargs: Any) -> Any:
+        """One replica's answer to ``method``, or the error it failed with (a timeout included):
+        never raises, so that one hung or dead replica cannot fail or stall a fleet-wide call."""
+        try:
+            return await asyncio.wait_for(_awaited(getattr(record.handle, method).remote(*args, **kwargs)), timeout_s)
+        except asyncio.TimeoutError:
+            return ControlTimeout(f"{method} on {record.replica_id} took over {timeout_s:g}s")
+        except Exception as exc:
+            return getattr(exc, "cause", None) or exc  # Ray's wrapper -> the replica's own error
+
+    async def _gather(
+        self, records: list[ReplicaRecord], method: str, *args: Any, timeout_s: float, **kwargs: Any
+    ) -> list[Any]:
+        """``method`` on each of ``records`` at once, each answer or error in order. A replica the
+        prober declares dead meanwhile is not waited for any longer (a hung process is given up
+        on within a few probes, not after ``timeout_s``)."""
+        tasks = [asyncio.ensure_future(self._call(r, method, *args, timeout_s=timeout_s, **kwargs)) for r in records]
+        results: list[Any] = [None] * len(tasks)
+        handles = [r.handle for r in records]
+        pending = set(tasks)
+        while pending:
+            _, pending = await asyncio.wait(pending, timeout=self.config.health.probe_interval_s)
+            for i, (r, task) in enumerate(zip(records, tasks)):
+                gone = r.handle is not handles[i] or r.state not in (HealthState.HEALTHY, HealthState.SUSPECT)
+                if task in pending and gone:
+                    task.cancel()
+                    pending.discard(task)
+                    results[i] = ReplicaGone(f"{method} on {r.replica_id} abandoned: {r.state.value} ({r.detail})")
+        for i, task in enumerate(tasks):
+            if results[i] is None:
+                results[i] = task.result()
+        return results
+
+    async def _fan_out(
+        self, method: str, *args: Any, timeout_s: Optional[float] = None, **kwargs: Any
+    ) -> dict[str, Any]:
         records = self._live()
-
-        async def call(r: ReplicaRecord) -> Any:
-            try:
-                return await getattr(r.handle, method).remote(*args, **kwargs)
-            except Exception as exc:
-                return exc
-
-        results = await asyncio.gather(*(call(r) for r in records))
+        timeout = timeout_s if timeout_s is not None else self.config.health.control_timeout_s
+        results = await self._gather(records, method, *args, timeout_s=timeout, **kwargs)
         return {r.replica_id: res for r, res in zip(records, results)}
 
-    @staticmethod
-    def _raise_first(results: dict[str, Any], op: str) -> None:
-        """Raise for the replicas where ``op`` failed: the engine's own ``NotSupported`` as is (the
-        caller decides, e.g. a fleet that cannot sleep trains awake), else one
-        :class:`FleetOperationFailed` naming every failed replica."""
+    def _settle(self, results: dict[str, Any], op: str) -> dict[str, Any]:
+        """Decide a fan-out: a caller's mistake (``NotSupported``, a bad argument) is raised as is,
+        since every replica would say the same; any other failure or timeout fences that replica
+        (dead, restarted on the current weights) and the operation stands on the others. Raises
+        :class:`FleetOperationFailed` only when no replica could do it."""
         errors = {rid: res for rid, res in results.items() if isinstance(res, BaseException)}
-        if not errors:
-            return
-        causes = {rid: getattr(exc, "cause", exc) for rid, exc in errors.items()}
-        for cause in causes.values():
-            if isinstance(cause, NotSupported):
-                raise cause
-        raise FleetOperationFailed(op, {rid: repr(cause) for rid, cause in causes.items()})
+        for exc in errors.values():
+            if isinstance(exc, CALLER_ERRORS):
+                raise exc
+        fenced = {rid: repr(exc) for rid, exc in errors.items()}
+        for rid, reason in fenced.items():
+            record = self._records.get(rid)
+            if record is not None and record.state in (HealthState.HEALTHY, HealthState.SUSPECT):
+                self._fail(record, f"{op} failed: {reason}")
+        if fenced and len(fenced) == len(results):
+            raise FleetOperationFailed(op, fenced)
+        return {"ok": sorted(rid for rid in results if rid not in errors), "fenced": fenced}
+
+    async def _op(self, method: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Fan ``method`` out to the live replicas and settle it: ``{"ok": [...], "fenced": {...}}``."""
+        return self._settle(await self._fan_out(method, *args, **kwargs), method)
 
     async def abort_all(self) -> dict[str, Any]:
         results = await self._fan_out("abort_all")
-        self._raise_first(results, "abort_all")
-        return {"aborted_count": sum(results.values()), "server_results": results}
+        report = self._settle(results, "abort_all")
+        counts = {rid: res for rid, res in results.items() if rid in report["ok"]}
+        return {"aborted_count": sum(counts.values()), "server_results": counts, "fenced": report["fenced"]}
 
-    async def pause(self) -> None:
-        self._raise_first(await self._fan_out("pause"), "pause")
+    async def pause(self) -> dict[str, Any]:
+        return await self._op("pause")
 
-    async def resume(self) -> None:
-        self._raise_first(await self._fan_out("resume"), "resume")
+    async def resume(self) -> dict[str, Any]:
+        return await self._op("resume")
 
-    async def sleep(self) -> None:
-        self._raise_first(await self._fan_out("sleep"), "sleep")
+    async def sleep(self) -> dict[str, Any]:
+        return await self._op("sleep")
 
-    async def wake_up(self) -> None:
-        self._raise_first(await self._fan_out("wake_up"), "wake_up")
+    async def wake_up(self) -> dict[str, Any]:
+        return await self._op("wake_up")
 
-    async def clear_kv_cache(self) -> None:
-        self._raise_first(await self._fan_out("clear_kv_cache"), "clear_kv_cache")
+    async def clear_kv_cache(self) -> dict[str, Any]:
+        return await self._op("clear_kv_cache")
 
-    async def start_profile(self, **kwargs: Any) -> None:
-        self._raise_first(await self._fan_out("start_profile", **kwargs), "start_profile")
+    async def start_profile(self, **kwargs: Any) -> dict[str, Any]:
+        return await self._op("start_profile", **kwargs)
 
     async def stop_profile(self) -> dict[str, Any]:
         results = await self._fan_out("stop_profile")
-        self._raise_first(results, "stop_profile")
-        return results
+        report = self._settle(results, "stop_profile")
+        return {rid: res for rid, res in results.items() if rid in report["ok"]}
 
-    async def script_responses(self, script: Any) -> None:
+    async def script_responses(self, script: Any) -> dict[str, Any]:
         """Test hook: let ``script`` choose every response's tokens on every replica (sim engine)."""
-        self._raise_first(await self._fan_out("script_responses", script), "script_responses")
+        return await self._op("script_responses", script)
 
     async def update_weights(self, weights: Any, version: int, mode: Optional[str] = None) -> dict[str, Any]:
         """Stage ``weights`` on every live replica, then commit ``version`` (``mode``: the
@@ -139,19 +193,16 @@ class ControlFanOut:
                 raise ValueError(f"weight version must increase: {version} <= current {self.current_version}")
             started = time.monotonic()
             records = self._live()
-            failed: list[str] = []
-            staged = await asyncio.gather(
-                *(r.handle.stage_weights.remote(weights, version) for r in records), return_exceptions=True
-            )
+            fenced: dict[str, str] = {}
+            staged = await self._gather(records, "stage_weights", weights, version, timeout_s=sync.stage_timeout_s)
             ready = []
             for r, res in zip(records, staged):
                 if isinstance(res, BaseException):
-                    failed.append(r.replica_id)
-                    self._fail(r, f"weight staging failed: {res!r}")
+                    self._fence(r, fenced, f"weight staging failed: {res!r}")
                 else:
                     ready.append(r)
             stage_done = time.monotonic()
-            wave_size = len(ready) if mode != "rolling" else max(1, math.floor(sync.max_unavailable * len(ready)))
+            wave_size = max(1, len(ready) if mode != "rolling" else math.floor(sync.max_unavailable * len(ready)))
             commit_mode = "abort" if mode == "abort" else "keep"
             paused: list[list[float]] = []
             modes: dict[str, str] = {}
@@ -160,10 +211,12 @@ class ControlFanOut:
                 self._rolling_version = version
             try:
                 for i in range(0, len(ready), wave_size):
-                    wave = ready[i : i + wave_size]
+                    # Each replica pauses only for its own commit: one that hangs holds up this
+                    # call (up to commit_timeout_s), never the others' generation.
+                    wave = [r for r in ready[i : i + wave_size] if r.replica_id not in fenced]
                     wave_start = time.time()
-                    results = await asyncio.gather(
-                        *(r.handle.commit_weights.remote(version, commit_mode) for r in wave), return_exceptions=True
+                    results = await self._gather(
+                        wave, "commit_weights", version, commit_mode, timeout_s=sync.commit_timeout_s
                     )
                     windows = [res["window"] for res in results if isinstance(res, dict) and res.get("window")]
                     # the span in which a replica of this wave was paused (else the whole call)
@@ -174,17 +227,20 @@ class ControlFanOut:
                     )
                     for r, res in zip(wave, results):
                         if isinstance(res, BaseException):
-                            failed.append(r.replica_id)
-                            self._fail(r, f"weight commit failed: {res!r}")
+                            self._fence(r, fenced, f"weight commit failed: {res!r}")
                         else:
                             r.weight_version = version
                             modes[r.replica_id] = res["mode"]
                             longest = max(longest, res["pause_s"])
                     if mode == "rolling":
                         self._notify()  # clients route new trajectories to this wave at once
-                checksum = await self._verify(ready, failed, version)
+                checksum = await self._verify([r for r in ready if r.replica_id not in fenced], fenced, version)
             finally:
                 self._rolling_version = None
+            if records and len(fenced) == len(records):
+                # No replica took it: the fleet stays on the old version (the fenced replicas come
+                # back on it) and the caller learns why from each replica.
+                raise FleetOperationFailed("update_weights", fenced)
             # Publish atomically (no await between): every replica that has the new weights is
             # routable under the new version, the others are not.
             self._checksum = checksum
@@ -197,7 +253,8 @@ class ControlFanOut:
                 "version": version,
                 "mode": mode,
                 "replicas": len(records),
-                "failed": failed,
+                "failed": list(fenced),
+                "fenced": fenced,
                 "modes": modes,
                 "waves": len(paused),
                 "paused": paused,
@@ -208,11 +265,11 @@ class ControlFanOut:
                 "total_s": done - started,
             }
 
-    async def _verify(self, ready: list[ReplicaRecord], failed: list[str], version: int) -> Optional[str]:
+    async def _verify(self, committed: list[ReplicaRecord], fenced: dict[str, str], version: int) -> Optional[str]:
         """Every committed replica must report ``version`` and the weight digest most of them
         report; one that disagrees never serves on: it is restarted from the reference."""
-        committed = [r for r in ready if r.replica_id not in failed]
-        reports = await asyncio.gather(*(r.handle.weights_checksum.remote() for r in committed), return_exceptions=True)
+        timeout = self.config.health.control_timeout_s
+        reports = await self._gather(committed, "weights_checksum", timeout_s=timeout)
         digests = [rep["checksum"] for rep in reports if isinstance(rep, dict) and rep["checksum"] is not None]
         majority = Counter(digests).most_common(1)[0][0] if digests else None
         for r, rep in zip(committed, reports):
@@ -224,16 +281,19 @@ class ControlFanOut:
                 problem = f"weights checksum {rep['checksum']} differs from the fleet's {majority}"
             else:
                 continue
-            failed.append(r.replica_id)
-            self._fail(r, problem)
+            self._fence(r, fenced, problem)
         return majority
 
     async def weights_checksums(self) -> dict[str, Optional[str]]:
         """Each live replica's weight digest, as its engine reports it (None: it cannot tell):
-        equal on every replica after a verified commit."""
+        equal on every replica after a verified commit. A replica that cannot answer is fenced."""
         results = await self._fan_out("weights_checksum")
-        self._raise_first(results, "weights_checksums")
-        return {rid: res["checksum"] for rid, res in results.items() if isinstance(res, dict)}
+        report = self._settle(results, "weights_checksums")
+        return {rid: res["checksum"] for rid, res in results.items() if rid in report["ok"]}
+
+    def _fence(self, record: ReplicaRecord, fenced: dict[str, str], detail: str) -> None:
+        fenced[record.replica_id] = detail
+        self._fail(record, detail)
 
     def _fail(self, record: ReplicaRecord, detail: str) -> None:
         self._set_state(record, HealthState.DEAD, detail)

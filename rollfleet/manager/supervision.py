@@ -8,6 +8,8 @@ Ray which nodes live: the replicas of a dead node are dead at once, not after th
 A dead replica is restarted (new actor, same id) and stays ``syncing`` until it has the current
 weights. When its node died and no other node has room, it waits as ``pending`` (visible in
 ``status()``) and tries again every ``placement.pending_retry_s``, so a node that joins is used.
+A start that fails is tried again with backoff (``pending``, with the error), forever unless
+``health.max_restart_attempts`` says otherwise: capacity is never lost without a word.
 """
 
 from __future__ import annotations
@@ -122,34 +124,55 @@ class HealthSupervisor:
         task.add_done_callback(lambda _t: self._restart_tasks.pop(rid, None))
 
     async def _restart(self, rid: str) -> None:
+        """Bring ``rid`` back: a new actor on the current weights. A failed try is retried with
+        backoff (``health.restart_backoff_s``, doubling up to ``max_restart_backoff_s``) until
+        ``max_restart_attempts``; meanwhile the replica shows ``pending`` with the reason."""
         record = self._records.get(rid)
         if record is None:
             return
+        health = self.config.health
         # Ask the old replica to stop its engine first: killing the actor outright would orphan
         # an engine subprocess (vLLM's process group) that still holds memory and cores.
         await self._stop_handle(record.handle, timeout_s=STOP_TIMEOUT_DEAD_S)
         record.restarts += 1
         self._set_state(record, HealthState.RESTARTING, f"restart #{record.restarts}")
         lost_placements = 0
+        tries = 0
         while self._records.get(rid) is record:
             try:
-                await self._start_replica(rid)
+                await asyncio.wait_for(self._start_replica(rid), health.start_timeout_s)
                 return
             except InsufficientResources as exc:  # no room now: wait, visibly, and try again
                 self._set_state(record, HealthState.PENDING, f"waiting for devices: {exc}", force=True)
                 await asyncio.sleep(self.config.placement.pending_retry_s)
+                continue
             except Exception as exc:
+                if isinstance(exc, asyncio.TimeoutError):
+                    exc = TimeoutError(f"start took over health.start_timeout_s={health.start_timeout_s:g}s")
+                await self._stop_handle(record.handle, timeout_s=STOP_TIMEOUT_DEAD_S)
                 if (
                     self._placer is not None
                     and record.node_id in await self._placer.dead_nodes()
                     and lost_placements < 3
                 ):
                     lost_placements += 1  # its node died while it started: place it again
-                    await self._stop_handle(record.handle, timeout_s=STOP_TIMEOUT_DEAD_S)
                     continue
-                logger.exception("restart of %s failed", rid)
-                self._set_state(record, HealthState.DEAD, f"restart failed: {exc!r}", force=True)
-                return
+                tries += 1
+                if health.max_restart_attempts is not None and tries >= health.max_restart_attempts:
+                    logger.error("replica %s: giving up after %d restart tries: %r", rid, tries, exc)
+                    self._set_state(
+                        record, HealthState.DEAD, f"gave up after {tries} restart tries: {exc!r}", force=True
+                    )
+                    return
+                delay = min(health.max_restart_backoff_s, health.restart_backoff_s * 2 ** (tries - 1))
+                logger.warning("replica %s: restart try %d failed (%r); next try in %.1fs", rid, tries, exc, delay)
+                self._set_state(
+                    record,
+                    HealthState.PENDING,
+                    f"restart try {tries} failed: {exc!r}; next try in {delay:.1f}s",
+                    force=True,
+                )
+                await asyncio.sleep(delay)
 
     def _set_state(self, record: ReplicaRecord, state: HealthState, detail: str, force: bool = False) -> None:
         if not force and not can_transition(record.state, state):

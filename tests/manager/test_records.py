@@ -7,7 +7,7 @@ import pickle
 import pytest
 
 from rollfleet.errors import FleetOperationFailed, NotSupported
-from rollfleet.health import HealthState
+from rollfleet.health import HealthState, ReplicaRecord
 from rollfleet.manager.fanout import ControlFanOut
 from rollfleet.records import FleetEvent, FleetStatus, ReplicaInfo, ReplicaStatus
 
@@ -40,14 +40,29 @@ def test_records_serialise_without_handles_and_with_plain_states():
         ReplicaInfo(replica_id="r1", state="resting")  # not a health state
 
 
-def test_a_failed_fan_out_names_every_failed_replica_and_not_supported_passes_through():
-    results = {"r0": None, "r1": RuntimeError("boom"), "r2": TimeoutError()}
+class _Fenced(ControlFanOut):
+    """Just the fan-out's bookkeeping: which replicas it fenced, and why."""
+
+    def __init__(self, ids: list[str]) -> None:
+        self._records = {rid: ReplicaRecord(replica_id=rid, handle=None, state=HealthState.HEALTHY) for rid in ids}
+        self.fenced: dict[str, str] = {}
+
+    def _fail(self, record: ReplicaRecord, detail: str) -> None:
+        self.fenced[record.replica_id] = detail
+
+
+def test_a_fan_out_fences_the_failed_replicas_and_fails_only_when_none_succeeded():
+    fan = _Fenced(["r0", "r1", "r2"])
+    report = fan._settle({"r0": None, "r1": RuntimeError("boom"), "r2": TimeoutError()}, "pause")
+    assert report["ok"] == ["r0"] and sorted(report["fenced"]) == ["r1", "r2"]
+    assert "boom" in fan.fenced["r1"] and fan.fenced["r1"].startswith("pause failed")
     with pytest.raises(FleetOperationFailed) as err:
-        ControlFanOut._raise_first(results, "pause")
+        _Fenced(["r1", "r2"])._settle({"r1": RuntimeError("boom"), "r2": TimeoutError()}, "pause")
     assert err.value.op == "pause" and sorted(err.value.failures) == ["r1", "r2"]
-    assert "boom" in err.value.failures["r1"]
     again = pickle.loads(pickle.dumps(err.value))  # crosses Ray boundaries intact
     assert again.failures == err.value.failures and again.op == "pause"
-    with pytest.raises(NotSupported):
-        ControlFanOut._raise_first({"r0": NotSupported("vllm", "sleep"), "r1": RuntimeError()}, "sleep")
-    ControlFanOut._raise_first({"r0": 1, "r1": None}, "resume")  # no failure: nothing raised
+    caller = _Fenced(["r0", "r1"])
+    with pytest.raises(NotSupported):  # the caller's mistake: raised as is, nobody fenced
+        caller._settle({"r0": NotSupported("vllm", "sleep"), "r1": RuntimeError()}, "sleep")
+    assert caller.fenced == {}
+    assert _Fenced(["r0", "r1"])._settle({"r0": 1, "r1": None}, "resume") == {"ok": ["r0", "r1"], "fenced": {}}

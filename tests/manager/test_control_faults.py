@@ -1,0 +1,224 @@
+"""Control operations that tolerate faults: a dead or hung replica is fenced and restarted, and the
+operation stands on the others; a restart that fails is tried again.
+
+The controller runs in-process over sim replicas (no Ray): what is under test is its fan-out and
+its restart loop, with faults injected exactly where a real replica would fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+from rollfleet.config import HealthConfig, RolloutConfig, SimEngineConfig, WeightSyncConfig
+from rollfleet.engines import build_engine
+from rollfleet.errors import FleetOperationFailed, ReplicaUnavailable
+from rollfleet.manager.controller import FleetController
+from rollfleet.server.local import LocalHandle
+from rollfleet.server.replica import Replica
+
+pytestmark = pytest.mark.unit
+
+COMMIT_TIMEOUT_S = 0.5
+HOOKED = ("stage_weights", "commit_weights", "pause", "resume", "load", "weights_checksum")
+
+
+def config(**health: Any) -> RolloutConfig:
+    health.setdefault("control_timeout_s", COMMIT_TIMEOUT_S)
+    return RolloutConfig(
+        name="sim",
+        prompt_length=16,
+        response_length=64,
+        max_model_len=128,
+        sim=SimEngineConfig(vocab_size=300, eos_token_id=299, time_scale=50.0),
+        health=HealthConfig(
+            **{"probe_interval_s": 0.05, "probe_timeout_s": 0.2, "failures_to_dead": 2, "restart_backoff_s": 0.05}
+            | health
+        ),
+        weight_sync=WeightSyncConfig(mode="keep", commit_timeout_s=COMMIT_TIMEOUT_S),
+    )
+
+
+class Faults:
+    """Which replica fails how; read by the factory and by the patched replica methods."""
+
+    def __init__(self) -> None:
+        self.dead: set[str] = set()  # every call raises, as a dead actor's would
+        self.hung: set[str] = set()  # control calls never return (a SIGSTOPped process)
+        self.hung_methods: set[str] = set(HOOKED)  # which calls hang on a hung replica
+        self.failed_starts: dict[str, int] = {}  # replica id -> starts that fail before one succeeds
+        self.starts: dict[str, int] = {}
+
+
+def fleet(cfg: RolloutConfig, faults: Faults) -> tuple[FleetController, dict[str, Replica]]:
+    replicas: dict[str, Replica] = {}
+
+    def make(replica_id: str, index: int) -> LocalHandle:
+        replica = Replica(replica_id, cfg, index, engine=build_engine(cfg, index))
+        boot = replica.start
+
+        async def start(*args: Any, **kwargs: Any) -> Any:
+            faults.starts[replica_id] = faults.starts.get(replica_id, 0) + 1
+            if faults.failed_starts.get(replica_id, 0) > 0:
+                faults.failed_starts[replica_id] -= 1
+                raise RuntimeError(f"{replica_id}: engine failed to start (injected)")
+            return await boot(*args, **kwargs)
+
+        replica.start = start  # type: ignore[method-assign]
+        for name in HOOKED:
+            original = getattr(replica, name)
+
+            async def faulty(*args: Any, _original: Any = original, _name: str = name, **kwargs: Any) -> Any:
+                if replica_id in faults.dead and replicas.get(replica_id) is replica:
+                    raise ReplicaUnavailable(replica_id, "actor died (injected)")
+                hangs = replica_id in faults.hung and _name in faults.hung_methods
+                if hangs and replicas.get(replica_id) is replica:
+                    await asyncio.Event().wait()
+                return await _original(*args, **kwargs)
+
+            setattr(replica, name, faulty)
+        replicas[replica_id] = replica
+        return LocalHandle(replica)
+
+    return FleetController(cfg, replica_factory=make), replicas
+
+
+async def wait_until(predicate: Any, what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await predicate():
+        assert time.monotonic() < deadline, f"not reached within {timeout_s}s: {what}"
+        await asyncio.sleep(0.02)
+
+
+async def serving_on(controller: FleetController, rid: str, version: int) -> bool:
+    snapshot = await controller.snapshot()
+    return rid in snapshot.routable_ids() and snapshot.versions[rid] == version
+
+
+async def test_an_update_while_a_replica_is_dead_completes_on_the_others_and_it_returns_on_the_new_version():
+    faults = Faults()
+    controller, replicas = fleet(config(), faults)
+    await controller.launch(3)
+    faults.dead.add("replica-1")  # died a moment ago: no probe has noticed yet
+    result = await controller.update_weights({"step": 1}, 1)
+    assert result["failed"] == ["replica-1"] and "actor died" in result["fenced"]["replica-1"]
+    assert controller.current_version == 1
+    assert set((await controller.snapshot()).routable_ids()) == {"replica-0", "replica-2"}
+    faults.dead.clear()  # the restarted actor is a new one
+    await wait_until(lambda: serving_on(controller, "replica-1", 1), "replica-1 back on version 1")
+    out = await replicas["replica-1"].generate("r", [1, 2, 3], {"max_tokens": 4})
+    assert out.token_versions == [1] * len(out.token_ids)
+    assert faults.starts["replica-1"] == 2
+    await controller.shutdown()
+
+
+@pytest.mark.parametrize(
+    "hang, why",
+    [
+        ("commit_weights", "took over"),  # its engine is stuck loading; the actor still answers probes
+        (HOOKED, "abandoned: dead (probe failed"),  # SIGSTOP: nothing answers; the prober sees it first
+    ],
+)
+async def test_an_update_with_a_hung_replica_ends_in_time_and_the_rest_keeps_generating(hang, why):
+    faults = Faults()
+    faults.hung_methods = {hang} if isinstance(hang, str) else set(hang)
+    controller, replicas = fleet(config(auto_restart=False), faults)
+    await controller.launch(2)
+    stamps: list[float] = []
+    stop = asyncio.Event()
+
+    async def generate_on_replica_0() -> None:
+        i = 0
+        while not stop.is_set():
+            await replicas["replica-0"].generate(f"g{i}", [1, 2, 3], {"max_tokens": 4})
+            stamps.append(time.monotonic())
+            i += 1
+
+    gen = asyncio.ensure_future(generate_on_replica_0())
+    await asyncio.sleep(0.2)
+    faults.hung.add("replica-1")
+    started = time.monotonic()
+    result = await controller.update_weights({"step": 1}, 1)
+    took = time.monotonic() - started
+    await asyncio.sleep(0.2)
+    stop.set()
+    await gen
+    assert took < COMMIT_TIMEOUT_S + 1.0, took
+    assert result["failed"] == ["replica-1"] and why in result["fenced"]["replica-1"], result["fenced"]
+    assert (await controller.snapshot()).routable_ids() == ["replica-0"]
+    window = [t for t in stamps if started - 0.1 <= t <= started + took + 0.1]
+    gaps = [b - a for a, b in zip(window, window[1:])]
+    assert len(window) > 5 and max(gaps) < COMMIT_TIMEOUT_S / 2, (len(window), max(gaps, default=None))
+    await controller.shutdown()
+
+
+async def test_pause_with_a_hung_replica_fences_it_and_pauses_the_others_in_time():
+    faults = Faults()
+    controller, replicas = fleet(config(auto_restart=False), faults)
+    await controller.launch(2)
+    faults.hung.add("replica-0")
+    started = time.monotonic()
+    report = await controller.pause()
+    assert time.monotonic() - started < COMMIT_TIMEOUT_S + 1.0
+    assert report["ok"] == ["replica-1"] and "took over" in report["fenced"]["replica-0"]
+    status = await controller.status()
+    assert status.replicas["replica-0"].state == "dead" and "pause failed" in status.replicas["replica-0"].detail
+    assert (await controller.resume())["ok"] == ["replica-1"]  # the fenced one is no longer asked
+    faults.hung.add("replica-1")
+    with pytest.raises(FleetOperationFailed) as err:  # nobody could do it: that is an error
+        await controller.pause()
+    assert set(err.value.failures) == {"replica-1"}
+    await controller.shutdown()
+
+
+async def test_an_update_no_replica_could_take_raises_and_keeps_the_old_version():
+    faults = Faults()
+    controller, _ = fleet(config(auto_restart=False), faults)
+    await controller.launch(2)
+    faults.dead.update({"replica-0", "replica-1"})
+    with pytest.raises(FleetOperationFailed) as err:
+        await controller.update_weights({"step": 1}, 1)
+    assert set(err.value.failures) == {"replica-0", "replica-1"}
+    assert controller.current_version == 0
+    await controller.shutdown()
+
+
+async def test_a_restart_that_fails_twice_succeeds_on_the_third_try_and_status_says_why_meanwhile():
+    faults = Faults()
+    controller, _ = fleet(config(restart_backoff_s=0.3), faults)
+    await controller.launch(2)
+    faults.failed_starts["replica-1"] = 2
+    faults.dead.add("replica-1")
+    await controller.update_weights({"step": 1}, 1)  # fences replica-1
+    faults.dead.clear()
+
+    async def pending() -> bool:
+        return (await controller.status()).replicas["replica-1"].state == "pending"
+
+    await wait_until(pending, "replica-1 pending after a failed restart")
+    detail = (await controller.status()).replicas["replica-1"].detail
+    assert "restart try 1 failed" in detail and "failed to start (injected)" in detail and "next try" in detail
+    await wait_until(lambda: serving_on(controller, "replica-1", 1), "replica-1 back on version 1")
+    assert faults.starts["replica-1"] == 4  # the first start, two failed restarts, the one that worked
+    await controller.shutdown()
+
+
+async def test_a_restart_gives_up_after_max_restart_attempts_and_says_so():
+    faults = Faults()
+    controller, _ = fleet(config(restart_backoff_s=0.05, max_restart_attempts=2), faults)
+    await controller.launch(2)
+    faults.failed_starts["replica-0"] = 10
+    faults.dead.add("replica-0")
+    await controller.pause()
+    faults.dead.clear()
+
+    async def gave_up() -> bool:
+        r = (await controller.status()).replicas["replica-0"]
+        return r.state == "dead" and "gave up after 2 restart tries" in r.detail
+
+    await wait_until(gave_up, "replica-0 given up after 2 tries")
+    assert faults.starts["replica-0"] == 3
+    await controller.shutdown()
