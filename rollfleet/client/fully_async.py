@@ -11,9 +11,13 @@ response stops or the budget is spent. Interruption contract:
 * token ids, logprobs, per-token versions and preemptions add up across attempts;
   ``min_global_steps`` / ``max_global_steps`` are the versions of the first and last token;
   each attempt's ``extra_fields`` are kept under ``extra_fields["attempts"]`` (verl drops them);
-* waits between resumes follow the bounded retry policy (verl sleeps a fixed second, forever);
-  when attempts run out, the partial output returns with ``stop_reason="aborted"`` and
-  ``extra_fields["resume_exhausted"] = True`` instead of looping.
+* resumes are not failures: an aborted attempt that brought new tokens, or after which the
+  weights changed (a weight update aborted it), is resumed at once and never counts against
+  ``retry.max_attempts``: a generation goes on for as long as it has budget left, however often
+  the trainer syncs. Only aborts that make no progress at all (an ``abort_all`` storm) count, with
+  the retry policy's backoff between them; when ``max_attempts`` of those come in a row, the
+  partial output returns with ``stop_reason="aborted"`` and ``extra_fields["resume_exhausted"] =
+  True`` instead of looping (verl sleeps a fixed second and loops forever).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from rollfleet.client.llm_client import LLMServerClient
+from rollfleet.errors import InvalidRequest
 from rollfleet.types import BUDGET_KEYS, SamplingParams, TokenOutput
 
 
@@ -57,6 +62,9 @@ class FullyAsyncLLMServerClient(LLMServerClient):
                 raise ValueError("no token budget: pass max_tokens/max_new_tokens or configure response_length")
         else:
             budget = params[key]
+            # Checked before any arithmetic on it ("16" or True must not become a budget).
+            if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+                raise InvalidRequest(f"sampling_params.{key}", "an integer >= 1", budget)
         prompt = list(prompt_ids)
 
         token_ids: list[int] = []
@@ -68,7 +76,9 @@ class FullyAsyncLLMServerClient(LLMServerClient):
         stop_reason = "aborted"
         last_extra: dict[str, Any] = {}
         attempt = 0
+        stalled = 0  # aborted attempts in a row with no new token and no weight change
         exhausted = False
+        version_before: Any = None
 
         while True:
             attempt += 1
@@ -101,10 +111,22 @@ class FullyAsyncLLMServerClient(LLMServerClient):
                 break
             if stop_reason != "aborted" or not self.partial_rollout:
                 break
-            if attempt >= self.retry.max_attempts:
+            # Progress: new tokens, or new weights since this attempt started (the abort was a
+            # weight update's: the previous attempt ran on other weights, or the fleet moved on).
+            version = out.extra_fields.get("global_steps")
+            fleet_version = self.fleet.current_version
+            progressed = (
+                bool(new)
+                or (attempt > 1 and version != version_before)
+                or (version is not None and fleet_version is not None and fleet_version > version)
+            )
+            version_before = version
+            stalled = 0 if progressed else stalled + 1
+            if stalled >= self.retry.max_attempts:
                 exhausted = True
                 break
-            await self.retry.wait(attempt)
+            if stalled:
+                await self.retry.wait(stalled)
 
         extra = dict(last_extra)
         final_version = last_extra.get("global_steps")

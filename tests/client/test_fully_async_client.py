@@ -20,7 +20,10 @@ pytestmark = pytest.mark.unit
 class FakeServer:
     """Aborts each attempt after a scripted number of tokens; the weight version rises per attempt."""
 
-    def __init__(self, abort_points: list[int], natural_len: int = 10**9, extra: dict | None = None):
+    def __init__(
+        self, abort_points: list[int], natural_len: int = 10**9, extra: dict | None = None, new_weights: bool = True
+    ):
+        self.new_weights = new_weights  # False: aborts come from abort_all, the weights never change
         self.abort_points = list(abort_points)
         self.natural_len = natural_len
         self.calls: list[dict] = []
@@ -42,7 +45,7 @@ class FakeServer:
             reason = "stop" if n == remaining_natural else "length"
         toks = [(len(prompt_ids) + i) % 97 for i in range(n)]
         v = self.version
-        self.version += 1
+        self.version += int(self.new_weights)
         out = TokenOutput(
             token_ids=toks,
             log_probs=[-0.5] * n,
@@ -118,12 +121,31 @@ def test_all_aborted_until_budget_spent_ends_length():
     assert len(server.calls) == 4
 
 
-def test_bounded_resume_returns_partial_with_flag():
-    server = FakeServer([1] * 100)
+def test_resumes_that_make_progress_never_run_out_of_attempts():
+    """100 aborts (weight updates, one token each in between) with max_attempts=5: the
+    generation still gets its whole budget; resumes are not failures."""
+    server = FakeServer([1] * 100, new_weights=False)
     out = asyncio.run(client(server, max_attempts=5).generate("r", prompt_ids=[1], sampling_params={"max_tokens": 50}))
-    assert len(server.calls) == 5
+    assert len(out.token_ids) == 50 and out.stop_reason == "length"
+    assert "resume_exhausted" not in out.extra_fields and out.extra_fields["num_resumes"] == 49
+
+
+def test_aborts_without_tokens_but_with_new_weights_are_resumed_too():
+    """A request aborted before its first token by each of 20 updates in a row is not a failure."""
+    server = FakeServer([0] * 20)
+    out = asyncio.run(client(server, max_attempts=3).generate("r", prompt_ids=[1], sampling_params={"max_tokens": 8}))
+    assert len(out.token_ids) == 8 and out.stop_reason == "length" and len(server.calls) == 21
+    assert out.token_versions == [20] * 8
+
+
+def test_aborts_that_make_no_progress_are_bounded_and_flagged():
+    """An abort storm with no token and no weight change: ``max_attempts`` of those in a row, then
+    the partial output comes back flagged instead of looping."""
+    server = FakeServer([2] + [0] * 100, new_weights=False)
+    out = asyncio.run(client(server, max_attempts=5).generate("r", prompt_ids=[1], sampling_params={"max_tokens": 50}))
+    assert len(server.calls) == 6  # the one that made progress, then 5 that made none
     assert out.stop_reason == "aborted" and out.extra_fields["resume_exhausted"] is True
-    assert len(out.token_ids) == 5
+    assert len(out.token_ids) == 2
 
 
 def test_partial_rollout_off_returns_aborted():
@@ -182,8 +204,9 @@ async def test_cancelled_request_releases_its_slot():
 class SyncingController:
     """A controller whose only replica is still syncing for a while; counts snapshot calls."""
 
-    def __init__(self, server, routable_after_s: float):
+    def __init__(self, server, routable_after_s: float, detail: str = ""):
         self.calls = 0
+        self.detail = detail
         self.handle = LocalHandle(server)
         self.ready_at = asyncio.get_running_loop().time() + routable_after_s
         self.snapshot = self  # so that controller.snapshot.remote(...) works like a Ray handle
@@ -199,6 +222,7 @@ class SyncingController:
             states={"s0": "healthy" if ready else "syncing"},
             versions={"s0": 1 if ready else None},
             handles={"s0": self.handle} if known_epoch != 1 else None,
+            details={"s0": self.detail} if self.detail else {},
         )
         fut = asyncio.get_running_loop().create_future()
         fut.set_result(snap)
@@ -218,3 +242,31 @@ async def test_requests_waiting_for_a_routable_replica_share_fleet_refreshes():
     await c.close()
     assert all(o.stop_reason == "stop" and len(o.token_ids) == 4 for o in outs)
     assert controller.calls < 100, controller.calls
+
+
+async def test_a_fleet_that_never_becomes_routable_fails_naming_each_replica_and_why():
+    """After ``retry.no_server_wait_s`` the request fails, and the error says what each replica is
+    doing and why (the controller's own detail), not only that none was routable."""
+    from rollfleet.errors import NoServerAvailable, RetriesExhausted
+
+    controller = SyncingController(FakeServer([]), routable_after_s=3600, detail="loading v1 (restart 2)")
+    cfg = RolloutConfig(retry=RetryConfig(initial_backoff_s=0.01, max_backoff_s=0.02, no_server_wait_s=0.2))
+    c = LLMServerClient(cfg, controller=controller)
+    with pytest.raises(RetriesExhausted) as err:
+        await c.generate("r", prompt_ids=[1, 2], sampling_params={"max_tokens": 4})
+    await c.close()
+    cause = err.value.last_error
+    assert isinstance(cause, NoServerAvailable)
+    assert "retry.no_server_wait_s" in str(cause)
+    assert "s0 syncing vNone (loading v1 (restart 2))" in str(cause) and "fleet on v1" in str(cause)
+    assert c.balancer.get_total_inflight() == 0
+
+
+@pytest.mark.parametrize("budget", ["16", True, 0, 2.5])
+def test_a_budget_of_the_wrong_type_is_refused_before_any_arithmetic(budget):
+    from rollfleet.errors import InvalidRequest
+
+    server = FakeServer([])
+    with pytest.raises(InvalidRequest) as err:
+        asyncio.run(client(server).generate("r", prompt_ids=[1], sampling_params={"max_tokens": budget}))
+    assert err.value.field == "sampling_params.max_tokens" and server.calls == []

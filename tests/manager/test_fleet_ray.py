@@ -23,7 +23,7 @@ def fleet_config(**rollout) -> RollfleetConfig:
         "max_model_len": 4096,
         "routing": {"policy": "least_tokens", "load_refresh_interval_s": 0.1},
         "retry": {"max_attempts": 50, "initial_backoff_s": 0.01, "max_backoff_s": 0.2},
-        "health": {"probe_interval_s": 0.2, "probe_timeout_s": 0.5, "failures_to_dead": 2},
+        "health": {"probe_interval_s": 0.2, "probe_timeout_s": 0.5, "failures_to_dead": 2, "busy_grace_s": 2.0},
         "sim": {"vocab_size": 2000, "time_scale": 20.0, "mean_response_tokens": 120, "response_sigma": 0.8},
     }
     base.update(rollout)
@@ -142,6 +142,50 @@ async def test_a_rolling_update_serves_throughout_and_new_trajectories_start_on_
         assert (await m.controller.snapshot.remote()).preferred_ids() is None
         checksums = await m.weights_checksums()
         assert len(checksums) == 2 and set(checksums.values()) == {result["checksum"]} and result["checksum"]
+    finally:
+        await m.shutdown()
+
+
+async def test_a_sync_every_0_3s_never_truncates_a_long_generation(ray_session):
+    """100 abort-mode updates, one every 0.3 s, while 300 long generations run, with a retry budget
+    of 5 attempts: every generation still gets its whole budget (resumes are not failures)."""
+    m = await LLMServerManager.create(
+        fleet_config(
+            num_replicas=2,
+            retry={"max_attempts": 5, "initial_backoff_s": 0.01, "max_backoff_s": 0.2},
+            sim={"time_scale": 1.0, "vocab_size": 2000},
+        )
+    )
+    try:
+        client = m.get_client(FullyAsyncLLMServerClient)
+        budget = 1200
+        rollout = asyncio.ensure_future(
+            asyncio.gather(
+                *(
+                    client.generate(
+                        f"long-{i}",
+                        prompt_ids=[3, 4, 5 + i],
+                        sampling_params={"max_tokens": budget, "ignore_eos": True},
+                    )
+                    for i in range(300)
+                )
+            )
+        )
+        version = (await m.status()).current_version
+        syncs = 0
+        while syncs < 100 and not rollout.done():
+            await asyncio.sleep(0.3)
+            version += 1
+            result = await m.update_weights({"step": version}, version, "abort")
+            assert result["failed"] == []
+            syncs += 1
+        outs = await rollout
+        assert syncs >= 50, f"only {syncs} syncs landed before the generations ended"
+        truncated = [o for o in outs if len(o.token_ids) < budget or o.extra_fields.get("resume_exhausted")]
+        assert not truncated, [(len(o.token_ids), o.extra_fields["num_resumes"]) for o in truncated[:5]]
+        assert all(o.stop_reason == "length" for o in outs)
+        assert max(o.extra_fields["num_resumes"] for o in outs) > 5  # more resumes than the retry budget
+        assert client.balancer.get_total_inflight() == 0
     finally:
         await m.shutdown()
 
