@@ -7,11 +7,53 @@ pass over the prompt ids and a handful of comparisons.
 
 from __future__ import annotations
 
+import difflib
+import math
 import numbers
 from typing import Any, Optional
 
 from rollfleet.errors import InvalidRequest
 from rollfleet.types import SamplingParams
+
+#: Sampling keys the fleet knows, by the names callers use with vLLM or SGLang (each engine maps
+#: them to its own and drops what it has no use for). Anything else is a typo until proven
+#: otherwise: an engine-specific key goes under :data:`PASSTHROUGH_KEY`, sent as it is.
+SAMPLING_KEYS: frozenset[str] = frozenset(
+    {"max_tokens", "max_new_tokens", "min_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p",
+     "seed", "sampling_seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "n", "stop",
+     "stop_token_ids", "stop_regex", "ignore_eos", "logprobs", "prompt_logprobs", "detokenize",
+     "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output", "no_stop_trim",
+     "bad_words", "logit_bias", "allowed_token_ids", "json_schema", "regex", "ebnf", "structural_tag",
+     "structured_outputs", "truncate_prompt_tokens", "extra_args", "custom_params", "priority", "cache_salt"}
+)  # fmt: skip
+#: A dict of engine-specific sampling keys, merged into the request unchecked.
+PASSTHROUGH_KEY = "passthrough"
+
+
+def _check_keys(params: SamplingParams) -> SamplingParams:
+    """``params`` with the passthrough dict merged in; an unknown key is an ``InvalidRequest``
+    naming it (with the known key it most resembles), never silently dropped."""
+    unknown = [k for k in params if k not in SAMPLING_KEYS and k != PASSTHROUGH_KEY]
+    if unknown:
+        key = unknown[0]
+        close = difflib.get_close_matches(str(key), SAMPLING_KEYS, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise InvalidRequest(
+            f"sampling_params.{key}",
+            f"a known sampling key ({hint}engine-specific keys go under sampling_params.{PASSTHROUGH_KEY})",
+            params[key],
+        )
+    extra = params.pop(PASSTHROUGH_KEY, None)
+    if extra is None:
+        return params
+    if not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra):
+        raise InvalidRequest(f"sampling_params.{PASSTHROUGH_KEY}", "a dict of engine-specific keys", extra)
+    clash = sorted(k for k in extra if k in params)
+    if clash:
+        raise InvalidRequest(
+            f"sampling_params.{PASSTHROUGH_KEY}.{clash[0]}", "a key not also given at the top level", extra[clash[0]]
+        )
+    return {**params, **extra}
 
 
 def _is_int(value: Any) -> bool:
@@ -19,7 +61,8 @@ def _is_int(value: Any) -> bool:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    """A finite real number (``1e999`` parses as infinity: not a temperature)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def validate_prompt(prompt_ids: Any, vocab_size: int, max_model_len: int) -> list[int]:
@@ -56,7 +99,7 @@ def _check_range(
     if integer and not _is_int(value):
         raise InvalidRequest(f"sampling_params.{key}", "an integer", value)
     if not integer and not _is_number(value):
-        raise InvalidRequest(f"sampling_params.{key}", "a number", value)
+        raise InvalidRequest(f"sampling_params.{key}", "a finite number", value)
     if lo is not None and (value <= lo if lo_open else value < lo):
         raise InvalidRequest(f"sampling_params.{key}", f"{key} {'>' if lo_open else '>='} {lo}", value)
     if hi is not None and value > hi:
@@ -73,13 +116,14 @@ def validate_sampling_params(
 ) -> SamplingParams:
     """Return a normalised copy (``max_tokens`` always set, ``max_new_tokens`` folded in).
 
-    The caller's dict is never modified. Unknown keys pass through for the engine to use.
+    The caller's dict is never modified. Unknown keys are refused (see :data:`SAMPLING_KEYS`);
+    engine-specific ones travel under ``sampling_params.passthrough``.
     """
     if sampling_params is None:
         sampling_params = {}
     if not isinstance(sampling_params, dict):
         raise InvalidRequest("sampling_params", "a dict", sampling_params)
-    params = dict(sampling_params)
+    params = _check_keys(dict(sampling_params))
     room = max_model_len - prompt_len
     given = {k: params.pop(k) for k in ("max_tokens", "max_new_tokens") if params.get(k) is not None}
     for key, value in given.items():
@@ -135,4 +179,4 @@ def validate_sampling_params(
     return params
 
 
-__all__ = ["validate_prompt", "validate_sampling_params"]
+__all__ = ["validate_prompt", "validate_sampling_params", "SAMPLING_KEYS", "PASSTHROUGH_KEY"]

@@ -47,7 +47,27 @@ BAD = [
     ([1], {"n": 4}, "sampling_params.n", "n == 1"),
     ([1], {"stop_token_ids": [9999]}, "sampling_params.stop_token_ids[0]", "vocab_size"),
     ([1], {"ignore_eos": "yes"}, "sampling_params.ignore_eos", "bool"),
+    ([1], {"temperature": float("inf")}, "sampling_params.temperature", "finite"),  # JSON 1e999
+    ([1], {"top_p": float("nan")}, "sampling_params.top_p", "finite"),
+    ([1], {"temprature": 0.5}, "sampling_params.temprature", "did you mean 'temperature'"),
+    ([1], {"passthrough": ["x"]}, "sampling_params.passthrough", "dict"),
+    ([1], {"seed": 1, "passthrough": {"seed": 2}}, "sampling_params.passthrough.seed", "not also given"),
 ]
+
+
+async def test_engine_specific_keys_travel_under_passthrough():
+    r = await replica()
+    seen = {}
+    generate = r.engine.generate
+
+    async def spy(request_id, prompt_ids, params, **kw):
+        seen.update(params)
+        return await generate(request_id, prompt_ids, params, **kw)
+
+    r.engine.generate = spy
+    await r.generate("p", [1, 2], {"max_tokens": 2, "passthrough": {"my_engine_knob": 3}})
+    assert seen["my_engine_knob"] == 3 and "passthrough" not in seen
+    await r.shutdown()
 
 
 @pytest.mark.parametrize("prompt,params,field,limit", BAD)
