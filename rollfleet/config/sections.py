@@ -92,6 +92,28 @@ class GatewayConfig(_Section):
         2.0, gt=0, description="How often fleet health, versions and replica stats are polled for /metrics."
     )
     access_log: bool = Field(False, description="uvicorn access log (one line per request: costs throughput).")
+    max_body_bytes: int = Field(
+        8 * 1024 * 1024, ge=1024, description="Largest request body; a larger one is answered 413 before it is read."
+    )
+    body_timeout_s: float = Field(30.0, gt=0, description="Time to receive a whole request body (slow senders: 408).")
+    max_prompt_chars: int = Field(
+        2_000_000, ge=1, description="Most characters of prompt text (all messages together) sent to the tokenizer."
+    )
+    max_generations: int = Field(
+        64, ge=1, description="Most generations one request may start: prompts in the batch x n."
+    )
+    max_session_id_chars: int = Field(256, ge=1, description="Longest session id (header, session_id or user).")
+    tokenizer_threads: int = Field(
+        4,
+        ge=1,
+        description="Threads that tokenize and render chat templates, off the event loop (a long prompt must not "
+        "stall other requests).",
+    )
+    allow_caller_chat_template: bool = Field(
+        False,
+        description="Let callers pass their own Jinja chat_template in chat_template_kwargs (caller-controlled code "
+        "on the gateway: off unless every caller is trusted). Off: only the served model's template renders.",
+    )
     no_server_wait_s: float = Field(
         10.0,
         ge=0,

@@ -25,6 +25,7 @@ from rollfleet.client import LLMServerClient
 from rollfleet.config import GatewayConfig, RolloutConfig
 from rollfleet.gateway.codec import TextCodec
 from rollfleet.gateway.errors import GatewayError, from_exception
+from rollfleet.gateway.limits import GatewayLimits
 from rollfleet.gateway.metrics import FleetCollector, GatewayMetrics
 from rollfleet.gateway.poller import AdminBackend, FleetStatusPoller
 from rollfleet.gateway.routes_admin import AdminRoutes
@@ -83,6 +84,7 @@ class Gateway:
         self.poller = FleetStatusPoller(admin, self.config.status_poll_interval_s) if admin is not None else None
         self.metrics.registry.register(FleetCollector(client, self.poller))
         self.service = GenerationService(client, self.metrics, self.config.request_timeout_s)
+        self.limits = GatewayLimits(self.config)
         self.app = self._build_app()
 
     # ------------------------------------------------------------------ app
@@ -94,12 +96,15 @@ class Gateway:
             try:
                 yield
             finally:
+                self.limits.close()
                 if self.poller is not None:
                     await self.poller.stop()
 
         app = FastAPI(title="rollfleet gateway", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
         model = ServedModel(self.model_names, self.max_model_len, self.default_max_tokens, self.created)
-        openai = OpenAIRoutes(self.service, self.codec, model, self.config, self.metrics.registry, self.instrument)
+        openai = OpenAIRoutes(
+            self.service, self.codec, model, self.config, self.metrics.registry, self.instrument, self.limits
+        )
         app.router.routes.extend(openai.routes())
         if self.config.admin_token:
             if self.admin is None:

@@ -27,6 +27,7 @@ from rollfleet.gateway.errors import (
     model_not_found,
 )
 from rollfleet.gateway.jsonio import dumps
+from rollfleet.gateway.limits import GatewayLimits
 from rollfleet.gateway.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -96,6 +97,7 @@ class OpenAIRoutes:
         config: "GatewayConfig",
         registry: "CollectorRegistry",
         instrument: Callable[[str, Callable[[Request], Awaitable[Response]]], Callable[[Request], Awaitable[Response]]],
+        limits: Optional[GatewayLimits] = None,
     ) -> None:
         self.service = service
         self.codec = codec
@@ -103,6 +105,7 @@ class OpenAIRoutes:
         self.config = config
         self.registry = registry
         self.instrument = instrument
+        self.limits = limits or GatewayLimits(config)
 
     def routes(self) -> list[Route]:
         wrap = self.instrument
@@ -117,15 +120,23 @@ class OpenAIRoutes:
         ]
 
     # ------------------------------------------------------------------ helpers
-    def _check(self, req: _GenerationRequest) -> None:
+    async def _parse(self, model: type[M], request: Request) -> M:
+        return parse_body(model, await self.limits.read_body(request))
+
+    def _check(self, req: _GenerationRequest, prompts: int = 1) -> None:
         if req.model not in self.model.names:
             raise model_not_found(req.model, self.model.names)
         if req.n > self.config.max_n:
             raise bad_request("n", f"n must be <= {self.config.max_n} on this gateway", code="invalid_value")
+        self.limits.check_generations(prompts, req.n)
 
-    @staticmethod
-    def _session(request: Request, req: _GenerationRequest) -> Optional[str]:
-        return request.headers.get(SESSION_HEADER) or req.session_id or req.user or None
+    def _session(self, request: Request, req: _GenerationRequest) -> Optional[str]:
+        for param, value in ((SESSION_HEADER, request.headers.get(SESSION_HEADER)), ("session_id", req.session_id),
+                             ("user", req.user)):  # fmt: skip
+            if value:
+                self.limits.check_session_id(value, param)
+                return value
+        return None
 
     async def _generate(
         self,
@@ -177,7 +188,7 @@ class OpenAIRoutes:
         return json_response({"object": "list", "data": data})
 
     async def tokens(self, request: Request) -> Response:
-        req = parse_body(TokenCompletionRequest, await request.body())
+        req = await self._parse(TokenCompletionRequest, request)
         self._check(req)
         if req.stream:
             raise bad_request(
@@ -194,12 +205,13 @@ class OpenAIRoutes:
         )
 
     async def completions(self, request: Request) -> Response:
-        req = parse_body(CompletionRequest, await request.body())
-        self._check(req)
+        req = await self._parse(CompletionRequest, request)
+        batch = req.prompt if isinstance(req.prompt, list) else [req.prompt]
+        self._check(req, len(batch) if batch and isinstance(batch[0], (str, list)) else 1)  # before tokenizing
         if req.suffix:
             raise bad_request("suffix", "suffix (insertion) is not supported", code="unsupported_value")
         codec = self.codec
-        prompts, texts = self._completion_prompts(req.prompt)
+        prompts, texts = await self._completion_prompts(req.prompt)
         budget = max_len = 0
         for prompt in prompts:  # one budget for the batch: the tightest prompt decides
             b = self._budget(req.max_tokens, len(prompt), "prompt", "max_tokens")
@@ -238,16 +250,18 @@ class OpenAIRoutes:
         )
         return json_response(body, headers=headers)
 
-    def _completion_prompts(self, prompt: Any) -> tuple[list[list[int]], Optional[list[str]]]:
-        """Text, a batch of texts, token ids or a batch of token ids -> token-id prompts."""
+    async def _completion_prompts(self, prompt: Any) -> tuple[list[list[int]], Optional[list[str]]]:
+        """Text, a batch of texts, token ids or a batch of token ids -> token-id prompts (text is
+        tokenized off the event loop, within the gateway's prompt-text limit)."""
         codec = self.codec
         if isinstance(prompt, str):
             prompt = [prompt]
         if not prompt:
             raise bad_request("prompt", "the prompt is empty")
         if isinstance(prompt[0], str):
-            prompts = [codec.encode(p) for p in prompt]
             texts: Optional[list[str]] = list(prompt)
+            self.limits.check_prompt_text(list(prompt), "prompt")
+            prompts = await self.limits.offload(lambda: [codec.encode(p) for p in prompt])
         elif isinstance(prompt[0], int):
             prompts, texts = [list(prompt)], None
         else:
@@ -258,11 +272,15 @@ class OpenAIRoutes:
         return prompts, texts
 
     async def chat(self, request: Request) -> Response:
-        req = parse_body(ChatCompletionRequest, await request.body())
+        req = await self._parse(ChatCompletionRequest, request)
         self._check(req)
+        self.limits.check_template_kwargs(req.chat_template_kwargs)
         codec = self.codec
-        prompt = codec.render_chat(
-            [_message_dict(i, m) for i, m in enumerate(req.messages)],
+        messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
+        self.limits.check_prompt_text([str(m.get("content", "")) for m in messages], "messages")
+        prompt = await self.limits.offload(
+            codec.render_chat,
+            messages,
             tools=req.tools,
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
@@ -299,6 +317,7 @@ class OpenAIRoutes:
 
     async def finish_session(self, request: Request) -> Response:
         session_id = request.path_params["session_id"]
+        self.limits.check_session_id(session_id, "session_id")
         return json_response({"session_id": session_id, "finished": self.service.finish_session(session_id)})
 
     async def health(self, request: Request) -> Response:
