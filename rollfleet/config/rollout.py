@@ -46,6 +46,11 @@ class RolloutConfig(_Section):
         "client process and replica, JSON frames) or 'ray' (one Ray actor call per request, as verl does). "
         "Control operations always go through Ray.",
     )
+    data_plane_pickle: bool = Field(
+        False,
+        description="Let the direct data plane carry pickle frames (requests or outputs with values JSON cannot "
+        "carry). Unpickling runs code: off, such a request takes the Ray path and such an output is an error.",
+    )
     data_plane_ports: Optional[tuple[int, int]] = Field(
         None,
         description="Inclusive port range [low, high] the replicas' data planes listen on (open it between "

@@ -223,7 +223,7 @@ class FleetController(HealthSupervisor, ControlFanOut):
             details={rid: r.detail for rid, r in records.items() if r.detail},
         )
         if known_epoch != self._membership_epoch:
-            snap.handles = {rid: _route_handle(r) for rid, r in records.items()}
+            snap.handles = {rid: _route_handle(r, self.config.data_plane_pickle) for rid, r in records.items()}
         return snap
 
     async def watch(
@@ -342,11 +342,12 @@ class FleetController(HealthSupervisor, ControlFanOut):
         self._membership_changed()
 
 
-def _route_handle(record: ReplicaRecord) -> Any:
+def _route_handle(record: ReplicaRecord, allow_pickle: bool = False) -> Any:
     """The handle clients route requests to: generate over the replica's data plane when it has
     one, every other call through its Ray actor."""
     if record.data_plane:
-        return DirectHandle(record.handle, record.data_plane, record.replica_id, record.data_plane_token)
+        token = record.data_plane_token
+        return DirectHandle(record.handle, record.data_plane, record.replica_id, token, allow_pickle)
     return record.handle
 
 

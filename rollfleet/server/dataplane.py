@@ -38,14 +38,27 @@ class _Connection(asyncio.Protocol):
     def __init__(self, target: GeneratesWithLoad, server: "DataPlaneServer") -> None:
         self._target = target
         self._server = server
-        self._reader = wire.FrameReader(allow_pickle=False)
+        # Before HELLO: one small JSON frame at most, so an unauthenticated peer costs ~1 KB.
+        self._reader = wire.FrameReader(allow_pickle=False, max_frame_bytes=wire.HELLO_MAX_FRAME_BYTES)
         self._hello = False
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self._transport: Optional[asyncio.Transport] = None
+        self._deadline: Optional[asyncio.TimerHandle] = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
-        self._server._connections.add(self)
+        server = self._server
+        if len(server._connections) >= server.max_connections:
+            logger.warning("data plane: %d connections open (the cap); refusing one more", len(server._connections))
+            transport.close()
+            return
+        server._connections.add(self)
+        self._deadline = asyncio.get_running_loop().call_later(server.hello_timeout_s, self._no_hello)
+
+    def _no_hello(self) -> None:
+        if not self._hello and self._transport is not None:
+            logger.warning("data plane: dropping a peer that sent no HELLO within %.1fs", self._server.hello_timeout_s)
+            self._transport.close()
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -66,7 +79,10 @@ class _Connection(asyncio.Protocol):
             ):
                 raise wire.FrameError("the first frame must be HELLO with this replica's token")
             self._hello = True
-            self._reader.allow_pickle = True
+            if self._deadline is not None:
+                self._deadline.cancel()
+            self._reader.allow_pickle = self._server.allow_pickle
+            self._reader.max_frame_bytes = wire.MAX_FRAME_BYTES
             return
         if op == wire.GENERATE:
             _, call_id, request_id, prompt_ids, sampling_params, kwargs = message
@@ -92,7 +108,7 @@ class _Connection(asyncio.Protocol):
             frame = wire.error_frame(call_id, exc)
         else:
             try:
-                frame = wire.response_frame(call_id, response)
+                frame = wire.response_frame(call_id, response, self._server.allow_pickle)
             except Exception as exc:  # an output neither JSON nor pickle can carry: say so, never hang
                 frame = wire.error_frame(call_id, exc)
         finally:
@@ -102,6 +118,8 @@ class _Connection(asyncio.Protocol):
             transport.write(frame)
 
     def connection_lost(self, exc: Optional[Exception]) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
         self._server._connections.discard(self)
         tasks, self._tasks = self._tasks, {}
         for task in tasks.values():
@@ -109,9 +127,16 @@ class _Connection(asyncio.Protocol):
         self._transport = None
 
 
+#: How long a new connection has to say HELLO before it is dropped.
+HELLO_TIMEOUT_S = 5.0
+#: Most connections open at once (one per client process and event loop is the normal use).
+MAX_CONNECTIONS = 1024
+
+
 class DataPlaneServer:
     """Listens on ``host:port`` (port 0: any free one) and serves ``target.generate_with_load``
-    to connections that open with its :attr:`token`."""
+    to connections that open with its :attr:`token` within ``hello_timeout_s``, at most
+    ``max_connections`` at once; pickle frames only with ``allow_pickle`` (``rollout.data_plane_pickle``)."""
 
     def __init__(
         self,
@@ -119,11 +144,18 @@ class DataPlaneServer:
         host: str = "127.0.0.1",
         port: int = 0,
         port_range: Optional[tuple[int, int]] = None,
+        *,
+        allow_pickle: bool = False,
+        hello_timeout_s: float = HELLO_TIMEOUT_S,
+        max_connections: int = MAX_CONNECTIONS,
     ) -> None:
         self.target = target
         self.host = host
         self.port = port
         self.port_range = port_range
+        self.allow_pickle = allow_pickle
+        self.hello_timeout_s = hello_timeout_s
+        self.max_connections = max_connections
         #: What a client must say first (see :mod:`rollfleet.server.wire`); it reaches clients
         #: only through the controller, over Ray.
         self.token = secrets.token_hex(16)
@@ -175,4 +207,4 @@ class DataPlaneServer:
         self._server = None
 
 
-__all__ = ["DataPlaneServer"]
+__all__ = ["DataPlaneServer", "HELLO_TIMEOUT_S", "MAX_CONNECTIONS"]

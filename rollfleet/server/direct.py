@@ -37,11 +37,12 @@ CONNECT_TIMEOUT_S = 5.0
 class DirectConnection(asyncio.Protocol):
     """A multiplexed connection to one replica's data plane (use :func:`get_connection`)."""
 
-    def __init__(self, address: str, replica_id: str, token: str) -> None:
+    def __init__(self, address: str, replica_id: str, token: str, allow_pickle: bool = False) -> None:
         self.address = address
         self.replica_id = replica_id
         self._token = token
-        self._reader = wire.FrameReader()
+        self.allow_pickle = allow_pickle
+        self._reader = wire.FrameReader(allow_pickle=allow_pickle)
         self._pending: dict[int, asyncio.Future[Any]] = {}
         self._ids = itertools.count(1)
         self._transport: Optional[asyncio.Transport] = None
@@ -68,7 +69,7 @@ class DirectConnection(asyncio.Protocol):
         if message[1] == wire.OK:
             future.set_result(wire.decode_response(message[2], message[3]))
         else:
-            future.set_exception(message[2])
+            future.set_exception(wire.decode_error(message[2]))
 
     def connection_lost(self, exc: Optional[Exception]) -> None:
         self._fail_all(f"data-plane connection to {self.address} lost" + (f": {exc!r}" if exc else ""))
@@ -97,9 +98,10 @@ class DirectConnection(asyncio.Protocol):
         if transport is None or transport.is_closing():
             raise ReplicaUnavailable(self.replica_id, self._closed_reason or "data-plane connection closed")
         call_id = next(self._ids)
+        frame = wire.generate_frame(call_id, request_id, prompt_ids, sampling_params, kwargs, self.allow_pickle)
         future: asyncio.Future[ReplicaResponse] = asyncio.get_running_loop().create_future()
         self._pending[call_id] = future
-        transport.write(wire.generate_frame(call_id, request_id, prompt_ids, sampling_params, kwargs))
+        transport.write(frame)
         try:
             return await future
         except asyncio.CancelledError:
@@ -117,7 +119,9 @@ class DirectConnection(asyncio.Protocol):
 _POOLS: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, Any]]" = weakref.WeakKeyDictionary()
 
 
-async def get_connection(address: str, replica_id: str = "", token: str = "") -> DirectConnection:
+async def get_connection(
+    address: str, replica_id: str = "", token: str = "", allow_pickle: bool = False
+) -> DirectConnection:
     """The open connection of this event loop to ``address`` (opened once, however many callers
     ask at the same time); :class:`ReplicaUnavailable` when the replica cannot be reached."""
     loop = asyncio.get_running_loop()
@@ -130,7 +134,7 @@ async def get_connection(address: str, replica_id: str = "", token: str = "") ->
             return entry
         entry = None
     if entry is None:
-        entry = pool[address] = loop.create_task(_open(address, replica_id, token))
+        entry = pool[address] = loop.create_task(_open(address, replica_id, token, allow_pickle))
     try:
         conn = await asyncio.shield(entry)
     except Exception:
@@ -141,12 +145,12 @@ async def get_connection(address: str, replica_id: str = "", token: str = "") ->
     return conn
 
 
-async def _open(address: str, replica_id: str, token: str) -> DirectConnection:
+async def _open(address: str, replica_id: str, token: str, allow_pickle: bool) -> DirectConnection:
     host, _, port = address.rpartition(":")
     loop = asyncio.get_running_loop()
     try:
         _, conn = await asyncio.wait_for(
-            loop.create_connection(lambda: DirectConnection(address, replica_id, token), host, int(port)),
+            loop.create_connection(lambda: DirectConnection(address, replica_id, token, allow_pickle), host, int(port)),
             CONNECT_TIMEOUT_S,
         )
     except (OSError, asyncio.TimeoutError) as exc:
@@ -184,7 +188,7 @@ class _DirectCall:
     async def _call(self, request_id: str, prompt_ids: list[int], sampling_params: Any, kwargs: dict[str, Any]):
         handle = self._handle
         try:
-            conn = await get_connection(handle.address, handle.replica_id, handle.token)
+            conn = await get_connection(handle.address, handle.replica_id, handle.token, handle.allow_pickle)
         except ReplicaUnavailable as exc:
             if handle.actor is None:
                 raise
@@ -193,10 +197,20 @@ class _DirectCall:
             if handle.address not in _WARNED:
                 _WARNED.add(handle.address)
                 logger.warning("%s; sending its requests through Ray instead", exc)
-            method = handle.actor.generate if self._output_only else handle.actor.generate_with_load
-            return await method.remote(request_id, prompt_ids, sampling_params, **kwargs)
-        response = await conn.generate_with_load(request_id, prompt_ids, sampling_params, **kwargs)
+            return await self._through_ray(request_id, prompt_ids, sampling_params, kwargs)
+        try:
+            response = await conn.generate_with_load(request_id, prompt_ids, sampling_params, **kwargs)
+        except wire.NeedsPickle:
+            if handle.actor is None:
+                raise
+            # Values JSON cannot carry, and pickle is off on the data plane: Ray carries them.
+            return await self._through_ray(request_id, prompt_ids, sampling_params, kwargs)
         return response.output if self._output_only else response
+
+    async def _through_ray(self, request_id: str, prompt_ids: list[int], sampling_params: Any, kwargs: dict[str, Any]):
+        actor = self._handle.actor
+        method = actor.generate if self._output_only else actor.generate_with_load
+        return await method.remote(request_id, prompt_ids, sampling_params, **kwargs)
 
 
 class DirectHandle:
@@ -206,13 +220,16 @@ class DirectHandle:
     code written against actor handles works unchanged.
     """
 
-    __slots__ = ("actor", "address", "replica_id", "token")
+    __slots__ = ("actor", "address", "replica_id", "token", "allow_pickle")
 
-    def __init__(self, actor: Any, address: str, replica_id: str = "", token: str = "") -> None:
+    def __init__(
+        self, actor: Any, address: str, replica_id: str = "", token: str = "", allow_pickle: bool = False
+    ) -> None:
         self.actor = actor
         self.address = address
         self.replica_id = replica_id
         self.token = token
+        self.allow_pickle = allow_pickle
 
     @property
     def generate_with_load(self) -> _DirectCall:
@@ -228,7 +245,7 @@ class DirectHandle:
         return getattr(self.actor, name)
 
     def __reduce__(self):
-        return (DirectHandle, (self.actor, self.address, self.replica_id, self.token))
+        return (DirectHandle, (self.actor, self.address, self.replica_id, self.token, self.allow_pickle))
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, DirectHandle) and self.address == other.address and self.actor == other.actor

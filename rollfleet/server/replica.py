@@ -92,7 +92,9 @@ class Replica:
         from rollfleet.server.dataplane import DataPlaneServer
 
         if self._data_plane is None:
-            self._data_plane = DataPlaneServer(self, host, port, port_range=self.config.data_plane_ports)
+            self._data_plane = DataPlaneServer(
+                self, host, port, port_range=self.config.data_plane_ports, allow_pickle=self.config.data_plane_pickle
+            )
             await self._data_plane.start()
         return self._data_plane.address
 

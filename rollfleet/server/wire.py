@@ -14,14 +14,20 @@ Frame: ``<u32 length><u8 kind><payload>`` (little endian; ``length`` counts kind
   exceptions (they keep their class and fields, as they do through Ray) and requests or outputs
   with non-JSON values (e.g. multimodal extras, ``routed_experts`` arrays).
 
-Unpickling runs code, and the replica listens on its node's address, so a connection must first
-prove it belongs to the cluster: its first frame is ``[HELLO, token]`` (JSON), with the random
-token the replica reported to the controller over Ray; a replica decodes no pickle frame before
-that. (Ray's own calls are pickled too; this keeps the data plane from being a wider door.)
+Unpickling runs code, so pickle is off unless ``rollout.data_plane_pickle`` turns it on for every
+process of the fleet: then a request or an output JSON cannot carry (multimodal extras, arrays)
+travels pickled; without it such a request takes the Ray path instead, and such an output is an
+error naming the setting. Errors always travel as JSON: the error's type name (one of
+:mod:`rollfleet.errors`, else ``RuntimeError``) and the arguments it is rebuilt from.
+
+The replica listens on its node's address, so a connection must first prove it belongs to the
+cluster: its first frame is ``[HELLO, token]`` (JSON, at most :data:`HELLO_MAX_FRAME_BYTES`), with
+the random token the replica reported to the controller over Ray, sent within the replica's
+handshake deadline; until then the replica buffers no more than that one small frame.
 
 Client -> replica: ``[HELLO, token]`` once, then ``[GENERATE, call_id, request_id, prompt_ids,
 sampling_params, kwargs]`` or ``[CANCEL, call_id]``. Replica -> client: ``[call_id, OK, output, load]`` or
-``[call_id, ERROR, exception]`` (always pickled).
+``[call_id, ERROR, [type_name, args]]``.
 """
 
 from __future__ import annotations
@@ -33,7 +39,20 @@ from typing import Any, Iterator, Optional
 
 import orjson
 
+from rollfleet import errors as _errors_module
 from rollfleet.types import LoadReport, ReplicaResponse, TokenOutput
+
+#: rollfleet's own error types, by name: what an error frame may rebuild.
+_ERRORS: dict[str, type[BaseException]] = {
+    name: cls
+    for name, cls in vars(_errors_module).items()
+    if isinstance(cls, type) and issubclass(cls, _errors_module.RollfleetError)
+}
+#: Built-in errors an error frame keeps (by type and message): the client's retry rules and the
+#: gateway's status codes tell them apart (a replica's TimeoutError is a 504, not a 500).
+_BUILTIN_ERRORS: dict[str, type[BaseException]] = {
+    cls.__name__: cls for cls in (TimeoutError, ValueError, TypeError, RuntimeError, NotImplementedError)
+}
 
 JSON = 0
 PICKLE = 1
@@ -50,26 +69,29 @@ HEADER_SIZE = _HEADER.size
 
 #: A frame larger than this is a protocol error, not a request (a 1M-token prompt is ~8 MB).
 MAX_FRAME_BYTES = 256 * 1024 * 1024
+#: The largest frame a peer may send before its HELLO (a HELLO is ~50 bytes).
+HELLO_MAX_FRAME_BYTES = 1024
 
 
 class FrameError(ValueError):
     """The peer sent bytes that are not a frame of this protocol."""
 
 
-def pack(message: Any) -> bytes:
-    """One frame: JSON when orjson can encode the message, pickle otherwise."""
+class NeedsPickle(TypeError):
+    """A message JSON cannot carry, while pickle is off (``rollout.data_plane_pickle``)."""
+
+
+def pack(message: Any, allow_pickle: bool = True) -> bytes:
+    """One frame: JSON when orjson can encode the message, else pickle if allowed."""
     try:
         payload = orjson.dumps(message)
         kind = JSON
-    except TypeError:
+    except TypeError as exc:
+        if not allow_pickle:
+            raise NeedsPickle(f"not JSON-encodable ({exc}); rollout.data_plane_pickle is off") from None
         payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         kind = PICKLE
     return _HEADER.pack(len(payload) + 1, kind) + payload
-
-
-def pack_pickled(message: Any) -> bytes:
-    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    return _HEADER.pack(len(payload) + 1, PICKLE) + payload
 
 
 class FrameReader:
@@ -80,11 +102,12 @@ class FrameReader:
     holds for the next.
     """
 
-    __slots__ = ("_buf", "allow_pickle")
+    __slots__ = ("_buf", "allow_pickle", "max_frame_bytes")
 
-    def __init__(self, allow_pickle: bool = True) -> None:
+    def __init__(self, allow_pickle: bool = False, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
         self._buf = bytearray()
         self.allow_pickle = allow_pickle
+        self.max_frame_bytes = max_frame_bytes
 
     def feed(self, data: bytes) -> Iterator[Any]:
         buf = self._buf
@@ -94,8 +117,8 @@ class FrameReader:
         try:
             while end - pos >= HEADER_SIZE:
                 length, kind = _HEADER.unpack_from(buf, pos)
-                if length < 1 or length > MAX_FRAME_BYTES:
-                    raise FrameError(f"frame length {length} is outside 1..{MAX_FRAME_BYTES}")
+                if length < 1 or length > self.max_frame_bytes:
+                    raise FrameError(f"frame length {length} is outside 1..{self.max_frame_bytes}")
                 stop = pos + 4 + length
                 if stop > end:
                     break
@@ -105,7 +128,7 @@ class FrameReader:
                         message = orjson.loads(payload)
                     elif kind == PICKLE:
                         if not self.allow_pickle:
-                            raise FrameError("pickle frame before the peer said hello")
+                            raise FrameError("pickle frame refused (before HELLO, or rollout.data_plane_pickle is off)")
                         message = pickle.loads(payload)
                     else:
                         raise FrameError(f"unknown frame kind {kind}")
@@ -120,9 +143,14 @@ class FrameReader:
 
 # ---------------------------------------------------------------------- requests
 def generate_frame(
-    call_id: int, request_id: str, prompt_ids: list[int], sampling_params: Optional[dict], kwargs: dict[str, Any]
+    call_id: int,
+    request_id: str,
+    prompt_ids: list[int],
+    sampling_params: Optional[dict],
+    kwargs: dict[str, Any],
+    allow_pickle: bool = False,
 ) -> bytes:
-    return pack([GENERATE, call_id, request_id, prompt_ids, sampling_params, kwargs])
+    return pack([GENERATE, call_id, request_id, prompt_ids, sampling_params, kwargs], allow_pickle)
 
 
 def hello_frame(token: str) -> bytes:
@@ -134,7 +162,7 @@ def cancel_frame(call_id: int) -> bytes:
 
 
 # ---------------------------------------------------------------------- responses
-def response_frame(call_id: int, response: ReplicaResponse) -> bytes:
+def response_frame(call_id: int, response: ReplicaResponse, allow_pickle: bool = False) -> bytes:
     out = response.output
     load = response.load
     message = [
@@ -161,14 +189,34 @@ def response_frame(call_id: int, response: ReplicaResponse) -> bytes:
             load.timestamp,
         ],
     ]
-    return pack(message)
+    return pack(message, allow_pickle)
 
 
 def error_frame(call_id: int, exc: BaseException) -> bytes:
+    """``[call_id, ERROR, [type_name, args]]`` as JSON: one of rollfleet's errors keeps its type and
+    fields (rebuilt from the arguments its ``__reduce__`` names), anything else becomes a
+    ``RuntimeError`` carrying its type name and text."""
+    encoded: list[Any] = ["RuntimeError", [f"{type(exc).__name__}: {exc}"]]
+    if _BUILTIN_ERRORS.get(type(exc).__name__) is type(exc):
+        encoded = [type(exc).__name__, [str(exc)]]
+    elif _ERRORS.get(type(exc).__name__) is type(exc):
+        try:
+            args = exc.__reduce__()[1]
+            orjson.dumps(args)
+            encoded = [type(exc).__name__, list(args)]
+        except (TypeError, IndexError):
+            pass
+    return pack([call_id, ERROR, encoded])
+
+
+def decode_error(encoded: Any) -> BaseException:
+    """The exception an error frame describes (a ``RuntimeError`` when it cannot be rebuilt)."""
     try:
-        return pack_pickled([call_id, ERROR, exc])
-    except Exception:  # an exception that cannot be pickled: keep its type name and text
-        return pack_pickled([call_id, ERROR, RuntimeError(f"{type(exc).__name__}: {exc}")])
+        name, args = encoded
+        cls = _ERRORS.get(name) or _BUILTIN_ERRORS.get(name, RuntimeError)
+        return cls(*args)
+    except Exception:
+        return RuntimeError(f"undecodable error from a replica: {encoded!r}")
 
 
 def decode_response(body: list[Any], load: list[Any]) -> ReplicaResponse:
@@ -196,6 +244,9 @@ __all__ = [
     "hello_frame",
     "response_frame",
     "error_frame",
+    "decode_error",
+    "NeedsPickle",
+    "HELLO_MAX_FRAME_BYTES",
     "decode_response",
     "GENERATE",
     "CANCEL",

@@ -55,22 +55,44 @@ async def until(predicate, tries: int = 100, interval_s: float = 0.01) -> bool:
 def test_frames_survive_any_split_of_the_byte_stream():
     messages = [[wire.GENERATE, i, f"req-{i}", list(range(i)), {"max_tokens": i + 1}, {}] for i in range(20)]
     messages.append([wire.CANCEL, 7])
-    messages.append([1, wire.ERROR, InvalidRequest("prompt_ids", "< 10 tokens", [1] * 11)])  # pickled
-    stream = b"".join(wire.pack(m) for m in messages[:-1]) + wire.pack_pickled(messages[-1])
+    error = wire.error_frame(1, InvalidRequest("prompt_ids", "< 10 tokens", [1] * 11))
+    assert error[4] == wire.JSON  # errors never need pickle
+    stream = b"".join(wire.pack(m) for m in messages) + error
     for chunk in (1, 3, 7, 64, len(stream)):
         reader = wire.FrameReader()
         got = []
         for start in range(0, len(stream), chunk):
             got.extend(reader.feed(stream[start : start + chunk]))
-        assert got[:-1] == messages[:-1]
-        err = got[-1][2]
+        assert got[:-1] == messages
+        err = wire.decode_error(got[-1][2])
         assert isinstance(err, InvalidRequest) and err.field == "prompt_ids" and err.limit == "< 10 tokens"
 
 
-def test_non_json_values_fall_back_to_pickle_and_nan_logprobs_come_back_as_nan():
-    frame = wire.generate_frame(1, "r", [1, 2], {"max_tokens": 2}, {"image": b"\x89PNG"})
+def test_errors_travel_as_json_with_their_type_and_fields():
+    from rollfleet.errors import NotSupported
+
+    for exc in (
+        ReplicaUnavailable("r3", "engine gone"),
+        NotSupported("vllm", "sleep", "CPU build"),
+        TimeoutError("took too long"),
+        ValueError("bad"),
+    ):
+        (message,) = list(wire.FrameReader().feed(wire.error_frame(4, exc)))
+        back = wire.decode_error(message[2])
+        assert type(back) is type(exc) and str(back) == str(exc)
+    (message,) = list(wire.FrameReader().feed(wire.error_frame(4, KeyError("k"))))
+    back = wire.decode_error(message[2])  # anything else: a RuntimeError naming what it was
+    assert type(back) is RuntimeError and "KeyError" in str(back)
+
+
+def test_non_json_values_need_pickle_switched_on_and_nan_logprobs_come_back_as_nan():
+    with pytest.raises(wire.NeedsPickle, match="data_plane_pickle"):
+        wire.generate_frame(1, "r", [1, 2], {"max_tokens": 2}, {"image": b"\x89PNG"})
+    frame = wire.generate_frame(1, "r", [1, 2], {"max_tokens": 2}, {"image": b"\x89PNG"}, allow_pickle=True)
     assert frame[4] == wire.PICKLE
-    (message,) = list(wire.FrameReader().feed(frame))
+    with pytest.raises(wire.FrameError, match="pickle frame refused"):
+        list(wire.FrameReader().feed(frame))  # a reader takes pickle only when told to
+    (message,) = list(wire.FrameReader(allow_pickle=True).feed(frame))
     assert message[5] == {"image": b"\x89PNG"}
 
     out = TokenOutput(
@@ -193,20 +215,21 @@ async def test_peers_without_the_token_or_speaking_garbage_are_dropped_and_other
         assert await _refused(handle.address, wire.hello_frame("not-the-token"))
         request = wire.generate_frame(1, "x", [1, 2], {"max_tokens": 3}, {})
         assert await _refused(handle.address, request)  # no hello first
-        assert await _refused(handle.address, wire.pack_pickled([wire.HELLO, _Boom()]))
+        assert await _refused(handle.address, wire.pack([wire.HELLO, _Boom()], allow_pickle=True))
         assert _EXPLODED == []  # nothing was unpickled for a peer that had not said hello
         assert r._counters["requests"] == 0
         assert len((await handle.generate.remote("ok", [1, 2], {"max_tokens": 3})).token_ids) >= 1
 
 
 def test_direct_handle_pickles_to_actor_address_and_id():
-    handle = DirectHandle("actor-placeholder", "10.0.0.5:4242", "replica-3", "secret")
+    handle = DirectHandle("actor-placeholder", "10.0.0.5:4242", "replica-3", "secret", True)
     back = pickle.loads(pickle.dumps(handle))
-    assert (back.actor, back.address, back.replica_id, back.token) == (
+    assert (back.actor, back.address, back.replica_id, back.token, back.allow_pickle) == (
         "actor-placeholder",
         "10.0.0.5:4242",
         "replica-3",
         "secret",
+        True,
     )
     assert back == handle and hash(back) == hash(handle)
     assert back != DirectHandle("actor-placeholder", "10.0.0.5:4243", "replica-3")
@@ -246,12 +269,51 @@ async def test_an_output_that_cannot_be_sent_fails_the_call_instead_of_hanging()
             out = TokenOutput(token_ids=[1], routed_experts=Unsendable())
             return ReplicaResponse(out, LoadReport("t0"))
 
-    server = DataPlaneServer(Target(), "127.0.0.1")
-    address = await server.start()
-    try:
-        handle = DirectHandle(None, address, "t0", server.token)
-        with pytest.raises(TypeError, match="cannot pickle this"):
-            await asyncio.wait_for(handle.generate.remote("x", [1], {}), 5)
-    finally:
-        close_connections()
-        await server.close()
+    cases = ((False, RuntimeError, "rollout.data_plane_pickle is off"), (True, TypeError, "cannot pickle this"))
+    for allow_pickle, kind, error in cases:
+        server = DataPlaneServer(Target(), "127.0.0.1", allow_pickle=allow_pickle)
+        address = await server.start()
+        try:
+            handle = DirectHandle(None, address, "t0", server.token, allow_pickle)
+            with pytest.raises(kind, match=error):
+                await asyncio.wait_for(handle.generate.remote("x", [1], {}), 5)
+        finally:
+            close_connections()
+            await server.close()
+
+
+async def test_a_request_json_cannot_carry_takes_the_ray_path_while_pickle_is_off():
+    async with served_replica() as (r, handle):
+        out = await handle.generate_with_load.remote("mm", [1, 2], {"max_tokens": 3}, image_data=b"\x89PNG")
+        assert len(out.output.token_ids) >= 1
+        assert r._data_plane.num_connections <= 1 and r._counters["requests"] == 1
+        no_actor = DirectHandle(None, handle.address, "r0", handle.token)
+        with pytest.raises(wire.NeedsPickle):
+            await no_actor.generate.remote("mm", [1, 2], {"max_tokens": 3}, image_data=b"\x89PNG")
+
+
+async def test_an_unauthenticated_peer_is_dropped_within_the_deadline_having_cost_about_a_kilobyte():
+    async with served_replica() as (r, handle):
+        server = r._data_plane
+        server.hello_timeout_s = 0.3
+        host, _, port = handle.address.rpartition(":")
+        # A peer that announces a 200 MB frame is dropped at once, before it sends more.
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write((200 * 1024 * 1024).to_bytes(4, "little") + b"\x00" + b"x" * 60_000)
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        writer.close()
+        # A silent peer is dropped at the handshake deadline.
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        reader, writer = await asyncio.open_connection(host, int(port))
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        assert 0.25 <= loop.time() - started < 3.0
+        writer.close()
+        assert await until(lambda: server.num_connections <= 1)
+        # The cap: connections over max_connections are closed as they arrive.
+        server.max_connections = server.num_connections
+        reader, writer = await asyncio.open_connection(host, int(port))
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        writer.close()
+        server.max_connections = 1024
+        assert len((await handle.generate.remote("ok", [1, 2], {"max_tokens": 3})).token_ids) >= 1
