@@ -96,6 +96,12 @@ class GatewayConfig(_Section):
         8 * 1024 * 1024, ge=1024, description="Largest request body; a larger one is answered 413 before it is read."
     )
     body_timeout_s: float = Field(30.0, gt=0, description="Time to receive a whole request body (slow senders: 408).")
+    header_timeout_s: float = Field(
+        10.0, gt=0, description="Time a new connection has to send a complete request line and headers; then closed."
+    )
+    max_connections: int = Field(
+        4096, ge=1, description="Connections plus requests in progress before new requests get 503 (uvicorn's cap)."
+    )
     max_prompt_chars: int = Field(
         2_000_000, ge=1, description="Most characters of prompt text (all messages together) sent to the tokenizer."
     )

@@ -84,7 +84,14 @@ class GatewayStack:
                 admin=manager,
                 on_membership_change=refresh_scrape_config,
             )
-            server = GatewayServer(gateway.app, gw_cfg.host, gw_cfg.port, access_log=gw_cfg.access_log)
+            server = GatewayServer(
+                gateway.app,
+                gw_cfg.host,
+                gw_cfg.port,
+                access_log=gw_cfg.access_log,
+                header_timeout_s=gw_cfg.header_timeout_s,
+                max_connections=gw_cfg.max_connections,
+            )
             await server.start()
         except BaseException:
             await manager.shutdown()

@@ -8,6 +8,11 @@ shuts the fleet down after the server), so uvicorn's own signal capture is switc
 
 httptools (HTTP parsing in C) is used when installed; port 0 picks a free port, readable from
 :attr:`GatewayServer.port` once started.
+
+Slow clients: a connection whose first request line and headers are not complete within
+``header_timeout_s`` is closed (uvicorn itself waits forever for them, so a few thousand
+half-open connections would pin the gateway); ``max_connections`` becomes uvicorn's
+``limit_concurrency`` (503 past it). Bodies have their own deadline (:mod:`rollfleet.gateway.limits`).
 """
 
 from __future__ import annotations
@@ -29,6 +34,29 @@ class _InLoopServer(uvicorn.Server):
         yield
 
 
+def _with_header_deadline(protocol: type, header_timeout_s: float) -> type:
+    """uvicorn's HTTP protocol class, closing connections that send no complete request headers
+    within ``header_timeout_s`` (its ``cycle`` exists once a request's headers are in)."""
+
+    class HeaderDeadline(protocol):
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._header_deadline = self.loop.call_later(header_timeout_s, self._headers_late)
+
+        def _headers_late(self) -> None:
+            transport = getattr(self, "transport", None)
+            if self.cycle is None and transport is not None and not transport.is_closing():
+                transport.close()
+
+        def connection_lost(self, exc: Optional[Exception]) -> None:
+            deadline = getattr(self, "_header_deadline", None)
+            if deadline is not None:
+                deadline.cancel()
+            super().connection_lost(exc)
+
+    return HeaderDeadline
+
+
 class GatewayServer:
     """A uvicorn server as an asyncio task: ``await start()``, ``url``, ``await stop()``."""
 
@@ -41,13 +69,19 @@ class GatewayServer:
         access_log: bool = False,
         log_level: str = "warning",
         graceful_shutdown_s: int = 10,
+        header_timeout_s: float = 10.0,
+        max_connections: Optional[int] = None,
     ) -> None:
-        http = "httptools" if importlib.util.find_spec("httptools") is not None else "h11"
+        if importlib.util.find_spec("httptools") is not None:
+            from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as protocol
+        else:
+            from uvicorn.protocols.http.h11_impl import H11Protocol as protocol  # type: ignore[assignment]
         self.config = uvicorn.Config(
             app,
             host=host,
             port=port,
-            http=http,
+            http=_with_header_deadline(protocol, header_timeout_s),
+            limit_concurrency=max_connections,
             lifespan="on",
             access_log=access_log,
             log_level=log_level,

@@ -29,7 +29,7 @@ NESTED_TEMPLATE = (
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
 
 
-async def gateway(**limits: Any) -> tuple[GatewayServer, httpx.AsyncClient, Gateway]:
+async def gateway(server_options: Any = None, **limits: Any) -> tuple[GatewayServer, httpx.AsyncClient, Gateway]:
     codec = load_codec()
     rollout = RolloutConfig(
         name="sim",
@@ -43,7 +43,7 @@ async def gateway(**limits: Any) -> tuple[GatewayServer, httpx.AsyncClient, Gate
     await replica.start(version=0)
     client = LLMServerClient(rollout, servers={"r0": LocalHandle(replica)})
     gw = Gateway(client, codec, config=GatewayConfig(**limits), rollout=rollout)
-    server = await GatewayServer(gw.app).start()
+    server = await GatewayServer(gw.app, **(server_options or {})).start()
     return server, httpx.AsyncClient(base_url=server.url, timeout=30), gw
 
 
@@ -163,5 +163,44 @@ async def test_tokenizing_and_chat_templates_run_off_the_event_loop():
         assert resp.status_code == 200, resp.text
         assert threads and all(t.startswith("rollfleet-tokenizer") for t in threads), threads
     finally:
+        await http.aclose()
+        await server.stop()
+
+
+async def test_slow_connections_are_shed_at_the_header_deadline_while_good_requests_are_served():
+    """300 connections that never finish their headers (slowloris) are closed at the deadline; a
+    good request is served while they are open, and the connection cap answers 503 past it."""
+    server, http, _ = await gateway({"header_timeout_s": 1.0})
+    host, port = server.url.removeprefix("http://").split(":")
+    slow = []
+    try:
+        for _ in range(300):
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+            slow.append((reader, writer))
+        await still_serves(http)  # served while the 300 hang on
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        closed = await asyncio.gather(*(asyncio.wait_for(r.read(), 10) for r, _ in slow))
+        assert all(c == b"" for c in closed) and loop.time() - started < 5.0
+        await still_serves(http)
+    finally:
+        for _, w in slow:
+            w.close()
+        await http.aclose()
+        await server.stop()
+    server, http, _ = await gateway({"header_timeout_s": 1.0, "max_connections": 20})
+    host, port = server.url.removeprefix("http://").split(":")
+    idle = []
+    try:
+        for _ in range(25):
+            idle.append(await asyncio.open_connection(host, int(port)))
+        resp = await http.post("/v1/chat/completions", json=CHAT)
+        assert resp.status_code == 503  # over the cap: refused at once, not queued
+        await asyncio.gather(*(asyncio.wait_for(r.read(), 10) for r, _ in idle))  # shed at the deadline
+        await still_serves(http)
+    finally:
+        for _, w in idle:
+            w.close()
         await http.aclose()
         await server.stop()
