@@ -116,7 +116,9 @@ class FleetView:
                     bal.set_handle(sid, handle)  # restarted: a new actor behind the same id
                     self._quarantined.pop(sid, None)
             self._epoch = snapshot.membership_epoch
+        previous = self._last.states if self._last is not None else {}
         self._last = snapshot
+        self._drop_dead(snapshot, previous)
         self.current_version = snapshot.current_version
         self._signature = snapshot.signature()
         now = time.monotonic()
@@ -140,6 +142,18 @@ class FleetView:
             if until <= now:
                 del self._quarantined[sid]
                 self.balancer.set_routable(sid, self.controller is None or sid in self._routable)
+
+    def _drop_dead(self, snapshot: FleetSnapshot, previous: dict[str, str]) -> None:
+        """Requests in flight on a replica the controller just declared dead fail over now (its
+        handle drops its connection) instead of waiting for a hung process to be killed."""
+        servers = self.balancer.get_all_servers()
+        serving = ("healthy", "suspect")
+        for sid, state in snapshot.states.items():
+            # dead, or already restarting (a quick controller may skip past "dead" between views)
+            if previous.get(sid) in serving and state not in (*serving, "draining"):
+                drop = getattr(servers.get(sid), "drop_connection", None)
+                if drop is not None:
+                    drop(f"{sid} declared dead by the fleet: {snapshot.details.get(sid, '')}")
 
     def describe(self) -> str:
         """Why replicas are (not) routable, as of the last snapshot: for errors and logs."""

@@ -158,6 +158,21 @@ async def _open(address: str, replica_id: str, token: str, allow_pickle: bool) -
     return conn  # asyncio sets TCP_NODELAY on TCP transports: small frames are not delayed
 
 
+def drop_connection(address: str, reason: str) -> None:
+    """Fail this event loop's calls to ``address`` now, with :class:`ReplicaUnavailable` (they are
+    re-routed), and close the connection: its replica was declared dead, and a stopped or hung
+    process would otherwise hold them until it is killed, however long that takes."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    pool = _POOLS.get(loop)
+    entry = pool.pop(address, None) if pool else None
+    if isinstance(entry, DirectConnection):
+        entry._fail_all(reason)
+        entry.close()
+
+
 def close_connections() -> None:
     """Close this event loop's connections (tests, shutdown)."""
     try:
@@ -239,6 +254,10 @@ class DirectHandle:
     def generate(self) -> _DirectCall:
         return _DirectCall(self, output_only=True)
 
+    def drop_connection(self, reason: str) -> None:
+        """See :func:`drop_connection` (the fleet view calls it when the replica is declared dead)."""
+        drop_connection(self.address, reason)
+
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or name in DirectHandle.__slots__:
             raise AttributeError(name)  # not set yet (unpickling) or a protocol probe
@@ -257,4 +276,11 @@ class DirectHandle:
         return f"DirectHandle({self.replica_id or '?'} @ {self.address})"
 
 
-__all__ = ["DirectConnection", "DirectHandle", "get_connection", "close_connections", "CONNECT_TIMEOUT_S"]
+__all__ = [
+    "DirectConnection",
+    "DirectHandle",
+    "get_connection",
+    "drop_connection",
+    "close_connections",
+    "CONNECT_TIMEOUT_S",
+]

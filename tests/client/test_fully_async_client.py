@@ -270,3 +270,30 @@ def test_a_budget_of_the_wrong_type_is_refused_before_any_arithmetic(budget):
     with pytest.raises(InvalidRequest) as err:
         asyncio.run(client(server).generate("r", prompt_ids=[1], sampling_params={"max_tokens": budget}))
     assert err.value.field == "sampling_params.max_tokens" and server.calls == []
+
+
+def test_the_fleet_view_fails_over_calls_of_a_replica_the_fleet_declares_dead():
+    """healthy -> dead (or straight to restarting): the handle drops its connection once, so calls
+    in flight there fail over instead of waiting for a hung process to be killed; draining does not."""
+    from rollfleet.client.fleet_view import FleetView
+    from rollfleet.health import FleetSnapshot
+    from rollfleet.routing import GlobalRequestLoadBalancer
+
+    class Handle:
+        def __init__(self) -> None:
+            self.dropped: list[str] = []
+
+        def drop_connection(self, reason: str) -> None:
+            self.dropped.append(reason)
+
+    handles = {"a": Handle(), "b": Handle(), "c": Handle()}
+    view = FleetView(GlobalRequestLoadBalancer(servers=dict(handles)))
+
+    def snap(states: dict) -> FleetSnapshot:
+        return FleetSnapshot(1, 0, states, {k: 0 for k in states}, details={"a": "probe failed (2x)"})
+
+    view.apply(snap({"a": "healthy", "b": "healthy", "c": "healthy"}))
+    view.apply(snap({"a": "dead", "b": "restarting", "c": "draining"}))
+    view.apply(snap({"a": "dead", "b": "syncing", "c": "draining"}))
+    assert [len(h.dropped) for h in handles.values()] == [1, 1, 0]
+    assert "declared dead" in handles["a"].dropped[0] and "probe failed (2x)" in handles["a"].dropped[0]

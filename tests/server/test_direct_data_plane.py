@@ -317,3 +317,14 @@ async def test_an_unauthenticated_peer_is_dropped_within_the_deadline_having_cos
         writer.close()
         server.max_connections = 1024
         assert len((await handle.generate.remote("ok", [1, 2], {"max_tokens": 3})).token_ids) >= 1
+
+
+async def test_dropping_the_connection_of_a_dead_replica_fails_its_calls_over_at_once():
+    async with served_replica(time_scale=20.0) as (r, handle):
+        pending = [handle.generate.remote(f"d{i}", [1, 2], {"max_tokens": 3000, "ignore_eos": True}) for i in range(4)]
+        assert await until(lambda: r._inflight == 4)
+        handle.drop_connection("replica-0 declared dead by the fleet: probe failed (2x)")
+        results = await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True), 5)
+        assert all(isinstance(e, ReplicaUnavailable) and "declared dead" in e.reason for e in results)
+        assert await until(lambda: r._inflight == 0)  # the replica side was cancelled too
+        assert len((await handle.generate.remote("after", [1], {"max_tokens": 2})).token_ids) >= 1
