@@ -157,7 +157,7 @@ async def rollout(
         except asyncio.TimeoutError:
             pass
     stop.set()
-    stamps = [started, *sorted(finished)]
+    stamps = sorted(finished)  # from the first completion on: the ramp-up is not a freeze
     out.frozen_s = max((b - a for a, b in zip(stamps, stamps[1:])), default=0.0)
     out.inflight_left = client.balancer.get_total_inflight()
     return out
