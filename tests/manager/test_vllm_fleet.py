@@ -231,14 +231,19 @@ async def test_weight_update_mid_generation_keeps_the_exact_budget(fleet, mode):
                 assert tv is not None and len(tv) == budget and tv == sorted(tv), seen
                 assert set(tv) == {version - 1, version}, set(tv or [])
             return
-        # The update landed mid-generation: the outputs were resumed, with tokens of both versions.
+        # The update landed mid-generation: the outputs were resumed and finished on the new weights;
+        # those that had tokens before the abort carry both versions (one aborted before its first
+        # token, on a loaded machine, has only the new version's).
         resumed = [o for o in outs if o.extra_fields["num_resumes"] >= 1]
-        if len(resumed) < 12:
-            print(f"try {attempt}: the update reached only {len(resumed)} generations: {seen}")
-            continue
         assert all(
-            o.extra_fields["min_global_steps"] < o.extra_fields["max_global_steps"] == version for o in resumed
+            o.extra_fields["max_global_steps"] == version
+            and o.extra_fields["min_global_steps"] in (version - 1, version)
+            for o in resumed
         ), seen
+        spanned = [o for o in resumed if o.extra_fields["min_global_steps"] < version]
+        if len(spanned) < 8:
+            print(f"try {attempt}: the update reached only {len(spanned)} generations mid-way: {seen}")
+            continue
         return
     raise AssertionError("in 3 tries, the generations always ended before the update reached them")
 
