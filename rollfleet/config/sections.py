@@ -71,6 +71,11 @@ class GatewayConfig(_Section):
     port: int = Field(8000, ge=0, le=65535, description="0 picks a free port.")
     served_model_name: Optional[str] = Field(None, description="Model name in /v1/models; defaults to rollout.model.")
     admin_token: Optional[str] = Field(None, description="Bearer token for /admin; admin routes are off without one.")
+    session_secret: Optional[str] = Field(
+        None,
+        description="Key of the session keys a caller needs to end its session (DELETE /v1/sessions/{id}); set the same "
+        "value on gateways behind one address. None: random per gateway process.",
+    )
     request_timeout_s: float = Field(600.0, gt=0)
     prometheus_file: Optional[str] = Field(None, description="Write a Prometheus scrape config here at start-up.")
     tokenizer: Optional[str] = Field(

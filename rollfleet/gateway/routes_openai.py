@@ -36,6 +36,7 @@ from rollfleet.gateway.protocol import (
     _GenerationRequest,
 )
 from rollfleet.gateway.sampling import field_mapper, sampling_params, token_budget
+from rollfleet.gateway.sessions import SESSION_KEY_HEADER, SessionKeys
 from rollfleet.types import SamplingParams, TokenOutput
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -106,6 +107,7 @@ class OpenAIRoutes:
         self.registry = registry
         self.instrument = instrument
         self.limits = limits or GatewayLimits(config)
+        self.sessions = SessionKeys(config.session_secret, config.admin_token)
 
     def routes(self) -> list[Route]:
         wrap = self.instrument
@@ -152,14 +154,15 @@ class OpenAIRoutes:
         except Exception as exc:
             raise from_exception(exc, fields) from exc
 
-    @staticmethod
-    def _headers(outputs: Sequence[TokenOutput], session_id: Optional[str]) -> dict[str, str]:
+    def _headers(self, outputs: Sequence[TokenOutput], session_id: Optional[str]) -> dict[str, str]:
         headers = {}
         replica = outputs[0].extra_fields.get("replica_id") if outputs else None
         if replica:
             headers[REPLICA_HEADER] = str(replica)
-        if session_id and session_id.isascii() and session_id.isprintable():  # a header must be latin-1
-            headers[SESSION_RESPONSE_HEADER] = session_id
+        if session_id:
+            headers[SESSION_KEY_HEADER] = self.sessions.key(session_id)  # what ending the session takes
+            if session_id.isascii() and session_id.isprintable():  # a header must be latin-1
+                headers[SESSION_RESPONSE_HEADER] = session_id
         return headers
 
     def _budget(self, requested: Optional[int], prompt_len: int, prompt_param: str, budget_param: str) -> int:
@@ -318,6 +321,7 @@ class OpenAIRoutes:
     async def finish_session(self, request: Request) -> Response:
         session_id = request.path_params["session_id"]
         self.limits.check_session_id(session_id, "session_id")
+        self.sessions.check(request, session_id)
         return json_response({"session_id": session_id, "finished": self.service.finish_session(session_id)})
 
     async def health(self, request: Request) -> Response:

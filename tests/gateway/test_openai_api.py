@@ -117,6 +117,9 @@ async def test_token_in_token_out(oai, tokenizer):
 
 
 async def test_sessions_stick_to_one_replica_across_turns(oai, http, stack):
+    """...and only the caller holding a session (its responses' key) can end it."""
+    results_keys: dict[str, str] = {}
+
     async def session(sid: str, by_user: bool) -> list[str]:
         messages = [{"role": "user", "content": f"session {sid} starts"}]
         replicas = []
@@ -127,6 +130,7 @@ async def test_sessions_stick_to_one_replica_across_turns(oai, http, stack):
             )
             resp = raw.parse()
             replicas.append(raw.headers["x-rollfleet-replica"])
+            results_keys[sid] = raw.headers["x-rollfleet-session-key"]  # what ending the session takes
             if not by_user:
                 assert raw.headers["x-rollfleet-session"] == sid
             messages += [
@@ -141,7 +145,12 @@ async def test_sessions_stick_to_one_replica_across_turns(oai, http, stack):
         assert len(set(replicas)) == 1, replicas
     decisions = stack.gateway.service.client.balancer.decisions
     assert decisions["sticky"] - before.get("sticky", 0) >= 16  # turns 2 and 3 of 8 sessions
-    resp = await http.delete("/v1/sessions/sess-0")
+    resp = await http.delete("/v1/sessions/sess-0")  # not the holder: refused
+    assert resp.status_code == 403 and resp.json()["error"]["param"] == "X-Rollfleet-Session-Key"
+    resp = await http.delete("/v1/sessions/sess-0", headers={"X-Rollfleet-Session-Key": "0" * 32})
+    assert resp.status_code == 403
+    assert stack.gateway.service.client.balancer.sticky_server("sess-0") is not None  # still there
+    resp = await http.delete("/v1/sessions/sess-0", headers={"X-Rollfleet-Session-Key": results_keys["sess-0"]})
     assert resp.status_code == 200 and resp.json() == {"session_id": "sess-0", "finished": True}
     assert stack.gateway.service.client.balancer.sticky_server("sess-0") is None
 

@@ -1,0 +1,51 @@
+"""Who may end a session: the caller that holds it, or an operator.
+
+A session id is the caller's own string (``X-Session-ID``, ``session_id`` or ``user``), so anyone
+who guesses one could otherwise end another caller's session (``DELETE /v1/sessions/{id}``) and
+send its next turn to a cold prefix cache. Every response that belongs to a session carries
+``X-Rollfleet-Session-Key``: an HMAC of the id under this gateway's secret (``gateway.session_secret``,
+random per process unless set, so that several gateways behind one address agree). Ending a
+session takes that key, or the admin token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from typing import Optional
+
+from starlette.requests import Request
+
+from rollfleet.gateway.errors import GatewayError
+
+SESSION_KEY_HEADER = "X-Rollfleet-Session-Key"
+
+
+class SessionKeys:
+    def __init__(self, secret: Optional[str] = None, admin_token: Optional[str] = None) -> None:
+        self._secret = (secret or secrets.token_hex(32)).encode()
+        self._admin = admin_token
+
+    def key(self, session_id: str) -> str:
+        return hmac.new(self._secret, session_id.encode("utf-8", "surrogatepass"), hashlib.sha256).hexdigest()[:32]
+
+    def check(self, request: Request, session_id: str) -> None:
+        """Raise 403 unless ``request`` holds ``session_id``'s key or the admin token."""
+        given = request.headers.get(SESSION_KEY_HEADER, "")
+        if given and hmac.compare_digest(given, self.key(session_id)):
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if self._admin and scheme.lower() == "bearer" and hmac.compare_digest(token, self._admin):
+            return
+        raise GatewayError(
+            403,
+            f"ending session {session_id!r} takes the {SESSION_KEY_HEADER} header its responses carried "
+            "(or the admin token)",
+            "permission_error",
+            SESSION_KEY_HEADER,
+            "session_not_yours",
+        )
+
+
+__all__ = ["SessionKeys", "SESSION_KEY_HEADER"]
