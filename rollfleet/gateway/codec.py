@@ -17,6 +17,7 @@ held back until the next chunk completes it, and the chunks always add up to the
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Iterator, Optional, Sequence
 
 from rollfleet.gateway.errors import GatewayError, bad_request
@@ -36,6 +37,18 @@ class TextCodec:
         backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
         self._backend = backend
         self._backend_decode = backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest token's text, in characters (byte-level vocabularies write one character per
+        byte, so no token decodes to more characters than its vocabulary entry has)."""
+        return max((len(t) for t in self.tokenizer.get_vocab()), default=1) or 1
+
+    def min_tokens(self, chars: int) -> int:
+        """The fewest tokens a text of ``chars`` characters can become: how the gateway refuses a
+        prompt that cannot fit the context before paying to tokenize it (the tokenizer holds the
+        GIL, so a 10 MB prompt would stall every other request for seconds)."""
+        return -(-chars // self.max_token_chars)
 
     @classmethod
     def load(cls, path: str) -> "TextCodec":

@@ -165,6 +165,19 @@ class OpenAIRoutes:
                 headers[SESSION_RESPONSE_HEADER] = session_id
         return headers
 
+    def _check_fits(self, texts: list[str], param: str) -> None:
+        """Prompt text that cannot fit the context even at the longest token per step is refused
+        before the tokenizer (or the chat template) runs on it."""
+        chars = sum(len(t) for t in texts)
+        at_least = self.codec.min_tokens(chars)
+        if at_least >= self.model.max_model_len:
+            raise bad_request(
+                param,
+                f"the prompt is {chars} characters, at least {at_least} tokens; this model's context is "
+                f"{self.model.max_model_len} tokens",
+                code="context_length_exceeded",
+            )
+
     def _budget(self, requested: Optional[int], prompt_len: int, prompt_param: str, budget_param: str) -> int:
         return token_budget(
             requested,
@@ -264,6 +277,8 @@ class OpenAIRoutes:
         if isinstance(prompt[0], str):
             texts: Optional[list[str]] = list(prompt)
             self.limits.check_prompt_text(list(prompt), "prompt")
+            for i, text in enumerate(prompt):
+                self._check_fits([text], "prompt" if len(prompt) == 1 else f"prompt[{i}]")
             prompts = await self.limits.offload(lambda: [codec.encode(p) for p in prompt])
         elif isinstance(prompt[0], int):
             prompts, texts = [list(prompt)], None
@@ -280,7 +295,9 @@ class OpenAIRoutes:
         self.limits.check_template_kwargs(req.chat_template_kwargs)
         codec = self.codec
         messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
-        self.limits.check_prompt_text([str(m.get("content", "")) for m in messages], "messages")
+        contents = [str(m.get("content", "")) for m in messages]
+        self.limits.check_prompt_text(contents, "messages")
+        self._check_fits(contents, "messages")
         prompt = await self.limits.offload(
             codec.render_chat,
             messages,

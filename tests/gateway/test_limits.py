@@ -204,3 +204,23 @@ async def test_slow_connections_are_shed_at_the_header_deadline_while_good_reque
             w.close()
         await http.aclose()
         await server.stop()
+
+
+async def test_a_prompt_that_cannot_fit_is_refused_before_the_tokenizer_runs():
+    """A 10 MB prompt under raised body and text limits: refused from its length alone (no token
+    is shorter than 1/max_token_chars of it), so the tokenizer, which holds the GIL, never runs."""
+    server, http, gw = await gateway(max_body_bytes=64 << 20, max_prompt_chars=50_000_000)
+    encoded: list[int] = []
+    encode = gw.codec.encode
+    gw.codec.encode = lambda *a, **k: encoded.append(1) or encode(*a, **k)  # type: ignore[method-assign]
+    try:
+        big = {"model": MODEL, "prompt": "word " * 2_000_000, "max_tokens": 2}
+        resp = await http.post("/v1/completions", json=big)
+        assert_error(resp, 400, "prompt", "at least 625000 tokens", "context is 512 tokens")
+        chat = {**CHAT, "messages": [{"role": "user", "content": "x" * 100_000}]}
+        assert_error(await http.post("/v1/chat/completions", json=chat), 400, "messages", "context is 512 tokens")
+        assert encoded == []
+        await still_serves(http)
+    finally:
+        await http.aclose()
+        await server.stop()
