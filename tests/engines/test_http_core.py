@@ -283,3 +283,29 @@ def test_parent_guard_kills_a_server_whose_launching_process_was_sigkilled(tmp_p
     finally:
         proc.kill()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+async def test_a_control_call_whose_connect_timed_out_is_sent_once_more():
+    """A connect that timed out never reached the server (a starved machine): the control call is
+    sent again, once; a second timeout is the typed error."""
+    from rollfleet.engines.http.link import ServerLink
+
+    class Clients:
+        def __init__(self, timeouts: int) -> None:
+            self.timeouts = timeouts
+            self.calls = 0
+
+        async def request(self, method: str, path: str, **kw: object) -> httpx.Response:
+            self.calls += 1
+            if self.calls <= self.timeouts:
+                raise httpx.ConnectTimeout("starved")
+            return httpx.Response(200, json={"ok": True})
+
+    link = ServerLink("vllm-0", "vLLM server", request_timeout_s=5, control_timeout_s=5)
+    link.clients = Clients(timeouts=1)  # type: ignore[assignment]
+    resp = await link.request("POST", "/update_weights", op="commit_weights")
+    assert resp.status_code == 200 and link.clients.calls == 2  # type: ignore[attr-defined]
+    link.clients = Clients(timeouts=2)  # type: ignore[assignment]
+    with pytest.raises(ReplicaUnavailable, match="commit_weights"):
+        await link.request("POST", "/update_weights", op="commit_weights")
+    assert link.clients.calls == 2  # type: ignore[attr-defined]

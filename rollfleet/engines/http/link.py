@@ -128,10 +128,18 @@ class ServerLink:
         clients = self.clients
         if clients is None:
             raise ReplicaUnavailable(self.label, f"{op}: engine not started")
-        try:
-            return await clients.request(method, path, timeout=timeout or self.control_timeout_s, **kw)
-        except (httpx.HTTPError, RuntimeError) as e:  # RuntimeError: client closed under us
-            raise await transport_error(op, e, self.label, self.url, self.gone) from e
+        for retry in (True, False):
+            try:
+                return await clients.request(method, path, timeout=timeout or self.control_timeout_s, **kw)
+            except httpx.ConnectTimeout as e:
+                # The call never reached the server (a loaded machine can starve a local connect
+                # past its timeout): safe to send once more, whatever it was.
+                if retry and await self.gone() is None:
+                    continue
+                raise await transport_error(op, e, self.label, self.url, self.gone) from e
+            except (httpx.HTTPError, RuntimeError) as e:  # RuntimeError: client closed under us
+                raise await transport_error(op, e, self.label, self.url, self.gone) from e
+        raise AssertionError("unreachable")
 
     async def post(self, path: str, data: bytes, headers: dict[str, str], *, retry_stale: bool,
                    on_cancel: Callable[[], None]) -> tuple[int, bytes]:  # fmt: skip
