@@ -7,8 +7,9 @@ the OpenAI error shape naming the field and the limit, and is a ``gateway`` conf
 * the body: ``Content-Length`` over ``max_body_bytes`` is refused before a byte is read (413), and
   a body that grows past it while streaming in, or takes longer than ``body_timeout_s``, too (408);
 * prompt text over ``max_prompt_chars`` never reaches the tokenizer;
-* tokenizing and chat-template rendering run on ``tokenizer_threads`` threads, so a 10 MB prompt
-  costs its own request time, not every other request's;
+* tokenizing and chat-template rendering run on ``tokenizer_threads`` threads, off the event loop;
+  the tokenizer still holds Python's GIL, so text that cannot fit the context is refused from its
+  length before it is tokenized (``OpenAIRoutes._check_fits``);
 * ``chat_template`` among ``chat_template_kwargs`` is the caller's own Jinja program: refused unless
   the operator sets ``allow_caller_chat_template``;
 * prompts x ``n`` over ``max_generations``, and session ids over ``max_session_id_chars``.
