@@ -36,3 +36,32 @@ def stack_config(time_scale: float = 50.0, **gateway: Any) -> RollfleetConfig:
             "gateway": {"host": "127.0.0.1", "port": 0, "status_poll_interval_s": 0.2, **gateway},
         }
     )
+
+
+async def in_process_gateway(
+    config: Any, *, response_length: int, time_scale: float, mean_response_tokens: int, **server_options: Any
+) -> tuple[Any, Any, Any]:
+    """A gateway over one in-process sim replica (no Ray), started on a free loopback port:
+    ``(server, gateway, replica)``; the caller stops the server and shuts the replica down."""
+    from rollfleet.client import LLMServerClient
+    from rollfleet.config import RolloutConfig, SimEngineConfig
+    from rollfleet.gateway import Gateway, GatewayServer
+    from rollfleet.server.local import LocalHandle
+    from rollfleet.server.replica import Replica
+
+    codec = load_codec()
+    rollout = RolloutConfig(
+        name="sim",
+        model=MODEL,
+        prompt_length=256,
+        response_length=response_length,
+        max_model_len=512,
+        sim=SimEngineConfig(
+            vocab_size=codec.vocab_size, time_scale=time_scale, mean_response_tokens=mean_response_tokens
+        ),
+    )
+    replica = Replica("r0", rollout, 0)
+    await replica.start(version=0)
+    client = LLMServerClient(rollout, servers={"r0": LocalHandle(replica)})
+    gw = Gateway(client, codec, config=config, rollout=rollout)
+    return await GatewayServer(gw.app, **server_options).start(), gw, replica

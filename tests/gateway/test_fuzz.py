@@ -16,15 +16,11 @@ from typing import Any, Iterator
 
 import httpx
 import pytest
-from gateway_support import MODEL, load_codec
+from gateway_support import MODEL, in_process_gateway
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rollfleet.client import LLMServerClient
-from rollfleet.config import GatewayConfig, RolloutConfig, SimEngineConfig
-from rollfleet.gateway import Gateway, GatewayServer
-from rollfleet.server.local import LocalHandle
-from rollfleet.server.replica import Replica
+from rollfleet.config import GatewayConfig
 
 pytestmark = pytest.mark.unit
 
@@ -104,21 +100,11 @@ def gateway_url() -> Iterator[str]:
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
 
-    async def start() -> tuple[GatewayServer, Replica]:
-        codec = load_codec()
-        rollout = RolloutConfig(
-            name="sim",
-            model=MODEL,
-            prompt_length=256,
-            response_length=8,
-            max_model_len=512,
-            sim=SimEngineConfig(vocab_size=codec.vocab_size, time_scale=10_000.0, mean_response_tokens=4),
+    async def start() -> tuple[Any, Any]:
+        server, _, replica = await in_process_gateway(
+            GatewayConfig(request_timeout_s=10), response_length=8, time_scale=10_000.0, mean_response_tokens=4
         )
-        replica = Replica("r0", rollout, 0)
-        await replica.start(version=0)
-        client = LLMServerClient(rollout, servers={"r0": LocalHandle(replica)})
-        gw = Gateway(client, codec, config=GatewayConfig(request_timeout_s=10), rollout=rollout)
-        return await GatewayServer(gw.app).start(), replica
+        return server, replica
 
     server, replica = asyncio.run_coroutine_threadsafe(start(), loop).result(60)
     yield server.url

@@ -12,13 +12,10 @@ from typing import Any, AsyncIterator
 
 import httpx
 import pytest
-from gateway_support import MODEL, load_codec
+from gateway_support import MODEL, in_process_gateway
 
-from rollfleet.client import LLMServerClient
-from rollfleet.config import GatewayConfig, RolloutConfig, SimEngineConfig
+from rollfleet.config import GatewayConfig
 from rollfleet.gateway import Gateway, GatewayServer
-from rollfleet.server.local import LocalHandle
-from rollfleet.server.replica import Replica
 
 pytestmark = pytest.mark.unit
 
@@ -30,20 +27,9 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max
 
 
 async def gateway(server_options: Any = None, **limits: Any) -> tuple[GatewayServer, httpx.AsyncClient, Gateway]:
-    codec = load_codec()
-    rollout = RolloutConfig(
-        name="sim",
-        model=MODEL,
-        prompt_length=256,
-        response_length=16,
-        max_model_len=512,
-        sim=SimEngineConfig(vocab_size=codec.vocab_size, time_scale=1000.0, mean_response_tokens=8),
+    server, gw, _ = await in_process_gateway(
+        GatewayConfig(**limits), response_length=16, time_scale=1000.0, mean_response_tokens=8, **(server_options or {})
     )
-    replica = Replica("r0", rollout, 0)
-    await replica.start(version=0)
-    client = LLMServerClient(rollout, servers={"r0": LocalHandle(replica)})
-    gw = Gateway(client, codec, config=GatewayConfig(**limits), rollout=rollout)
-    server = await GatewayServer(gw.app, **(server_options or {})).start()
     return server, httpx.AsyncClient(base_url=server.url, timeout=30), gw
 
 
