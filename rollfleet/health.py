@@ -10,6 +10,7 @@ sees a call fail quarantines the replica locally at once, without waiting for th
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -68,6 +69,9 @@ class ReplicaRecord:
     state: HealthState = HealthState.SYNCING
     weight_version: Optional[int] = None
     consecutive_failures: int = 0
+    #: When it last answered a probe (monotonic), and whether a probe is out now (one at a time).
+    answered_at: float = field(default_factory=time.monotonic)
+    probing: bool = False
     restarts: int = 0
     load: Optional[LoadReport] = None
     detail: str = ""

@@ -165,6 +165,7 @@ class FleetController(HealthSupervisor, ControlFanOut):
                         f"{rid}: weights checksum {report['checksum']} differs from the fleet's {self._checksum}"
                     )
             record.consecutive_failures = 0
+            record.answered_at = time.monotonic()
             self._set_state(record, HealthState.HEALTHY, "started")
         self._membership_changed()
         return _info(record)

@@ -2,7 +2,10 @@
 
 Every ``probe_interval_s`` each replica's ``load()`` is called with a timeout. A failed probe makes
 a healthy replica ``suspect``; ``failures_to_dead`` in a row make it ``dead``, and so does Ray
-saying the actor died (its process or node is gone: no point asking twice). Each round also asks
+saying the actor died (its process or node is gone: no point asking twice). When every replica
+times out in the same rounds, the controller or the host is stalled rather than each replica hung
+(a CPU host whose engines starve everything else): a replica then dies only once it has been
+silent for ``health.busy_grace_s``, so one stall cannot kill the whole fleet at once. Each round also asks
 Ray which nodes live: the replicas of a dead node are dead at once, not after three probes.
 
 A dead replica is restarted (new actor, same id) and stays ``syncing`` until it has the current
@@ -70,8 +73,15 @@ class HealthSupervisor:
 
     async def probe_all(self) -> None:
         await self._check_nodes()
-        records = [r for r in self._records.values() if r.state in (HealthState.HEALTHY, HealthState.SUSPECT)]
-        await asyncio.gather(*(self._probe(r) for r in records))
+        records = [
+            r for r in self._records.values() if r.state in (HealthState.HEALTHY, HealthState.SUSPECT) and not r.probing
+        ]
+        outcomes = await asyncio.gather(*(self._ask(r) for r in records))
+        # Every replica timing out in the same round points at this controller or the whole host
+        # stalling (CPU-bound engines starving every process), not at all of them hanging at once.
+        stalled = len(outcomes) >= 2 and all(isinstance(o[1], asyncio.TimeoutError) for o in outcomes)
+        for record, (handle, outcome) in zip(records, outcomes):
+            self._judge(record, handle, outcome, fleet_stalled=stalled)
         self._notify()  # a safety net: whatever changed without a notification shows now
 
     async def _check_nodes(self) -> None:
@@ -85,35 +95,58 @@ class HealthSupervisor:
                 self._set_state(record, HealthState.DEAD, f"node {record.node_id[:12]} died", force=True)
                 self._schedule_restart(record)
 
-    async def _probe(self, record: ReplicaRecord) -> None:
+    async def _ask(self, record: ReplicaRecord) -> tuple[Any, Any]:
+        """``(handle, load report or the exception)``; one probe in flight per replica, so failures
+        reported by many clients at once cannot count one stall several times."""
         handle = record.handle
+        record.probing = True
         try:
-            report = await asyncio.wait_for(handle.load.remote(), self.config.health.probe_timeout_s)
+            return handle, await asyncio.wait_for(handle.load.remote(), self.config.health.probe_timeout_s)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            if record.handle is not handle or record.state not in (HealthState.HEALTHY, HealthState.SUSPECT):
-                return
-            record.consecutive_failures += 1
-            detail = f"probe failed ({record.consecutive_failures}x): {type(exc).__name__}"
-            if record.consecutive_failures >= self.config.health.failures_to_dead or _actor_died(exc):
-                self._set_state(record, HealthState.DEAD, detail)
-                self._schedule_restart(record)
-            else:
-                self._set_state(record, HealthState.SUSPECT, detail)
+            return handle, exc
+        finally:
+            record.probing = False
+
+    def _judge(self, record: ReplicaRecord, handle: Any, outcome: Any, *, fleet_stalled: bool = False) -> None:
+        """Act on one probe's answer: ``failures_to_dead`` failures in a row make the replica dead
+        (Ray saying the actor died, at once). In rounds where every replica timed out, a timeout
+        kills only after ``health.busy_grace_s`` without any answer."""
+        if record.handle is not handle or record.state not in (HealthState.HEALTHY, HealthState.SUSPECT):
+            return  # restarted or declared dead meanwhile: this answer is about an old actor
+        if not isinstance(outcome, BaseException):
+            record.load = outcome
+            record.consecutive_failures = 0
+            record.answered_at = time.monotonic()
+            if record.state == HealthState.SUSPECT:
+                self._set_state(record, HealthState.HEALTHY, "probe ok")
             return
-        if record.handle is not handle:
-            return
-        record.load = report
-        record.consecutive_failures = 0
-        if record.state == HealthState.SUSPECT:
-            self._set_state(record, HealthState.HEALTHY, "probe ok")
+        health = self.config.health
+        record.consecutive_failures += 1
+        detail = f"probe failed ({record.consecutive_failures}x): {type(outcome).__name__}"
+        dead = _actor_died(outcome) or record.consecutive_failures >= health.failures_to_dead
+        if dead and fleet_stalled and not _actor_died(outcome):
+            silent = time.monotonic() - record.answered_at
+            dead = silent > health.busy_grace_s
+            detail += f" with every replica at once, {silent:.0f}s silent (dead after health.busy_grace_s)"
+        if dead:
+            self._set_state(record, HealthState.DEAD, detail)
+            self._schedule_restart(record)
+        else:
+            self._set_state(record, HealthState.SUSPECT, detail)
 
     async def report_failure(self, replica_id: str, reason: str = "") -> None:
-        """A client saw a call fail: probe that replica now instead of at the next round."""
+        """A client saw a call fail: probe that replica now instead of at the next round. Only a
+        definite answer acts before the round (a dead actor, an unhealthy engine): a timeout here
+        is judged by the rounds, which can tell one replica's silence from a stalled host."""
         record = self._records.get(replica_id)
-        if record is not None and record.state in (HealthState.HEALTHY, HealthState.SUSPECT):
-            asyncio.get_running_loop().create_task(self._probe(record))
+        if record is None or record.probing or record.state not in (HealthState.HEALTHY, HealthState.SUSPECT):
+            return
+        handle, outcome = await self._ask(record)
+        if isinstance(outcome, asyncio.TimeoutError):
+            return
+        self._judge(record, handle, outcome)
 
     def _schedule_restart(self, record: ReplicaRecord) -> None:
         if not self.config.health.auto_restart or record.replica_id in self._restart_tasks:

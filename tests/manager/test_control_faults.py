@@ -222,3 +222,62 @@ async def test_a_restart_gives_up_after_max_restart_attempts_and_says_so():
     await wait_until(gave_up, "replica-0 given up after 2 tries")
     assert faults.starts["replica-0"] == 3
     await controller.shutdown()
+
+
+async def test_every_replica_timing_out_at_once_is_a_stall_not_a_fleet_death_until_the_silence_is_long():
+    """A host whose CPU-bound engines starve every process makes all probes time out in the same
+    rounds: the replicas turn suspect, not dead, and serve again when it passes. Silence past
+    ``health.busy_grace_s`` still kills (a fleet that really hangs is restarted)."""
+    faults = Faults()
+    faults.hung_methods = {"load"}
+    controller, _ = fleet(config(busy_grace_s=1.5, auto_restart=False), faults)
+    await controller.launch(2)
+    faults.hung.update({"replica-0", "replica-1"})
+    await asyncio.sleep(0.8)  # ~3 rounds of 0.25 s, each a timeout on both: past failures_to_dead=2
+    status = await controller.status()
+    assert {r.state for r in status.replicas.values()} == {"suspect"}, status.replicas
+    assert all(r.consecutive_failures >= 2 for r in status.replicas.values())
+    assert "with every replica at once" in status.replicas["replica-0"].detail
+    faults.hung.clear()
+    await wait_until(lambda: both_healthy(controller), "both healthy after the stall")
+    faults.hung.update({"replica-0", "replica-1"})
+
+    async def both_dead() -> bool:
+        return {r.state for r in (await controller.status()).replicas.values()} == {"dead"}
+
+    await wait_until(both_dead, "dead after busy_grace_s of silence", timeout_s=5.0)
+    await controller.shutdown()
+
+
+async def both_healthy(controller: FleetController) -> bool:
+    return {r.state for r in (await controller.status()).replicas.values()} == {"healthy"}
+
+
+async def test_one_replica_timing_out_while_the_other_answers_is_declared_dead():
+    faults = Faults()
+    faults.hung_methods = {"load"}
+    controller, _ = fleet(config(busy_grace_s=60.0, auto_restart=False), faults)
+    await controller.launch(2)
+    faults.hung.add("replica-1")
+
+    async def dead() -> bool:
+        return (await controller.status()).replicas["replica-1"].state == "dead"
+
+    await wait_until(dead, "replica-1 dead after failures_to_dead timeouts", timeout_s=2.0)
+    assert (await controller.status()).replicas["replica-0"].state == "healthy"
+    await controller.shutdown()
+
+
+async def test_failures_reported_by_many_clients_at_once_count_as_one_probe():
+    """Twenty clients see the same replica fail at once: one probe goes out, one failure counts
+    (it was three concurrent probes' worth, enough to kill a replica that was merely slow)."""
+    faults = Faults()
+    controller, _ = fleet(config(probe_interval_s=3600.0), faults)
+    await controller.launch(2)
+    faults.dead.add("replica-0")
+    await asyncio.gather(*(controller.report_failure("replica-0", "connection reset") for _ in range(20)))
+    record = (await controller.status()).replicas["replica-0"]
+    assert (record.state, record.consecutive_failures) == ("suspect", 1), record
+    await controller.report_failure("replica-0", "again")  # a later report is a second probe
+    assert (await controller.status()).replicas["replica-0"].state == "dead"
+    await controller.shutdown()
