@@ -5,7 +5,7 @@
 * :class:`AgentLoopWorker` — runs loops for samples over one client (a Ray actor, or in-process);
 * :class:`AgentLoopManager` / :class:`FullyAsyncAgentLoopManager` — batches (or streams) of
   prompts in, :class:`RolloutBatch` out;
-* :mod:`~rollfleet.agent_loop.tools`, :mod:`~rollfleet.agent_loop.tool_parser` — tools and the
+* :mod:`~rollfleet.agent_loop.tools`, :mod:`~rollfleet.tool_parser` — tools and the
   tool-call formats.
 
 To add a loop::

@@ -29,8 +29,8 @@ from rollfleet.agent_loop.base import (
     versions_of,
 )
 from rollfleet.agent_loop.registry import register
-from rollfleet.agent_loop.tool_parser import get_tool_parser
 from rollfleet.agent_loop.tools import BaseTool, ToolSession
+from rollfleet.tool_parser import get_tool_parser
 from rollfleet.types import SamplingParams, TokenOutput
 
 

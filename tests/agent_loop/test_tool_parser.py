@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rollfleet.agent_loop.tool_parser import get_tool_parser
+from rollfleet.tool_parser import get_tool_parser
 
 pytestmark = pytest.mark.unit
 

@@ -8,7 +8,6 @@ from typing import Literal, Optional
 
 import pytest
 
-from rollfleet.agent_loop.tool_parser import FunctionCall
 from rollfleet.agent_loop.tools import (
     TRUNCATION_MARK,
     BaseTool,
@@ -20,6 +19,7 @@ from rollfleet.agent_loop.tools import (
     truncate,
 )
 from rollfleet.config import MultiTurnConfig
+from rollfleet.tool_parser import FunctionCall
 
 pytestmark = pytest.mark.unit
 

@@ -106,10 +106,10 @@ def test_unknown_name_is_typed_and_lists_valid_names():
 
 def _families():
     from rollfleet.agent_loop.registry import get_agent_loop
-    from rollfleet.agent_loop.tool_parser import get_tool_parser
     from rollfleet.models import get_model_path
     from rollfleet.reward import get_reward_fn
     from rollfleet.routing import get_policy
+    from rollfleet.tool_parser import get_tool_parser
     from rollfleet.trainer import get_trainer_cls
     from rollfleet.trainer.algos import get_advantage_estimator
 

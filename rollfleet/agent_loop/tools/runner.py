@@ -15,9 +15,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
-from rollfleet.agent_loop.tool_parser import FunctionCall
 from rollfleet.agent_loop.tools.base import BaseTool, ToolResult, to_tool_result
 from rollfleet.config import MultiTurnConfig
+from rollfleet.tool_parser import FunctionCall
 
 logger = logging.getLogger(__name__)
 

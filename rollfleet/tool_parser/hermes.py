@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import re
 
-from rollfleet.agent_loop.tool_parser.base import FunctionCall, ParsedResponse, ToolParser
+from rollfleet.tool_parser.base import FunctionCall, ParsedResponse, ToolParser
 
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 

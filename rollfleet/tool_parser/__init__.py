@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from typing import Callable
 
-from rollfleet.agent_loop.tool_parser.base import FunctionCall, ParsedResponse, ToolParser
-from rollfleet.agent_loop.tool_parser.hermes import HermesToolParser
 from rollfleet.registry import Registry
+from rollfleet.tool_parser.base import FunctionCall, ParsedResponse, ToolParser
+from rollfleet.tool_parser.hermes import HermesToolParser
 
-_HERMES = "rollfleet.agent_loop.tool_parser.hermes:HermesToolParser"
+_HERMES = "rollfleet.tool_parser.hermes:HermesToolParser"
 
 TOOL_PARSERS: Registry[type[ToolParser]] = Registry(
     "tool-call format",
