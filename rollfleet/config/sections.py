@@ -41,7 +41,7 @@ class MultiTurnConfig(_Section):
     max_tool_response_length: int = Field(256, ge=1, description="Characters kept of a tool's output.")
     tool_response_truncate_side: Literal["left", "right", "middle"] = "middle"
     tool_timeout_s: float = Field(30.0, gt=0)
-    format: str = Field("hermes", description="Tool-call parser: see rollfleet.agent_loop.tool_parser.")
+    format: str = Field("hermes", description="Tool-call parser: see rollfleet.tool_parser.")
     tool_config_path: Optional[str] = Field(
         None,
         description="YAML listing tools by import path (a BaseTool subclass or a plain function); "
@@ -130,6 +130,18 @@ class GatewayConfig(_Section):
         ge=0,
         description="How long a request waits for a routable replica before the gateway answers 503 "
         "(an HTTP caller should hear back sooner than a trainer's rollout waits).",
+    )
+    capture_trajectories: bool = Field(
+        True,
+        description="Record each session's exact token ids, masks, logprobs and weight versions "
+        "(GET /v1/sessions/{id}/trajectory); a turn that extends the last one reuses its ids.",
+    )
+    max_sessions: int = Field(
+        10_000, ge=1, description="Most sessions whose trajectories are kept; the least recently used goes first."
+    )
+    session_ttl_s: float = Field(3600.0, gt=0, description="A session untouched this long is forgotten.")
+    tool_call_parser: str = Field(
+        "hermes", description="How chat replies become tool_calls when a request passes tools (rollfleet.tool_parser)."
     )
 
 

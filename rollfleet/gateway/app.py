@@ -26,11 +26,14 @@ from rollfleet.config import GatewayConfig, RolloutConfig
 from rollfleet.gateway.codec import TextCodec
 from rollfleet.gateway.errors import GatewayError, from_exception
 from rollfleet.gateway.limits import GatewayLimits
-from rollfleet.gateway.metrics import FleetCollector, GatewayMetrics
+from rollfleet.gateway.metrics import FleetCollector, GatewayMetrics, TrajectoryCollector
 from rollfleet.gateway.poller import AdminBackend, FleetStatusPoller
 from rollfleet.gateway.routes_admin import AdminRoutes
 from rollfleet.gateway.routes_openai import OpenAIRoutes, ServedModel
+from rollfleet.gateway.routes_sessions import SessionRoutes
 from rollfleet.gateway.service import GenerationService
+from rollfleet.gateway.sessions import SessionKeys
+from rollfleet.gateway.trajectories import TrajectoryStore
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +88,14 @@ class Gateway:
         self.metrics.registry.register(FleetCollector(client, self.poller))
         self.service = GenerationService(client, self.metrics, self.config.request_timeout_s)
         self.limits = GatewayLimits(self.config)
+        self.session_keys = SessionKeys(self.config.session_secret, self.config.admin_token)
+        #: Each session's exact tokens (None when ``gateway.capture_trajectories`` is off).
+        self.trajectories: Optional[TrajectoryStore] = (
+            TrajectoryStore(self.config.max_sessions, self.config.session_ttl_s)
+            if self.config.capture_trajectories
+            else None
+        )
+        self.metrics.registry.register(TrajectoryCollector(lambda: self.trajectories))
         self.app = self._build_app()
 
     # ------------------------------------------------------------------ app
@@ -103,9 +114,18 @@ class Gateway:
         app = FastAPI(title="rollfleet gateway", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
         model = ServedModel(self.model_names, self.max_model_len, self.default_max_tokens, self.created)
         openai = OpenAIRoutes(
-            self.service, self.codec, model, self.config, self.metrics.registry, self.instrument, self.limits
+            self.service,
+            self.codec,
+            model,
+            self.config,
+            self.metrics.registry,
+            self.instrument,
+            self.limits,
+            trajectories=self.trajectories,
+            sessions=self.session_keys,
         )
-        app.router.routes.extend(openai.routes())
+        sessions = SessionRoutes(self.service, self.session_keys, self.limits, self.trajectories, self.instrument)
+        app.router.routes.extend(openai.routes() + sessions.routes())
         if self.config.admin_token:
             if self.admin is None:
                 raise ValueError("gateway.admin_token is set but there is no admin backend (the fleet's manager)")

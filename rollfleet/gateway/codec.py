@@ -76,6 +76,25 @@ class TextCodec:
         template_kwargs: Optional[dict[str, Any]] = None,
     ) -> list[int]:
         """Messages -> prompt ids through the model's own chat template."""
+        text = self.render_chat_text(
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            template_kwargs=template_kwargs,
+        )
+        return self.encode(text, add_special_tokens=False)
+
+    def render_chat_text(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: Optional[list[dict[str, Any]]] = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: Optional[dict[str, Any]] = None,
+    ) -> str:
+        """Messages -> the prompt text the model's chat template writes."""
         if not self.has_chat_template:
             raise GatewayError(
                 400, "this model has no chat template; use /v1/completions", param="messages", code="no_chat_template"
@@ -83,19 +102,26 @@ class TextCodec:
         if continue_final_message and add_generation_prompt:
             add_generation_prompt = False  # they contradict; continuing the last message wins
         try:
-            text = self.tokenizer.apply_chat_template(
-                messages,
-                tools=tools,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                tokenize=False,
-                **(template_kwargs or {}),
+            return str(
+                self.tokenizer.apply_chat_template(
+                    messages,
+                    tools=tools,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                    tokenize=False,
+                    **(template_kwargs or {}),
+                )
             )
         except Exception as exc:  # jinja raised on these messages: the caller's input
             raise bad_request(
                 "messages", f"the chat template rejected the messages: {type(exc).__name__}: {exc}"
             ) from exc
-        return self.encode(text, add_special_tokens=False)
+
+    @functools.cached_property
+    def eos_text(self) -> Optional[str]:
+        """The end-of-turn token as the chat template writes it (``<|im_end|>``), if it has one."""
+        token = getattr(self.tokenizer, "eos_token", None)
+        return token if isinstance(token, str) and token else None
 
     def stop_token_ids(self, stops: Sequence[str], *, indexed: bool = True) -> list[int]:
         """Stop strings the fleet can honour: each must be exactly one token of the vocabulary.

@@ -16,7 +16,7 @@ process, and vLLM's or Ray's collectors must not leak into the gateway's page.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -28,6 +28,7 @@ from rollfleet.types import TokenOutput
 if TYPE_CHECKING:  # pragma: no cover
     from rollfleet.client import LLMServerClient
     from rollfleet.gateway.poller import FleetStatusPoller
+    from rollfleet.gateway.trajectories import TrajectoryStore
 
 #: Latency buckets (s): sub-millisecond gateway overhead up to long generations.
 LATENCY_BUCKETS = (
@@ -234,4 +235,30 @@ class FleetCollector(Collector):
         yield hit_rate
 
 
-__all__ = ["GatewayMetrics", "FleetCollector", "LATENCY_BUCKETS"]
+class TrajectoryCollector(Collector):
+    """The trajectory store's size, limit and evictions, read at scrape time."""
+
+    def __init__(self, store: Callable[[], Optional["TrajectoryStore"]]) -> None:
+        self.store = store
+
+    def collect(self) -> Iterator[Metric]:
+        store = self.store()
+        if store is None:
+            return
+        yield GaugeMetricFamily(
+            "rollfleet_gateway_recorded_sessions", "Sessions whose trajectories this gateway keeps.", value=len(store)
+        )
+        yield GaugeMetricFamily(
+            "rollfleet_gateway_recorded_sessions_limit", "gateway.max_sessions.", value=store.max_sessions
+        )
+        evicted = CounterMetricFamily(
+            "rollfleet_gateway_evicted_sessions",
+            "Recorded sessions forgotten before they ended: over gateway.max_sessions or idle past session_ttl_s.",
+            labels=["why"],
+        )
+        for why, n in store.evicted.items():
+            evicted.add_metric([why], n)
+        yield evicted
+
+
+__all__ = ["GatewayMetrics", "FleetCollector", "TrajectoryCollector", "LATENCY_BUCKETS"]

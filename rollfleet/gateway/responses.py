@@ -29,6 +29,9 @@ FINISH_REASONS = {"stop": "stop", "length": "length", "aborted": "abort"}
 
 SSE_DONE = b"data: [DONE]\n\n"
 
+#: A chat choice's assistant message and whether it calls tools.
+Reply = tuple[dict[str, Any], bool]
+
 
 #: Response ids: a random per-process prefix and a counter (unique, and no urandom call per request).
 _ID_PREFIX = os.urandom(6).hex()
@@ -41,6 +44,11 @@ def new_id(prefix: str) -> str:
 
 def finish_reason(out: TokenOutput) -> str:
     return FINISH_REASONS.get(out.stop_reason, out.stop_reason)
+
+
+def chat_finish_reason(out: TokenOutput, calls: bool) -> str:
+    """``tool_calls`` when a reply that ended by itself calls tools (OpenAI's reason)."""
+    return "tool_calls" if calls and out.stop_reason == "stop" else finish_reason(out)
 
 
 def usage(prompt_tokens: int, outputs: Sequence[TokenOutput]) -> dict[str, int]:
@@ -145,14 +153,19 @@ def chat_body(
     *,
     logprobs: bool,
     return_token_ids: bool,
+    replies: Optional[Sequence[Reply]] = None,
 ) -> dict[str, Any]:
+    """``replies``: each choice's assistant message and whether it calls tools (plain text if None)."""
     choices = []
     for i, out in enumerate(outputs):
+        message, calls = (
+            replies[i] if replies else ({"role": "assistant", "content": codec.decode(out.token_ids)}, False)
+        )
         choice: dict[str, Any] = {
             "index": i,
-            "message": {"role": "assistant", "content": codec.decode(out.token_ids)},
+            "message": message,
             "logprobs": chat_logprobs(codec, out) if logprobs else None,
-            "finish_reason": finish_reason(out),
+            "finish_reason": chat_finish_reason(out, calls),
         }
         if return_token_ids:
             choice.update(token_fields(out))
@@ -247,6 +260,7 @@ def chat_chunks(
     logprobs: bool,
     return_token_ids: bool,
     include_usage: bool,
+    replies: Optional[Sequence[Reply]] = None,
 ) -> Iterator[dict[str, Any]]:
     base = {"id": new_id("chatcmpl"), "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
     if include_usage:
@@ -262,7 +276,14 @@ def chat_chunks(
         if return_token_ids and i == 0:
             event["prompt_token_ids"] = prompt_ids
         yield event
-        for text, start, end in codec.pieces(out.token_ids, chunk_tokens):
+        message, calls = replies[i] if replies else (None, False)
+        if message is not None and calls:  # the calls in one delta, after the text around them
+            delta = {"tool_calls": [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]}
+            if message.get("content"):
+                delta["content"] = message["content"]
+            yield {**base, "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}]}
+        pieces = codec.pieces(out.token_ids, chunk_tokens) if not calls else iter(())
+        for text, start, end in pieces:
             choice: dict[str, Any] = {
                 "index": i,
                 "delta": {"content": text},
@@ -272,7 +293,12 @@ def chat_chunks(
             if return_token_ids:
                 choice["token_ids"] = out.token_ids[start:end]
             yield {**base, "choices": [choice]}
-        last: dict[str, Any] = {"index": i, "delta": {}, "logprobs": None, "finish_reason": finish_reason(out)}
+        last: dict[str, Any] = {
+            "index": i,
+            "delta": {},
+            "logprobs": None,
+            "finish_reason": chat_finish_reason(out, calls),
+        }
         if return_token_ids:
             last.update(_meta_fields(out))
         yield {**base, "choices": [last]}
@@ -284,6 +310,8 @@ __all__ = [
     "FINISH_REASONS",
     "new_id",
     "finish_reason",
+    "chat_finish_reason",
+    "Reply",
     "usage",
     "token_fields",
     "completion_body",

@@ -151,8 +151,10 @@ async def test_sessions_stick_to_one_replica_across_turns(oai, http, stack):
     assert resp.status_code == 403
     assert stack.gateway.service.client.balancer.sticky_server("sess-0") is not None  # still there
     resp = await http.delete("/v1/sessions/sess-0", headers={"X-Rollfleet-Session-Key": results_keys["sess-0"]})
-    assert resp.status_code == 200 and resp.json() == {"session_id": "sess-0", "finished": True}
+    assert resp.status_code == 200
+    assert resp.json() == {"session_id": "sess-0", "finished": True, "trajectory_freed": True}
     assert stack.gateway.service.client.balancer.sticky_server("sess-0") is None
+    assert stack.gateway.trajectories.get("sess-0") is None
 
 
 async def test_requests_without_a_session_leave_no_sticky_entries(oai, stack):

@@ -1,0 +1,181 @@
+"""What the OpenAI-compatible handlers share: body parsing, responses, and the per-request
+helpers (model and limit checks, the session a request belongs to, budgets, headers).
+
+The handlers themselves are in :mod:`rollfleet.gateway.routes_chat` (chat, with tool calls and
+trajectory capture) and :mod:`rollfleet.gateway.routes_openai` (everything else, and the route table).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Iterator, Optional, Sequence, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from rollfleet.gateway import responses
+from rollfleet.gateway.errors import FieldMap, bad_request, from_exception, from_validation_error, model_not_found
+from rollfleet.gateway.jsonio import dumps
+from rollfleet.gateway.limits import GatewayLimits
+from rollfleet.gateway.protocol import _GenerationRequest
+from rollfleet.gateway.sampling import token_budget
+from rollfleet.gateway.sessions import SESSION_KEY_HEADER, SessionKeys
+from rollfleet.gateway.toolcalls import ToolCallFormatter
+from rollfleet.gateway.trajectories import TrajectoryStore
+from rollfleet.types import SamplingParams, TokenOutput
+
+if TYPE_CHECKING:  # pragma: no cover
+    from prometheus_client import CollectorRegistry
+
+    from rollfleet.config import GatewayConfig
+    from rollfleet.gateway.codec import TextCodec
+    from rollfleet.gateway.service import GenerationService
+
+M = TypeVar("M", bound=BaseModel)
+
+SESSION_HEADER = "x-session-id"
+REPLICA_HEADER = "X-Rollfleet-Replica"
+SESSION_RESPONSE_HEADER = "X-Rollfleet-Session"
+
+
+def parse_body(model: type[M], body: bytes) -> M:
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+def json_response(body: Any, status: int = 200, headers: Optional[dict[str, str]] = None) -> Response:
+    return Response(dumps(body), status_code=status, media_type="application/json", headers=headers)
+
+
+async def _aiter(chunks: Iterator[bytes]) -> AsyncIterator[bytes]:
+    """Serve a sync generator from the event loop (Starlette would hop to a thread per chunk)."""
+    for chunk in chunks:
+        yield chunk
+
+
+def sse_response(events: Iterator[dict[str, Any]], headers: dict[str, str]) -> StreamingResponse:
+    headers = {**headers, "Cache-Control": "no-cache"}
+    return StreamingResponse(_aiter(responses.sse(events)), media_type="text/event-stream", headers=headers)
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What the routes say about the model they serve."""
+
+    names: tuple[str, ...]
+    max_model_len: int
+    default_max_tokens: int
+    created: int
+
+
+class RoutesBase:
+    """State and helpers of the OpenAI-compatible handlers. They get exactly what they use (the
+    generation service, the tokenizer, the served model, the gateway's settings, the metrics registry
+    and the wrapper that counts requests and shapes errors); only :mod:`rollfleet.gateway.app` knows
+    every part."""
+
+    def __init__(
+        self,
+        service: "GenerationService",
+        codec: "TextCodec",
+        model: ServedModel,
+        config: "GatewayConfig",
+        registry: "CollectorRegistry",
+        instrument: Callable[[str, Callable[[Request], Awaitable[Response]]], Callable[[Request], Awaitable[Response]]],
+        limits: Optional[GatewayLimits] = None,
+        trajectories: Optional[TrajectoryStore] = None,
+        sessions: Optional[SessionKeys] = None,
+    ) -> None:
+        self.service = service
+        self.codec = codec
+        self.model = model
+        self.config = config
+        self.registry = registry
+        self.instrument = instrument
+        self.limits = limits or GatewayLimits(config)
+        self.sessions = sessions or SessionKeys(config.session_secret, config.admin_token)
+        self.trajectories = trajectories
+        self.tool_calls = ToolCallFormatter(config.tool_call_parser)
+
+    # ------------------------------------------------------------------ helpers
+    async def _parse(self, model: type[M], request: Request) -> M:
+        return parse_body(model, await self.limits.read_body(request))
+
+    def _check(self, req: _GenerationRequest, prompts: int = 1) -> None:
+        if req.model not in self.model.names:
+            raise model_not_found(req.model, self.model.names)
+        if req.n > self.config.max_n:
+            raise bad_request("n", f"n must be <= {self.config.max_n} on this gateway", code="invalid_value")
+        self.limits.check_generations(prompts, req.n)
+
+    def _session(self, request: Request, req: _GenerationRequest) -> Optional[str]:
+        for param, value in (("session_id", request.path_params.get("session_id")),
+                             (SESSION_HEADER, request.headers.get(SESSION_HEADER)), ("session_id", req.session_id),
+                             ("user", req.user)):  # fmt: skip
+            if value:
+                self.limits.check_session_id(value, param)
+                return value
+        return None
+
+    async def _generate(
+        self,
+        route: str,
+        prompts: Sequence[list[int]],
+        params: SamplingParams,
+        n: int,
+        session_id: Optional[str],
+        fields: FieldMap,
+    ) -> list[TokenOutput]:
+        try:
+            return await self.service.generate(route, prompts, params, n=n, session_id=session_id)
+        except Exception as exc:
+            raise from_exception(exc, fields) from exc
+
+    def _headers(self, outputs: Sequence[TokenOutput], session_id: Optional[str]) -> dict[str, str]:
+        headers = {}
+        replica = outputs[0].extra_fields.get("replica_id") if outputs else None
+        if replica:
+            headers[REPLICA_HEADER] = str(replica)
+        if session_id:
+            headers[SESSION_KEY_HEADER] = self.sessions.key(session_id)  # what ending the session takes
+            if session_id.isascii() and session_id.isprintable():  # a header must be latin-1
+                headers[SESSION_RESPONSE_HEADER] = session_id
+        return headers
+
+    def _check_fits(self, texts: list[str], param: str) -> None:
+        """Prompt text that cannot fit the context even at the longest token per step is refused
+        before the tokenizer (or the chat template) runs on it."""
+        chars = sum(len(t) for t in texts)
+        at_least = self.codec.min_tokens(chars)
+        if at_least >= self.model.max_model_len:
+            raise bad_request(
+                param,
+                f"the prompt is {chars} characters, at least {at_least} tokens; this model's context is "
+                f"{self.model.max_model_len} tokens",
+                code="context_length_exceeded",
+            )
+
+    def _budget(self, requested: Optional[int], prompt_len: int, prompt_param: str, budget_param: str) -> int:
+        return token_budget(
+            requested,
+            prompt_len,
+            max_model_len=self.model.max_model_len,
+            default=self.model.default_max_tokens,
+            prompt_param=prompt_param,
+            budget_param=budget_param,
+        )
+
+
+__all__ = [
+    "RoutesBase",
+    "ServedModel",
+    "parse_body",
+    "json_response",
+    "sse_response",
+    "SESSION_HEADER",
+    "REPLICA_HEADER",
+    "SESSION_RESPONSE_HEADER",
+]

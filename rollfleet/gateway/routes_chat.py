@@ -1,0 +1,153 @@
+"""``/v1/chat/completions``: the chat template, OpenAI function calling, and, for a session,
+the trajectory record and a prompt built from the last turn's ids (no retokenisation drift)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional, Sequence
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from rollfleet.gateway import responses
+from rollfleet.gateway.continuation import Plan, plan_prompt
+from rollfleet.gateway.errors import GatewayError, bad_request
+from rollfleet.gateway.protocol import ChatCompletionRequest, ChatMessage
+from rollfleet.gateway.routes_base import RoutesBase, json_response, sse_response
+from rollfleet.gateway.sampling import field_mapper, sampling_params
+from rollfleet.gateway.toolcalls import check_tools
+from rollfleet.gateway.trajectories import Sampled, TrajectoryStore, Turn
+from rollfleet.types import TokenOutput
+
+
+class ChatRoutes(RoutesBase):
+    async def chat(self, request: Request) -> Response:
+        req = await self._parse(ChatCompletionRequest, request)
+        self._check(req)
+        self.limits.check_template_kwargs(req.chat_template_kwargs)
+        check_tools(req.tools, req.tool_choice)
+        codec = self.codec
+        messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
+        contents = [str(m.get("content", "")) for m in messages]
+        self.limits.check_prompt_text(contents, "messages")
+        self._check_fits(contents, "messages")
+        session = self._session(request, req)
+        store = self.trajectories if session is not None else None
+        plan = await self._plan(req, messages, store, session)
+        prompt = plan.prompt_ids
+        requested: Optional[int]
+        if req.max_completion_tokens is not None:
+            requested, budget_param = req.max_completion_tokens, "max_completion_tokens"
+        else:
+            requested, budget_param = req.max_tokens, "max_tokens"
+        budget = self._budget(requested, len(prompt), "messages", budget_param)
+        params = sampling_params(req, budget, codec)
+        fields = field_mapper("messages", budget_param)
+        outputs = await self._generate("/v1/chat/completions", [prompt], params, req.n, session, fields)
+        parse = bool(req.tools) and req.tool_choice != "none"
+        replies = [self.tool_calls.message(codec.decode(o.token_ids), parse=parse) for o in outputs]
+        if store is not None and session is not None:
+            turn = _turn(prompt, outputs, replies, plan)
+            store.record(session, messages, req.tools, turn, new_branch=plan.new_branch, chosen=plan.chosen)
+        headers = self._headers(outputs, session)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            events = responses.chat_chunks(
+                req.model,
+                codec,
+                outputs,
+                prompt,
+                chunk_tokens=self.config.stream_chunk_tokens,
+                logprobs=req.logprobs,
+                return_token_ids=req.return_token_ids,
+                include_usage=include_usage,
+                replies=replies,
+            )
+            return sse_response(events, headers)
+        body = responses.chat_body(
+            req.model,
+            self.codec,
+            outputs,
+            prompt,
+            logprobs=req.logprobs,
+            return_token_ids=req.return_token_ids,
+            replies=replies,
+        )
+        return json_response(body, headers=headers)
+
+    async def _plan(
+        self,
+        req: ChatCompletionRequest,
+        messages: list[dict[str, Any]],
+        store: Optional[TrajectoryStore],
+        session: Optional[str],
+    ) -> Plan:
+        """The turn's prompt ids: from the session's last turn when it extends it, else rendered."""
+        if store is not None and session is not None and req.add_generation_prompt and not req.continue_final_message:
+            return await self.limits.offload(
+                plan_prompt,
+                self.codec,
+                store.get(session),
+                messages,
+                tools=req.tools,
+                template_kwargs=req.chat_template_kwargs,
+            )
+        ids = await self.limits.offload(
+            self.codec.render_chat,
+            messages,
+            tools=req.tools,
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            template_kwargs=req.chat_template_kwargs,
+        )
+        return Plan(ids, new_branch="rendered without a generation prompt (continue_final_message)")
+
+
+def _turn(prompt: list[int], outputs: Sequence[TokenOutput], replies: Sequence[responses.Reply], plan: Plan) -> Turn:
+    choices = [
+        Sampled(
+            token_ids=list(o.token_ids),
+            logprobs=list(o.log_probs or [0.0] * len(o.token_ids)),
+            versions=list(o.token_versions or [None] * len(o.token_ids)),
+            finish_reason=responses.chat_finish_reason(o, calls),
+            message=message,
+        )
+        for o, (message, calls) in zip(outputs, replies)
+    ]
+    return Turn(list(prompt), choices, reused=plan.reused)
+
+
+def _message_dict(index: int, message: ChatMessage) -> dict[str, Any]:
+    """A message as the chat template expects it: text content as one string, and a tool call's
+    arguments as a JSON object (OpenAI sends them as a string; templates write them with tojson)."""
+    data = message.model_dump(exclude_none=True)
+    for j, call in enumerate(data.get("tool_calls") or []):
+        function = call.get("function") if isinstance(call, dict) else None
+        args = function.get("arguments") if isinstance(function, dict) else None
+        if isinstance(function, dict) and isinstance(args, str):
+            try:
+                function["arguments"] = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError as exc:
+                raise bad_request(
+                    f"messages[{index}].tool_calls[{j}].function.arguments", f"is not valid JSON: {exc.msg}"
+                ) from None
+
+    content = message.content
+    if content is None:
+        data["content"] = ""
+    elif not isinstance(content, str):
+        texts = []
+        for j, part in enumerate(content):
+            if part.type != "text" or part.text is None:
+                raise GatewayError(
+                    400,
+                    f"content part of type '{part.type}' is not supported by a text model; use 'text' parts",
+                    param=f"messages[{index}].content[{j}].type",
+                    code="unsupported_value",
+                )
+            texts.append(part.text)
+        data["content"] = "\n".join(texts)
+    return data
+
+
+__all__ = ["ChatRoutes"]

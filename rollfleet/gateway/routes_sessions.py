@@ -1,0 +1,104 @@
+"""A session's life over HTTP: its recorded trajectory, its reward, its end.
+
+* ``GET /v1/sessions/{id}/trajectory``: the exact token ids, loss mask, logprobs and per-token
+  weight versions of every branch (:mod:`rollfleet.gateway.trajectories`), and the reward;
+* ``POST /v1/sessions/{id}/reward`` with ``{"reward": <finite number>}``;
+* ``DELETE /v1/sessions/{id}``: ends it: its record and its sticky replica entry are freed.
+
+All three take the session's key (``X-Rollfleet-Session-Key``, which every response of the session
+carried) or the admin token: a session id is the caller's own string, and whoever guesses one must
+not read, score or end someone else's trajectory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import TYPE_CHECKING, Awaitable, Callable, Optional
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from rollfleet.gateway.errors import bad_request
+from rollfleet.gateway.jsonio import dumps
+
+if TYPE_CHECKING:  # pragma: no cover
+    from rollfleet.gateway.limits import GatewayLimits
+    from rollfleet.gateway.service import GenerationService
+    from rollfleet.gateway.sessions import SessionKeys
+    from rollfleet.gateway.trajectories import TrajectoryStore
+
+Endpoint = Callable[[Request], Awaitable[Response]]
+
+
+def _json(body: object, status: int = 200) -> Response:
+    return Response(dumps(body), status_code=status, media_type="application/json")
+
+
+class SessionRoutes:
+    def __init__(
+        self,
+        service: "GenerationService",
+        keys: "SessionKeys",
+        limits: "GatewayLimits",
+        store: Optional["TrajectoryStore"],
+        instrument: Callable[[str, Endpoint], Endpoint],
+    ) -> None:
+        self.service = service
+        self.keys = keys
+        self.limits = limits
+        self.store = store
+        self.instrument = instrument
+
+    def routes(self) -> list[Route]:
+        wrap = self.instrument
+        return [
+            Route("/v1/sessions/{session_id}", wrap("/v1/sessions", self.finish), methods=["DELETE"]),
+            Route(
+                "/v1/sessions/{session_id}/trajectory",
+                wrap("/v1/sessions/trajectory", self.trajectory),
+                methods=["GET"],
+            ),
+            Route("/v1/sessions/{session_id}/reward", wrap("/v1/sessions/reward", self.reward), methods=["POST"]),
+        ]
+
+    def _session(self, request: Request) -> str:
+        session_id = request.path_params["session_id"]
+        self.limits.check_session_id(session_id, "session_id")
+        self.keys.check(request, session_id)
+        return session_id
+
+    def _store(self) -> "TrajectoryStore":
+        if self.store is None:
+            raise bad_request(
+                "session_id", "this gateway does not record trajectories (gateway.capture_trajectories is off)"
+            )
+        return self.store
+
+    async def finish(self, request: Request) -> Response:
+        session_id = self._session(request)
+        recorded = self.store.end(session_id) if self.store is not None else False
+        sticky = self.service.finish_session(session_id)
+        return _json({"session_id": session_id, "finished": sticky or recorded, "trajectory_freed": recorded})
+
+    async def trajectory(self, request: Request) -> Response:
+        session_id = self._session(request)
+        return _json(self._store().trajectory(session_id))
+
+    async def reward(self, request: Request) -> Response:
+        session_id = self._session(request)
+        store = self._store()
+        body = await self.limits.read_body(request)
+        try:
+            data = json.loads(body or b"null")
+        except json.JSONDecodeError as exc:
+            raise bad_request(None, f"the body is not JSON: {exc.msg}") from None
+        value = data.get("reward") if isinstance(data, dict) else None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise bad_request("reward", 'the body must be {"reward": <a finite number>}')
+        store.set_reward(session_id, float(value))
+        return _json({"session_id": session_id, "reward": float(value)})
+
+
+__all__ = ["SessionRoutes"]

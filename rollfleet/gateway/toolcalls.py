@@ -1,0 +1,76 @@
+"""OpenAI function calling on the chat route: ``tools`` checked on the way in, ``tool_calls`` out.
+
+The model writes its calls as text in its own format (Hermes: ``<tool_call>{json}</tool_call>``);
+an agent built on the OpenAI SDK expects them parsed into ``message.tool_calls`` with
+``finish_reason: "tool_calls"``. The parser is a plug-in (``gateway.tool_call_parser``, the
+registry of :mod:`rollfleet.tool_parser`). A reply with a malformed call is returned as plain
+text, as vLLM does: half a call cannot be run, and the agent still sees what the model wrote.
+
+The fleet samples freely, so ``tool_choice`` values that would need constrained decoding
+(``"required"``, a named function) are refused rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from typing import Any, Optional
+
+from rollfleet.gateway.errors import bad_request
+from rollfleet.tool_parser import get_tool_parser
+
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def check_tools(tools: Optional[list[dict[str, Any]]], tool_choice: Any) -> None:
+    """Refuse malformed ``tools`` and unsupported ``tool_choice``, naming the field."""
+    for i, tool in enumerate(tools or []):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise bad_request(f"{where}.type", 'each tool must be {"type": "function", "function": {...}}')
+        function = tool.get("function")
+        if not isinstance(function, dict):
+            raise bad_request(f"{where}.function", "must be an object with a name")
+        name = function.get("name")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise bad_request(f"{where}.function.name", "must be 1-64 letters, digits, '_', '.' or '-'")
+        params = function.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise bad_request(f"{where}.function.parameters", "must be a JSON Schema object")
+        description = function.get("description")
+        if description is not None and not isinstance(description, str):
+            raise bad_request(f"{where}.function.description", "must be a string")
+    if tool_choice in (None, "auto", "none"):
+        return
+    raise bad_request(
+        "tool_choice",
+        f"tool_choice {tool_choice!r} needs constrained decoding, which this gateway does not do; use 'auto' or 'none'",
+        code="unsupported_value",
+    )
+
+
+class ToolCallFormatter:
+    """Turns a reply's text into an assistant message, with ``tool_calls`` when it made any."""
+
+    def __init__(self, parser: str) -> None:
+        self.parser = get_tool_parser(parser)
+
+    def message(self, text: str, *, parse: bool) -> tuple[dict[str, Any], bool]:
+        """``(assistant message, whether it calls tools)``."""
+        if parse:
+            parsed = self.parser.parse(text)
+            if parsed.tool_calls and all(c.error is None for c in parsed.tool_calls):
+                calls = [
+                    {
+                        "id": f"call_{secrets.token_hex(12)}",
+                        "type": "function",
+                        "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
+                    }
+                    for c in parsed.tool_calls
+                ]
+                return {"role": "assistant", "content": parsed.content or None, "tool_calls": calls}, True
+        return {"role": "assistant", "content": text}, False
+
+
+__all__ = ["check_tools", "ToolCallFormatter"]

@@ -1,0 +1,216 @@
+"""What each session generated, token for token: the record a trainer builds its batch from.
+
+An agent that talks to the gateway over HTTP sends messages and gets text back, but an RL trainer
+needs the exact token ids the engine was prompted with and sampled, which of them the model wrote
+(the loss mask), their logprobs and the weights that sampled each one. The gateway is the only
+place that sees both sides, so it keeps them per session:
+
+* a **turn** is one chat request of the session: the prompt ids sent to the fleet and each
+  choice's sampled ids, logprobs and per-token weight versions, and the assistant message the
+  caller was given for it;
+* a **branch** is a run of turns where each one's prompt extends the last one's prompt plus the
+  choice the caller went on with (:mod:`rollfleet.gateway.continuation` builds that prompt from
+  the ids, never from re-rendered text). A caller that edits its history starts a new branch, and
+  the branch says why.
+
+Memory is bounded: ``gateway.max_sessions`` sessions (least recently used evicted first) and
+``gateway.session_ttl_s`` of idleness; both evictions are counted. Ended sessions leave a
+tombstone so that a late reward or trajectory request is told "ended", not "unknown".
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from rollfleet.gateway.errors import GatewayError
+
+
+@dataclass
+class Sampled:
+    """One choice of one turn: what the model wrote, and what the caller was shown for it."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[Optional[int]]
+    finish_reason: str
+    message: dict[str, Any]
+
+
+@dataclass
+class Turn:
+    prompt_ids: list[int]
+    choices: list[Sampled]
+    #: Prompt ids carried over from the branch's previous turn (prompt + the chosen choice).
+    reused: int = 0
+    #: The choice the next turn went on with (0 until one does).
+    chosen: int = 0
+
+
+@dataclass
+class Branch:
+    why: str
+    turns: list[Turn] = field(default_factory=list)
+
+    def view(self) -> dict[str, Any]:
+        """The branch as a trainer reads it: the full token sequence with its mask, logprobs and
+        weight versions (zeros and ``None`` where the model did not sample), and each turn's shape."""
+        last = self.turns[-1]
+        ids = last.prompt_ids + last.choices[last.chosen].token_ids
+        mask = [0] * len(ids)
+        logprobs = [0.0] * len(ids)
+        versions: list[Optional[int]] = [None] * len(ids)
+        turns = []
+        for turn in self.turns:
+            choice = turn.choices[turn.chosen]
+            start, end = len(turn.prompt_ids), len(turn.prompt_ids) + len(choice.token_ids)
+            mask[start:end] = [1] * (end - start)
+            logprobs[start:end] = choice.logprobs
+            versions[start:end] = choice.versions
+            turns.append(
+                {
+                    "prompt_tokens": start,
+                    "reused_prompt_tokens": turn.reused,
+                    "response_tokens": end - start,
+                    "finish_reason": choice.finish_reason,
+                    "choices": len(turn.choices),
+                    "chosen": turn.chosen,
+                }
+            )
+        return {
+            "why": self.why,
+            "token_ids": ids,
+            "mask": mask,
+            "logprobs": logprobs,
+            "weight_versions": versions,
+            "turns": turns,
+        }
+
+
+@dataclass
+class Session:
+    session_id: str
+    created: float
+    touched: float
+    #: The last turn's request: its messages and tools (what the next turn must extend).
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    tools: Optional[list[dict[str, Any]]] = None
+    branches: list[Branch] = field(default_factory=list)
+    reward: Optional[float] = None
+
+    @property
+    def last_turn(self) -> Optional[Turn]:
+        return self.branches[-1].turns[-1] if self.branches else None
+
+
+class TrajectoryStore:
+    """Sessions by id, least recently used first; evicts past ``max_sessions`` and ``ttl_s``."""
+
+    def __init__(self, max_sessions: int, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_sessions = max_sessions
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._sessions: OrderedDict[str, Session] = OrderedDict()
+        self._ended: OrderedDict[str, str] = OrderedDict()  # id -> why (tombstones, same bound)
+        self.evicted = {"capacity": 0, "ttl": 0}
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def get(self, session_id: str) -> Optional[Session]:
+        self._expire()
+        return self._sessions.get(session_id)
+
+    def record(
+        self,
+        session_id: str,
+        messages: list[dict[str, Any]],
+        tools: Optional[list[dict[str, Any]]],
+        turn: Turn,
+        *,
+        new_branch: Optional[str],
+        chosen: Optional[int] = None,
+    ) -> None:
+        """Add ``turn``: to a new branch (``new_branch`` says why) or to the current one, marking
+        which choice of the previous turn it went on with."""
+        now = self._clock()
+        session = self.get(session_id)
+        if session is None:
+            session = Session(session_id, created=now, touched=now)
+            self._sessions[session_id] = session
+            self._ended.pop(session_id, None)  # an id used again is a new session
+        if new_branch is not None or not session.branches:
+            session.branches.append(Branch(new_branch or "first turn"))
+        else:
+            previous = session.branches[-1].turns[-1]
+            previous.chosen = chosen or 0
+        session.branches[-1].turns.append(turn)
+        session.messages, session.tools, session.touched = messages, tools, now
+        self._sessions.move_to_end(session_id)
+        while len(self._sessions) > self.max_sessions:
+            evicted, _ = self._sessions.popitem(last=False)
+            self._tombstone(evicted, "evicted: over gateway.max_sessions")
+            self.evicted["capacity"] += 1
+
+    def trajectory(self, session_id: str) -> dict[str, Any]:
+        session = self._known(session_id)
+        return {
+            "session_id": session_id,
+            "reward": session.reward,
+            "num_turns": sum(len(b.turns) for b in session.branches),
+            "branches": [b.view() for b in session.branches],
+        }
+
+    def set_reward(self, session_id: str, reward: float) -> None:
+        self._known(session_id).reward = reward
+
+    def end(self, session_id: str) -> bool:
+        """Forget the session (its record is gone); False when there was none."""
+        session = self._sessions.pop(session_id, None)
+        if session is None:
+            return False
+        self._tombstone(session_id, "ended (DELETE)")
+        return True
+
+    def _known(self, session_id: str) -> Session:
+        session = self.get(session_id)
+        if session is not None:
+            session.touched = self._clock()
+            self._sessions.move_to_end(session_id)
+            return session
+        why = self._ended.get(session_id)
+        if why is not None:
+            raise GatewayError(
+                409,
+                f"session {session_id!r} has no trajectory any more: {why}",
+                param="session_id",
+                code="session_ended",
+            )
+        raise GatewayError(
+            404,
+            f"no session {session_id!r} on this gateway (a session starts with a chat request carrying it)",
+            "not_found_error",
+            "session_id",
+            "session_not_found",
+        )
+
+    def _expire(self) -> None:
+        deadline = self._clock() - self.ttl_s
+        while self._sessions:
+            session_id, session = next(iter(self._sessions.items()))
+            if session.touched > deadline:
+                break
+            self._sessions.popitem(last=False)
+            self._tombstone(session_id, f"expired: idle over gateway.session_ttl_s={self.ttl_s:g}s")
+            self.evicted["ttl"] += 1
+
+    def _tombstone(self, session_id: str, why: str) -> None:
+        self._ended[session_id] = why
+        self._ended.move_to_end(session_id)
+        while len(self._ended) > self.max_sessions:
+            self._ended.popitem(last=False)
+
+
+__all__ = ["Sampled", "Turn", "Branch", "Session", "TrajectoryStore"]
