@@ -126,6 +126,10 @@ class AgentLoopBase(ABC):
         """Run one trajectory for ``sample`` (``raw_prompt`` messages or ``prompt_ids``, plus
         whatever else the dataset carries) and return it unpadded."""
 
+    async def close(self) -> None:
+        """Release what the loop holds beyond one trajectory (a server it started); the worker
+        calls it once, when it closes."""
+
     # ------------------------------------------------------------------ helpers for subclasses
     def request_id_for(self, sample: Mapping[str, Any]) -> str:
         """The session key of a trajectory: the sample's ``request_id``, else a fresh uuid."""

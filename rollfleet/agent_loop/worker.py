@@ -26,6 +26,7 @@ import time
 from typing import Any, Mapping, Optional, Sequence
 
 # The built-in loops register themselves on import.
+import rollfleet.agent_loop.http_agent
 import rollfleet.agent_loop.single_turn
 import rollfleet.agent_loop.tool_agent  # noqa: F401
 from rollfleet.agent_loop.base import AgentLoopBase, AgentLoopContext, AgentLoopOutput
@@ -190,6 +191,8 @@ class AgentLoopWorker:
         return info
 
     async def close(self) -> None:
+        for loop in self._loops.values():
+            await loop.close()
         if self._owns_client:
             await self.client.close()
 

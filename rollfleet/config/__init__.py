@@ -35,6 +35,7 @@ from rollfleet.config.rollout import RolloutConfig
 from rollfleet.config.sections import (
     AgentConfig,
     GatewayConfig,
+    HttpAgentConfig,
     MultiTurnConfig,
     RayConfig,
     RollfleetConfig,
@@ -53,6 +54,7 @@ __all__ = [
     "PrometheusSection",
     "RolloutConfig",
     "RayConfig",
+    "HttpAgentConfig",
     "MultiTurnConfig",
     "AgentConfig",
     "GatewayConfig",

@@ -49,6 +49,22 @@ class MultiTurnConfig(_Section):
     )
 
 
+class HttpAgentConfig(_Section):
+    """The ``http_agent`` loop: an agent that only speaks the OpenAI HTTP API, trained as it is."""
+
+    agent: Optional[str] = Field(
+        None,
+        description="The agent as a callable: 'pkg.module:fn' or 'path/to/file.py:fn'; it is called with one "
+        "run (base_url, api_key, session_id, model, sample, sampling) and may return the reward.",
+    )
+    command: Optional[list[str]] = Field(
+        None,
+        description="The agent as a program (argv), run once per sample with OPENAI_BASE_URL, OPENAI_API_KEY and "
+        'ROLLFLEET_* in its environment; its last stdout line may be {"reward": x}.',
+    )
+    timeout_s: float = Field(600.0, gt=0, description="Most one agent run may take; then it is stopped.")
+
+
 class AgentConfig(_Section):
     """Agent-loop workers (verl's ``rollout.agent``)."""
 
@@ -62,6 +78,7 @@ class AgentConfig(_Section):
         "None: such samples get no score.",
     )
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)
+    http_agent: HttpAgentConfig = Field(default_factory=HttpAgentConfig)
 
 
 class GatewayConfig(_Section):

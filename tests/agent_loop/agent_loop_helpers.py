@@ -104,3 +104,21 @@ def mask_runs(mask) -> list[tuple[int, int]]:
             out.append((start, i))
             start = None
     return out
+
+
+class Recorder:
+    """Wraps a client and records every generate call and finish_session."""
+
+    def __init__(self, client):
+        self.client = client
+        self.calls: list[tuple[str, list[int], dict, object]] = []
+        self.finished: list[str] = []
+
+    async def generate(self, request_id, *, prompt_ids, sampling_params, **kwargs):
+        out = await self.client.generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs)
+        self.calls.append((request_id, list(prompt_ids), dict(sampling_params), out))
+        return out
+
+    def finish_session(self, request_id):
+        self.finished.append(request_id)
+        self.client.finish_session(request_id)

@@ -7,31 +7,24 @@ import asyncio
 
 import pytest
 import torch
-from agent_loop_helpers import QUESTION, THREE_TURNS, LocalFleet, add, broken, hangs, lookup, mask_runs, sim_config
+from agent_loop_helpers import (
+    QUESTION,
+    THREE_TURNS,
+    LocalFleet,
+    Recorder,
+    add,
+    broken,
+    hangs,
+    lookup,
+    mask_runs,
+    sim_config,
+)
 
 from rollfleet.agent_loop import AgentLoopManager, AgentLoopWorker, BaseTool
 from rollfleet.agent_loop.testing import ScriptedTurns
 from rollfleet.client import FullyAsyncLLMServerClient
 
 pytestmark = pytest.mark.unit
-
-
-class Recorder:
-    """Wraps a client and records every generate call and finish_session."""
-
-    def __init__(self, client):
-        self.client = client
-        self.calls: list[tuple[str, list[int], dict, object]] = []
-        self.finished: list[str] = []
-
-    async def generate(self, request_id, *, prompt_ids, sampling_params, **kwargs):
-        out = await self.client.generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs)
-        self.calls.append((request_id, list(prompt_ids), dict(sampling_params), out))
-        return out
-
-    def finish_session(self, request_id):
-        self.finished.append(request_id)
-        self.client.finish_session(request_id)
 
 
 async def make(tokenizer, texts, *, agent=None, rollout=None, sim=None, client_cls=None, tools=None):

@@ -1,0 +1,101 @@
+"""``http_agent``: an agent that only speaks the OpenAI API (the example agent, the real ``openai``
+client) is run per sample against the worker's own gateway, and its trajectory comes back as the
+exact tokens the fleet was prompted with and sampled (in-process sim replicas, no Ray)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from agent_loop_helpers import LocalFleet, Recorder, mask_runs, sim_config
+
+from rollfleet.agent_loop import AgentLoopWorker
+from rollfleet.agent_loop.testing import ScriptedTurns
+from rollfleet.agent_loop.worker import model_text
+from rollfleet.client import FullyAsyncLLMServerClient
+from rollfleet.trainer.tasks import count_continuation
+
+pytestmark = pytest.mark.unit
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "openai_sdk_agent.py"
+SAMPLE = {
+    "raw_prompt": [{"role": "user", "content": "Count: 3 4 5"}],
+    "reward": {"name": "rollfleet.trainer.tasks:count_continuation", "ground_truth": "6 7 8 9"},
+}
+TOOL_THEN_ANSWER = ['<tool_call>\n{"name": "next_numbers", "arguments": {"n": 5, "k": 4}}\n</tool_call>', "6 7 8 9"]
+
+
+async def make(tokenizer, texts, http_agent):
+    config = sim_config(
+        tokenizer,
+        rollout={"prompt_length": 1024, "response_length": 512},
+        agent={"num_workers": 1, "default_agent_loop": "http_agent", "http_agent": http_agent},
+    )
+    fleet = await LocalFleet(config, client_cls=FullyAsyncLLMServerClient).start()
+    fleet.script(ScriptedTurns.from_texts(tokenizer, texts))
+    recorder = Recorder(fleet.client)
+    return fleet, recorder, AgentLoopWorker(config, client=recorder, tokenizer=tokenizer)
+
+
+@pytest.mark.parametrize("how", ["callable", "command"])
+async def test_the_openai_sdk_example_is_trained_from_the_tokens_the_fleet_saw(tokenizer, how):
+    """Two model turns (a tool call, then the answer): the output's model spans are the fleet's
+    sampled ids with their logprobs, every turn's prompt is the same sequence extended (no
+    re-rendering), and the sample's verifiable reward scores the model's text."""
+    agent = {"agent": f"{EXAMPLE}:solve"} if how == "callable" else {"command": ["{python}", str(EXAMPLE)]}
+    fleet, rec, worker = await make(tokenizer, TOOL_THEN_ANSWER, agent)
+    out = await worker.run_sample(dict(SAMPLE))
+    assert out.num_turns == 2 and len(rec.calls) == 2
+    spans = mask_runs(out.response_mask)
+    assert len(spans) == 2
+    for (start, end), (_, prompt, _, sampled) in zip(spans, rec.calls):
+        assert out.response_ids[start:end] == sampled.token_ids
+        assert out.response_logprobs[start:end] == pytest.approx(sampled.log_probs)
+        assert prompt == out.prompt_ids + out.response_ids[:start]
+    assert "<tool_response>\n6 7 8 9\n</tool_response>" in tokenizer.decode(out.response_ids)  # the tool ran
+    assert out.reward_score == pytest.approx(count_continuation(model_text(out, tokenizer), "6 7 8 9"))
+    assert out.response_versions is not None and set(out.response_versions[spans[0][0] : spans[0][1]]) == {0}
+    gateway = worker.loop_for("http_agent")._gateway.gateway
+    assert len(gateway.trajectories) == 0 and fleet.client.get_status()["sticky_sessions"] == 0
+    await worker.close()
+    await fleet.shutdown()
+
+
+async def test_rewards_from_the_agent_and_its_failures(tokenizer, tmp_path):
+    agents = tmp_path / "agents.py"
+    agents.write_text(
+        "import httpx\n"
+        "from openai import AsyncOpenAI\n\n"
+        "async def ask(run):\n"
+        "    c = AsyncOpenAI(base_url=run.base_url, api_key=run.api_key)\n"
+        "    await c.chat.completions.create(model=run.model, messages=run.sample['raw_prompt'], max_tokens=8)\n\n"
+        "async def returns(run):\n"
+        "    await ask(run)\n"
+        "    return 0.25\n\n"
+        "async def posts(run):\n"
+        "    await ask(run)\n"
+        "    async with httpx.AsyncClient() as h:\n"
+        "        r = await h.post(run.reward_url, json={'reward': 0.75}, headers={'X-Rollfleet-Session-Key': run.api_key})\n"
+        "        r.raise_for_status()\n\n"
+        "async def crashes(run):\n"
+        "    await ask(run)\n"
+        "    raise ValueError('the sandbox died')\n\n"
+        "def silent(run):\n"
+        "    return 1.0\n"
+    )
+    for name, reward in (("returns", 0.25), ("posts", 0.75), ("crashes", 0.0)):
+        fleet, _, worker = await make(tokenizer, ["6 7 8 9"], {"agent": f"{agents}:{name}"})
+        out = await worker.run_sample(dict(SAMPLE))
+        assert out.reward_score == reward, name
+        assert ("agent_error" in out.extra_fields) == (name == "crashes")
+        await worker.close()
+        await fleet.shutdown()
+    assert "the sandbox died" in out.extra_fields["agent_error"]
+    fleet, _, worker = await make(tokenizer, ["6 7 8 9"], {"agent": f"{agents}:silent"})
+    with pytest.raises(RuntimeError, match="made no chat request"):
+        await worker.run_sample(dict(SAMPLE))
+    await worker.close()
+    await fleet.shutdown()
+    with pytest.raises(ValueError, match="exactly one of"):
+        config = sim_config(tokenizer, agent={"default_agent_loop": "http_agent"})
+        AgentLoopWorker(config, client=fleet.client, tokenizer=tokenizer).loop_for("http_agent")
