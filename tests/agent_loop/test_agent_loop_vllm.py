@@ -8,6 +8,8 @@ costs ~40 s on 2 cores) and one short test.
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from rollfleet.agent_loop import AgentLoopManager
@@ -86,3 +88,103 @@ async def test_tool_agent_terminates_within_budget_on_vllm(vllm_fleet, tokenizer
         assert all(lp <= 0.0 for lp in logprobs) and any(lp < 0.0 for lp in logprobs)
         assert len(set(extra["replica_ids"])) == 1
         assert result.has_score[i] and extra["min_global_steps"] is not None
+
+
+class _Recorder:
+    """The fleet client, recording what the engine was prompted with and sampled for each call."""
+
+    def __init__(self, client):
+        self.client = client
+        self.calls: dict[tuple[tuple[int, ...], tuple[int, ...]], list[float]] = {}
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+    async def generate(self, request_id, *, prompt_ids, sampling_params=None, **kwargs):
+        out = await self.client.generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs)
+        self.calls[(tuple(prompt_ids), tuple(out.token_ids))] = list(out.log_probs or [])
+        return out
+
+
+async def test_gateway_sessions_on_vllm_capture_the_exact_tokens_across_a_weight_update(vllm_fleet, tokenizer):
+    """100 sessions x 3 chat turns through the real openai client, a weight update after the first
+    round: each captured turn is exactly what vLLM was prompted with and sampled (with its
+    logprobs and the version that sampled it); re-rendering the conversations, the baseline, is not."""
+    import openai
+    from model_support import tiny_state_dict
+
+    from rollfleet.gateway import Gateway, GatewayServer, TextCodec
+
+    _, fleet = vllm_fleet
+    recorder = _Recorder(fleet.get_client(FullyAsyncLLMServerClient))
+    gateway = Gateway(recorder, TextCodec(tokenizer), rollout=recorder.client.config)
+    server = await GatewayServer(gateway.app).start()
+    conversations: dict[str, list[dict]] = {f"s{i}": [] for i in range(100)}
+
+    async def turn(sid: str, k: int) -> None:
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/sessions/{sid}/v1", api_key="unused", max_retries=0)
+        messages = conversations[sid]
+        messages.append({"role": "user", "content": f"{sid} turn {k}: 1 2 3"})
+        out = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=1.0)
+        messages.append(out.choices[0].message.model_dump(exclude_none=True))
+        await client.close()
+
+    try:
+        for k in range(3):
+            if k == 1:
+                await fleet.update_weights(tiny_state_dict(), version=1)
+            await asyncio.gather(*(turn(sid, k) for sid in conversations))
+        differing = drifted = 0
+        for sid, messages in conversations.items():
+            record = gateway.trajectories.trajectory(sid)
+            assert len(record["branches"]) == 1, [b["why"] for b in record["branches"]]
+            branch = record["branches"][0]
+            ids = branch["token_ids"]
+            for t, info in enumerate(branch["turns"]):
+                start, end = info["prompt_tokens"], info["prompt_tokens"] + info["response_tokens"]
+                key = (tuple(ids[:start]), tuple(ids[start:end]))
+                differing += key not in recorder.calls
+                if key in recorder.calls:
+                    assert branch["logprobs"][start:end] == recorder.calls[key]
+                assert set(branch["weight_versions"][start:end]) <= ({0} if t == 0 else {1})
+            rendered = gateway.codec.render_chat(messages, add_generation_prompt=False)
+            drifted += rendered[: len(ids)] != ids
+    finally:
+        await server.stop()
+    print(f"captured turns unlike the engine's: {differing}/300; re-rendered sessions unlike it: {drifted}/100")
+    assert differing == 0
+
+
+async def test_the_openai_sdk_example_agent_rolls_out_on_vllm_through_http_agent(vllm_fleet, tokenizer):
+    """The example agent (openai package only) as the workers' loop: padded batch, model tokens
+    masked in with their logprobs and versions, the count reward scored from the model's text."""
+    from pathlib import Path
+
+    config, fleet = vllm_fleet
+    example = Path(__file__).resolve().parents[2] / "examples" / "openai_sdk_agent.py"
+    config = config.model_copy(deep=True)
+    config.agent.default_agent_loop = "http_agent"
+    config.agent.http_agent.agent = f"{example}:solve"
+    agents = await AgentLoopManager.create(
+        config, llm_client=fleet.get_client(FullyAsyncLLMServerClient), tokenizer=tokenizer
+    )
+    try:
+        batch = [
+            {
+                "raw_prompt": [{"role": "user", "content": f"Count: {i} {i + 1} {i + 2}"}],
+                "reward": {"name": "rollfleet.trainer.tasks:count_continuation", "ground_truth": f"{i + 3}"},
+            }
+            for i in range(2)
+        ]
+        result = await agents.generate_sequences(batch)
+    finally:
+        await agents.shutdown()
+    assert len(result) == 4 and result.responses.shape == (4, RESPONSE_LENGTH)
+    for i in range(4):
+        n = int(result.response_lengths[i])
+        mask = result.response_mask[i].tolist()
+        logprobs = result.rollout_log_probs[i].tolist()
+        assert 0 < n <= RESPONSE_LENGTH and sum(mask) > 0 and all(m == 0 for m in mask[n:])
+        assert all(lp == 0.0 for lp, m in zip(logprobs, mask) if not m) and any(lp < 0.0 for lp in logprobs)
+        assert result.has_score[i] and result.extra_fields[i]["min_global_steps"] is not None
+        assert "agent_error" not in result.extra_fields[i]
