@@ -66,24 +66,10 @@ class TextCodec:
             return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def render_chat(
-        self,
-        messages: list[dict[str, Any]],
-        *,
-        tools: Optional[list[dict[str, Any]]] = None,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        template_kwargs: Optional[dict[str, Any]] = None,
-    ) -> list[int]:
-        """Messages -> prompt ids through the model's own chat template."""
-        text = self.render_chat_text(
-            messages,
-            tools=tools,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            template_kwargs=template_kwargs,
-        )
-        return self.encode(text, add_special_tokens=False)
+    def render_chat(self, messages: list[dict[str, Any]], **options: Any) -> list[int]:
+        """Messages -> prompt ids through the model's own chat template (``options``: those of
+        :meth:`render_chat_text`)."""
+        return self.encode(self.render_chat_text(messages, **options), add_special_tokens=False)
 
     def render_chat_text(
         self,
