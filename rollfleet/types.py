@@ -49,6 +49,17 @@ class TokenOutput(BaseModel):
 
 
 @dataclass(slots=True)
+class TokenDelta:
+    """New tokens of a generation still running (streaming): their ids, logprobs and the weight
+    version that sampled each (None: the engine's boot weights). The whole :class:`TokenOutput`
+    that ends a stream is the authority; deltas are for showing tokens early."""
+
+    token_ids: list[int]
+    log_probs: list[float]
+    token_versions: list[Optional[int]]
+
+
+@dataclass(slots=True)
 class LoadReport:
     """What a replica says about itself: piggybacked on every response and polled.
 
@@ -93,6 +104,7 @@ __all__ = [
     "SamplingParams",
     "BUDGET_KEYS",
     "TokenOutput",
+    "TokenDelta",
     "LoadReport",
     "ReplicaResponse",
     "budget_of",

@@ -19,14 +19,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Optional, Union
+from typing import Any, AsyncIterator, Optional, Union
 
 from rollfleet.client.fleet_view import FleetView
 from rollfleet.client.retry import RetryPolicy, is_replica_failure, is_retryable, unwrap
+from rollfleet.client.streaming import stream_generate
 from rollfleet.config import RollfleetConfig, RolloutConfig
 from rollfleet.errors import NoServerAvailable, RetriesExhausted
 from rollfleet.routing import GlobalRequestLoadBalancer
-from rollfleet.types import ReplicaResponse, SamplingParams, TokenOutput
+from rollfleet.types import ReplicaResponse, SamplingParams, TokenDelta, TokenOutput
 
 logger = logging.getLogger(__name__)
 
@@ -189,6 +190,19 @@ class LLMServerClient:
             extra.setdefault("min_global_steps", extra.get("global_steps"))
             extra.setdefault("max_global_steps", extra.get("global_steps"))
             return output
+
+    def generate_stream(
+        self,
+        request_id: str,
+        *,
+        prompt_ids: list[int],
+        sampling_params: Optional[SamplingParams] = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[Union[TokenDelta, TokenOutput]]:
+        """:meth:`generate`, streamed: token deltas as they are sampled, then the whole output; a
+        replica failure (or, resuming, an abort) mid-stream goes on elsewhere from the tokens
+        received. See :mod:`rollfleet.client.streaming`."""
+        return stream_generate(self, request_id, prompt_ids, sampling_params, **kwargs)
 
     async def _generate_once(
         self,

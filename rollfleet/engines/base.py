@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, Optional
+from typing import Any, AsyncIterator, ClassVar, Literal, Optional, Union
 
 from rollfleet.errors import NotSupported
-from rollfleet.types import SamplingParams, TokenOutput
+from rollfleet.types import SamplingParams, TokenDelta, TokenOutput
 
 #: How a commit treats the requests in flight: ``abort`` ends them (they return their partial
 #: tokens, and the client resumes them on the new weights); ``keep`` freezes them with their KV
@@ -62,6 +62,8 @@ class Engine(abc.ABC):
 
     #: The commit modes :meth:`commit_weights` accepts. Every engine can ``abort``.
     update_modes: ClassVar[frozenset[str]] = frozenset({"abort"})
+    #: Whether :meth:`generate_stream` yields tokens as they are sampled (else the output at the end).
+    streams: ClassVar[bool] = False
 
     def assign(self, host: str, devices: Optional[list[str]] = None) -> None:
         """Where the engine runs, decided by placement before :meth:`start`: it listens on ``host``
@@ -95,6 +97,15 @@ class Engine(abc.ABC):
         ``kwargs`` are per-request extras forwarded by the client (e.g. ``priority``); an engine
         uses those it understands and ignores ``None`` values.
         """
+
+    async def generate_stream(
+        self, request_id: str, prompt_ids: list[int], sampling_params: SamplingParams, **kwargs: Any
+    ) -> AsyncIterator[Union[TokenDelta, TokenOutput]]:
+        """:meth:`generate`, yielding :class:`TokenDelta` s as tokens are sampled, then the whole
+        output (the authority: deltas are only for showing tokens early). Closing the iterator
+        early aborts the request. This default, for engines that cannot stream (``streams`` is
+        False), yields the whole output alone."""
+        yield await self.generate(request_id, prompt_ids, sampling_params, **kwargs)
 
     @abc.abstractmethod
     async def abort(self, request_id: str) -> None:

@@ -71,7 +71,7 @@ def token_fields(out: TokenOutput) -> dict[str, Any]:
     }
 
 
-def _meta_fields(out: TokenOutput) -> dict[str, Any]:
+def meta_fields(out: TokenOutput) -> dict[str, Any]:
     """The token extension without the per-token lists (they went out chunk by chunk)."""
     fields = token_fields(out)
     for key in ("token_ids", "token_logprobs", "weight_versions"):
@@ -244,7 +244,7 @@ def completion_chunks(
             yield {**base, "choices": [choice]}
         last: dict[str, Any] = {"index": i, "text": "", "logprobs": None, "finish_reason": finish_reason(out)}
         if return_token_ids:
-            last.update(_meta_fields(out))
+            last.update(meta_fields(out))
         yield {**base, "choices": [last]}
     if include_usage:
         yield {**base, "choices": [], "usage": usage(sum(len(p) for p in prompts) * n, outputs)}
@@ -300,7 +300,7 @@ def chat_chunks(
             "finish_reason": chat_finish_reason(out, calls),
         }
         if return_token_ids:
-            last.update(_meta_fields(out))
+            last.update(meta_fields(out))
         yield {**base, "choices": [last]}
     if include_usage:
         yield {**base, "choices": [], "usage": usage(len(prompt_ids) * len(outputs), outputs)}
@@ -314,6 +314,7 @@ __all__ = [
     "Reply",
     "usage",
     "token_fields",
+    "meta_fields",
     "completion_body",
     "chat_body",
     "tokens_body",

@@ -8,7 +8,19 @@ trajectory capture) and :mod:`rollfleet.gateway.routes_openai` (everything else,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Iterator, Optional, Sequence, TypeVar
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterator,
+    Optional,
+    Sequence,
+    TypeVar,
+    cast,
+)
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
@@ -18,6 +30,7 @@ from rollfleet.gateway import responses
 from rollfleet.gateway.errors import FieldMap, bad_request, from_exception, from_validation_error, model_not_found
 from rollfleet.gateway.jsonio import dumps
 from rollfleet.gateway.limits import GatewayLimits
+from rollfleet.gateway.live import live_events
 from rollfleet.gateway.protocol import _GenerationRequest
 from rollfleet.gateway.sampling import token_budget
 from rollfleet.gateway.sessions import SESSION_KEY_HEADER, SessionKeys
@@ -144,6 +157,42 @@ class RoutesBase:
             if session_id.isascii() and session_id.isprintable():  # a header must be latin-1
                 headers[SESSION_RESPONSE_HEADER] = session_id
         return headers
+
+    async def _live(
+        self,
+        kind: str,
+        route: str,
+        req: _GenerationRequest,
+        prompt: list[int],
+        params: SamplingParams,
+        session: Optional[str],
+        fields: FieldMap,
+        *,
+        logprobs: bool,
+        on_done: Optional[Callable[[TokenOutput], Any]] = None,
+    ) -> Response:
+        """A streamed answer sent as the fleet samples it (:mod:`rollfleet.gateway.live`)."""
+        stream = self.service.generate_stream(route, prompt, params, session_id=session)
+        try:
+            first = await stream.__anext__()
+        except Exception as exc:  # before the status line: the caller gets the proper status
+            await cast(AsyncGenerator, stream).aclose()
+            raise from_exception(exc, fields) from exc
+        options = getattr(req, "stream_options", None)
+        events = live_events(
+            kind,
+            req.model,
+            self.codec,
+            first,
+            stream,
+            prompt,
+            logprobs=logprobs,
+            return_token_ids=bool(getattr(req, "return_token_ids", False)),
+            include_usage=bool(options and options.include_usage),
+            on_done=on_done,
+        )
+        headers = {**self._headers([], session), "Cache-Control": "no-cache"}
+        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
 
     def _check_fits(self, texts: list[str], param: str) -> None:
         """Prompt text that cannot fit the context even at the longest token per step is refused

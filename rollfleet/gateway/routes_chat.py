@@ -43,8 +43,19 @@ class ChatRoutes(RoutesBase):
         budget = self._budget(requested, len(prompt), "messages", budget_param)
         params = sampling_params(req, budget, codec)
         fields = field_mapper("messages", budget_param)
-        outputs = await self._generate("/v1/chat/completions", [prompt], params, req.n, session, fields)
         parse = bool(req.tools) and req.tool_choice != "none"
+        if req.stream and req.n == 1 and not parse:  # live; replies with tool calls are parsed whole
+
+            def record(out: TokenOutput) -> None:
+                if store is not None and session is not None:
+                    reply = [self.tool_calls.message(codec.decode(out.token_ids), parse=False)]
+                    turn = _turn(prompt, [out], reply, plan)
+                    store.record(session, messages, req.tools, turn, new_branch=plan.new_branch, chosen=plan.chosen)
+
+            route = "/v1/chat/completions"
+            return await self._live("chat", route, req, prompt, params, session, fields, logprobs=req.logprobs,
+                                    on_done=record)  # fmt: skip
+        outputs = await self._generate("/v1/chat/completions", [prompt], params, req.n, session, fields)
         replies = [self.tool_calls.message(codec.decode(o.token_ids), parse=parse) for o in outputs]
         if store is not None and session is not None:
             turn = _turn(prompt, outputs, replies, plan)

@@ -17,11 +17,11 @@ import asyncio
 import itertools
 import os
 import sys
-from typing import Any, Awaitable, Optional, Sequence
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Optional, Sequence, Union, cast
 
 from rollfleet.client import LLMServerClient
 from rollfleet.gateway.metrics import GatewayMetrics
-from rollfleet.types import SamplingParams, TokenOutput
+from rollfleet.types import SamplingParams, TokenDelta, TokenOutput
 
 #: Request ids of session-less requests: unique across gateways (random prefix) and cheap (counter).
 _RID_PREFIX = f"gw-{os.urandom(6).hex()}-"
@@ -65,6 +65,31 @@ class GenerationService:
                 client.finish_session(request_id)
         self.metrics.observe_outputs(route, sum(len(p) for p in prompts) * n, outputs)
         return outputs
+
+    async def generate_stream(
+        self, route: str, prompt: list[int], params: SamplingParams, *, session_id: Optional[str] = None
+    ) -> AsyncIterator[Union[TokenDelta, TokenOutput]]:
+        """One generation, streamed (token deltas, then the whole output), within ``request_timeout_s``
+        overall; leaving early cancels it in the fleet."""
+        request_id = session_id if session_id is not None else f"{_RID_PREFIX}{next(_RID_COUNTER)}"
+        stream = cast(
+            AsyncGenerator, self.client.generate_stream(request_id, prompt_ids=prompt, sampling_params=params)
+        )
+        deadline = asyncio.get_running_loop().time() + self.timeout_s
+        try:
+            while True:
+                remaining = deadline - asyncio.get_running_loop().time()
+                try:
+                    item = await asyncio.wait_for(stream.__anext__(), max(remaining, 0.0))
+                except StopAsyncIteration:
+                    return
+                if isinstance(item, TokenOutput):
+                    self.metrics.observe_outputs(route, len(prompt), [item])
+                yield item
+        finally:
+            await stream.aclose()
+            if session_id is None:
+                self.client.finish_session(request_id)
 
     async def _bounded(self, awaitable: Awaitable[Any]) -> Any:
         """Await under ``request_timeout_s``; a timeout cancels the fleet request too (504)."""

@@ -18,10 +18,10 @@ import hmac
 import logging
 import random
 import secrets
-from typing import Any, Optional, Protocol
+from typing import Any, AsyncGenerator, AsyncIterator, Optional, Protocol, Union, cast
 
 from rollfleet.server import wire
-from rollfleet.types import ReplicaResponse
+from rollfleet.types import ReplicaResponse, TokenDelta
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +30,10 @@ class GeneratesWithLoad(Protocol):
     async def generate_with_load(
         self, request_id: str, prompt_ids: list[int], sampling_params: Optional[dict] = None, **kwargs: Any
     ) -> ReplicaResponse: ...
+
+    def generate_stream(
+        self, request_id: str, prompt_ids: list[int], sampling_params: Optional[dict] = None, **kwargs: Any
+    ) -> AsyncIterator[Union[TokenDelta, ReplicaResponse]]: ...
 
 
 class _Connection(asyncio.Protocol):
@@ -84,10 +88,11 @@ class _Connection(asyncio.Protocol):
             self._reader.allow_pickle = self._server.allow_pickle
             self._reader.max_frame_bytes = wire.MAX_FRAME_BYTES
             return
-        if op == wire.GENERATE:
+        if op in (wire.GENERATE, wire.STREAM):
             _, call_id, request_id, prompt_ids, sampling_params, kwargs = message
+            run = self._run if op == wire.GENERATE else self._stream
             task = asyncio.get_running_loop().create_task(
-                self._run(call_id, request_id, prompt_ids, sampling_params, kwargs or {})
+                run(call_id, request_id, prompt_ids, sampling_params, kwargs or {})
             )
             self._tasks[call_id] = task
         elif op == wire.CANCEL:
@@ -115,6 +120,32 @@ class _Connection(asyncio.Protocol):
             self._tasks.pop(call_id, None)
         transport = self._transport
         if transport is not None and not transport.is_closing():
+            transport.write(frame)
+
+    async def _stream(
+        self, call_id: int, request_id: str, prompt_ids: list[int], sampling_params: Optional[dict], kwargs: dict
+    ) -> None:
+        """A STREAM call: a PART frame per batch of new tokens, then the whole output (or an error)."""
+        stream = cast(AsyncGenerator, self._target.generate_stream(request_id, prompt_ids, sampling_params, **kwargs))
+        frame = b""
+        try:
+            async for item in stream:
+                transport = self._transport
+                if transport is None or transport.is_closing():
+                    return  # the client went away: closing the stream aborts the generation
+                if isinstance(item, TokenDelta):
+                    transport.write(wire.part_frame(call_id, item))
+                else:
+                    frame = wire.response_frame(call_id, item, self._server.allow_pickle)
+        except asyncio.CancelledError:
+            return
+        except Exception as exc:
+            frame = wire.error_frame(call_id, exc)
+        finally:
+            await stream.aclose()
+            self._tasks.pop(call_id, None)
+        transport = self._transport
+        if frame and transport is not None and not transport.is_closing():
             transport.write(frame)
 
     def connection_lost(self, exc: Optional[Exception]) -> None:

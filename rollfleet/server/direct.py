@@ -19,11 +19,11 @@ import asyncio
 import itertools
 import logging
 import weakref
-from typing import Any, Optional
+from typing import Any, AsyncGenerator, AsyncIterator, Optional, Union
 
 from rollfleet.errors import ReplicaUnavailable
 from rollfleet.server import wire
-from rollfleet.types import ReplicaResponse, SamplingParams
+from rollfleet.types import ReplicaResponse, SamplingParams, TokenDelta
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,8 @@ class DirectConnection(asyncio.Protocol):
         self._token = token
         self.allow_pickle = allow_pickle
         self._reader = wire.FrameReader(allow_pickle=allow_pickle)
-        self._pending: dict[int, asyncio.Future[Any]] = {}
+        #: Call id -> the future of a call, or the queue of a streamed call's parts.
+        self._pending: dict[int, Union[asyncio.Future[Any], asyncio.Queue[Any]]] = {}
         self._ids = itertools.count(1)
         self._transport: Optional[asyncio.Transport] = None
         self._closed_reason: Optional[str] = None
@@ -63,7 +64,16 @@ class DirectConnection(asyncio.Protocol):
                 self._transport.close()
 
     def _deliver(self, message: list[Any]) -> None:
+        if message[1] == wire.PART:
+            queue = self._pending.get(message[0])
+            if isinstance(queue, asyncio.Queue):
+                queue.put_nowait(wire.decode_part(message[2]))
+            return
         future = self._pending.pop(message[0], None)
+        if isinstance(future, asyncio.Queue):
+            kind, body = message[1], message[2]
+            future.put_nowait(wire.decode_response(body, message[3]) if kind == wire.OK else wire.decode_error(body))
+            return
         if future is None or future.done():
             return  # cancelled meanwhile
         if message[1] == wire.OK:
@@ -79,7 +89,9 @@ class DirectConnection(asyncio.Protocol):
         self._closed_reason = reason
         pending, self._pending = self._pending, {}
         for future in pending.values():
-            if not future.done():
+            if isinstance(future, asyncio.Queue):
+                future.put_nowait(ReplicaUnavailable(self.replica_id, reason))
+            elif not future.done():
                 future.set_exception(ReplicaUnavailable(self.replica_id, reason))
 
     # ------------------------------------------------------------------ calls
@@ -108,6 +120,38 @@ class DirectConnection(asyncio.Protocol):
             if self._pending.pop(call_id, None) is not None and self.is_open:
                 self._transport.write(wire.cancel_frame(call_id))  # type: ignore[union-attr]
             raise
+
+    async def generate_stream(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling_params: Optional[SamplingParams] = None,
+        **kwargs: Any,
+    ) -> AsyncGenerator[Union[TokenDelta, ReplicaResponse], None]:
+        """The replica's :meth:`~rollfleet.server.replica.Replica.generate_stream` over this
+        connection; leaving the loop early cancels the call on the replica."""
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            raise ReplicaUnavailable(self.replica_id, self._closed_reason or "data-plane connection closed")
+        call_id = next(self._ids)
+        frame = wire.stream_frame(call_id, request_id, prompt_ids, sampling_params, kwargs, self.allow_pickle)
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._pending[call_id] = queue
+        transport.write(frame)
+        ended = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    ended = True
+                    raise item
+                ended = isinstance(item, ReplicaResponse)
+                yield item
+                if ended:
+                    return
+        finally:
+            if not ended and self._pending.pop(call_id, None) is not None and self.is_open:
+                self._transport.write(wire.cancel_frame(call_id))  # type: ignore[union-attr]
 
     def close(self) -> None:
         if self._transport is not None:
@@ -253,6 +297,27 @@ class DirectHandle:
     @property
     def generate(self) -> _DirectCall:
         return _DirectCall(self, output_only=True)
+
+    async def stream_generate(
+        self, request_id: str, prompt_ids: list[int], sampling_params: Optional[SamplingParams] = None, **kwargs: Any
+    ) -> AsyncIterator[Union[TokenDelta, ReplicaResponse]]:
+        """Streamed generation over the data plane (tokens as they are sampled, then the output
+        with the load); through Ray when the data plane cannot carry it, as one final item."""
+        try:
+            conn = await get_connection(self.address, self.replica_id, self.token, self.allow_pickle)
+            stream = conn.generate_stream(request_id, prompt_ids, sampling_params, **kwargs)
+            first = await stream.__anext__()
+        except (ReplicaUnavailable, wire.NeedsPickle) as exc:
+            if self.actor is None or (isinstance(exc, ReplicaUnavailable) and "cannot reach" not in str(exc)):
+                raise
+            yield await self.actor.generate_with_load.remote(request_id, prompt_ids, sampling_params, **kwargs)
+            return
+        try:
+            yield first
+            async for item in stream:
+                yield item
+        finally:
+            await stream.aclose()
 
     def drop_connection(self, reason: str) -> None:
         """See :func:`drop_connection` (the fleet view calls it when the replica is declared dead)."""

@@ -39,5 +39,9 @@ class LocalHandle:
     def target(self) -> Any:
         return self._target
 
+    def stream_generate(self, *args: Any, **kwargs: Any) -> Any:
+        """The target's ``generate_stream`` (an async iterator, not a call to await)."""
+        return self._target.generate_stream(*args, **kwargs)
+
 
 __all__ = ["LocalHandle"]

@@ -2,30 +2,28 @@
 
 The logic lives in the plain class :class:`Replica` so it can be tested without Ray;
 :data:`ReplicaActor` is the thin Ray actor around it (an asyncio actor, so thousands of requests
-interleave in one process, as the engines expect).
-
-Why the replica and not the engine stamps versions: only the replica sees both the data plane
-and the control plane. It counts weight changes (an epoch) and compares the epoch at the start and
-the end of every attempt, so an output is never labelled with a version it was not produced under,
-even when an engine does not pause cleanly.
+interleave in one process, as the engines expect). How outputs are labelled with weight versions,
+and why here: :mod:`rollfleet.server.attempts`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Optional, Union, cast
 
 from rollfleet.config import RolloutConfig
 from rollfleet.engines import Engine, EngineLimits, build_engine
 from rollfleet.engines.base import CommitMode
 from rollfleet.errors import NotSupported, ReplicaUnavailable
 from rollfleet.health import ReplicaState
+from rollfleet.server.attempts import Attempt, stamp_versions
 from rollfleet.server.liveness import EngineLiveness
 from rollfleet.server.validation import validate_prompt, validate_sampling_params
-from rollfleet.types import LoadReport, ReplicaResponse, SamplingParams, TokenOutput
+from rollfleet.types import LoadReport, ReplicaResponse, SamplingParams, TokenDelta, TokenOutput
 
 if TYPE_CHECKING:
     from rollfleet.server.dataplane import DataPlaneServer
@@ -133,6 +131,38 @@ class Replica:
         self, request_id: str, prompt_ids: list[int], sampling_params: Optional[SamplingParams] = None, **kwargs: Any
     ) -> ReplicaResponse:
         """Validate, generate, stamp versions; return the output with this replica's load."""
+        async with self._admitted(request_id, prompt_ids, sampling_params) as call:
+            output = await self.engine.generate(call.engine_id, call.prompt, call.params, **kwargs)
+        return ReplicaResponse(self._finished(output, call), self._report())
+
+    async def generate_stream(
+        self, request_id: str, prompt_ids: list[int], sampling_params: Optional[SamplingParams] = None, **kwargs: Any
+    ) -> AsyncIterator[Union[TokenDelta, ReplicaResponse]]:
+        """:meth:`generate_with_load` as it happens: :class:`TokenDelta` s of new tokens while the
+        engine samples them (versions stamped as the whole output's are), then the whole output with
+        the load. An engine that does not stream yields the output alone. Closing the iterator
+        early aborts the generation."""
+        async with self._admitted(request_id, prompt_ids, sampling_params) as call:
+            stream = cast(
+                AsyncGenerator, self.engine.generate_stream(call.engine_id, call.prompt, call.params, **kwargs)
+            )
+            try:
+                async for item in stream:
+                    if isinstance(item, TokenDelta):
+                        item.token_versions = [call.version if v is None else v for v in item.token_versions]
+                        yield item
+                    else:
+                        output = item
+            finally:
+                await stream.aclose()  # at once, not when collected: it aborts the engine's request
+        yield ReplicaResponse(self._finished(output, call), self._report())
+
+    @contextlib.asynccontextmanager
+    async def _admitted(
+        self, request_id: str, prompt_ids: list[int], sampling_params: Optional[SamplingParams]
+    ) -> AsyncIterator[Attempt]:
+        """Validate a request, count it in flight, hold it at the gate while paused; on the way
+        out, whatever happened, count it out (no leaked in-flight counts)."""
         self._check_accepting()
         limits = self._limits
         assert limits is not None and self._gate is not None
@@ -159,11 +189,7 @@ class Replica:
             while not self._gate.is_set():
                 await self._gate.wait()
             self._check_accepting()
-            epoch, version = self._epoch, self._version
-            started = time.monotonic()
-            output = await self.engine.generate(engine_id, prompt, params, **kwargs)
-        except asyncio.CancelledError:
-            raise
+            yield Attempt(engine_id, prompt, params, self._epoch, self._version, time.monotonic())
         except ReplicaUnavailable:
             self._counters["errors"] += 1
             raise
@@ -173,37 +199,20 @@ class Replica:
             ids.discard(engine_id)
             if not ids:
                 self._sessions.pop(request_id, None)
-        self._stamp(output, epoch, version)
+
+    def _finished(self, output: TokenOutput, call: Attempt) -> TokenOutput:
+        stamp_versions(output, call, epoch_now=self._epoch, version_now=self._version)
         output.extra_fields.setdefault("replica_id", self.replica_id)
-        output.extra_fields.setdefault("generate_s", time.monotonic() - started)
+        output.extra_fields.setdefault("generate_s", time.monotonic() - call.started)
         if output.stop_reason == "aborted":
             self._counters["aborted"] += 1
         self._counters["tokens_out"] += len(output.token_ids)
-        return ReplicaResponse(output, self._report())
+        return output
 
     def _check_accepting(self) -> None:
         if self._state in (ReplicaState.SERVING, *_HOLDING_STATES):
             return
         raise ReplicaUnavailable(self.replica_id, f"state is '{self._state.value}'")
-
-    def _stamp(self, output: TokenOutput, epoch: int, version: Optional[int]) -> None:
-        if output.token_versions is not None and len(output.token_versions) == len(output.token_ids):
-            # The engine knows which weights sampled each token (it was told at every commit);
-            # tokens from before its first commit carry None: the weights it booted with.
-            output.token_versions = [version if v is None else v for v in output.token_versions]
-            known = [v for v in output.token_versions if v is not None]
-            first = min(known) if known else version
-            last = max(known) if known else version
-        elif epoch == self._epoch or output.stop_reason == "aborted":
-            # No weight change during the attempt (an aborted attempt stopped before any change).
-            first = last = version
-            output.token_versions = [version] * len(output.token_ids) if version is not None else None
-        else:
-            first, last = version, self._version
-            output.token_versions = None  # which tokens came from which weights is unknown
-        output.extra_fields["global_steps"] = last
-        output.extra_fields["min_global_steps"] = first
-        output.extra_fields["max_global_steps"] = last
 
     def _report(self) -> LoadReport:
         load = self._liveness.load

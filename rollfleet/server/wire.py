@@ -26,8 +26,9 @@ the random token the replica reported to the controller over Ray, sent within th
 handshake deadline; until then the replica buffers no more than that one small frame.
 
 Client -> replica: ``[HELLO, token]`` once, then ``[GENERATE, call_id, request_id, prompt_ids,
-sampling_params, kwargs]`` or ``[CANCEL, call_id]``. Replica -> client: ``[call_id, OK, output, load]`` or
-``[call_id, ERROR, [type_name, args]]``.
+sampling_params, kwargs]``, ``[STREAM, ...the same]`` or ``[CANCEL, call_id]``. Replica -> client:
+``[call_id, OK, output, load]`` or ``[call_id, ERROR, [type_name, args]]``; a STREAM call gets
+``[call_id, PART, [token_ids, log_probs, token_versions]]`` frames as tokens are sampled first.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from typing import Any, Iterator, Optional
 import orjson
 
 from rollfleet import errors as _errors_module
-from rollfleet.types import LoadReport, ReplicaResponse, TokenOutput
+from rollfleet.types import LoadReport, ReplicaResponse, TokenDelta, TokenOutput
 
 #: rollfleet's own error types, by name: what an error frame may rebuild.
 _ERRORS: dict[str, type[BaseException]] = {
@@ -60,9 +61,11 @@ PICKLE = 1
 GENERATE = 1
 CANCEL = 2
 HELLO = 3
+STREAM = 4
 
 OK = 0
 ERROR = 1
+PART = 2
 
 _HEADER = struct.Struct("<IB")
 HEADER_SIZE = _HEADER.size
@@ -153,6 +156,28 @@ def generate_frame(
     return pack([GENERATE, call_id, request_id, prompt_ids, sampling_params, kwargs], allow_pickle)
 
 
+def stream_frame(
+    call_id: int,
+    request_id: str,
+    prompt_ids: list[int],
+    sampling_params: Optional[dict],
+    kwargs: dict[str, Any],
+    allow_pickle: bool = False,
+) -> bytes:
+    return pack([STREAM, call_id, request_id, prompt_ids, sampling_params, kwargs], allow_pickle)
+
+
+def part_frame(call_id: int, delta: TokenDelta) -> bytes:
+    return pack([call_id, PART, [delta.token_ids, delta.log_probs, delta.token_versions]])
+
+
+def decode_part(body: list[Any]) -> TokenDelta:
+    token_ids, log_probs, versions = body
+    if log_probs and None in log_probs:
+        log_probs = [math.nan if x is None else x for x in log_probs]
+    return TokenDelta(token_ids, log_probs, versions)
+
+
 def hello_frame(token: str) -> bytes:
     return pack([HELLO, token])
 
@@ -240,6 +265,9 @@ __all__ = [
     "FrameError",
     "pack",
     "generate_frame",
+    "stream_frame",
+    "part_frame",
+    "decode_part",
     "cancel_frame",
     "hello_frame",
     "response_frame",
@@ -249,6 +277,8 @@ __all__ = [
     "HELLO_MAX_FRAME_BYTES",
     "decode_response",
     "GENERATE",
+    "STREAM",
+    "PART",
     "CANCEL",
     "HELLO",
     "OK",

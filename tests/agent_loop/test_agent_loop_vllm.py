@@ -188,3 +188,53 @@ async def test_the_openai_sdk_example_agent_rolls_out_on_vllm_through_http_agent
         assert all(lp == 0.0 for lp, m in zip(logprobs, mask) if not m) and any(lp < 0.0 for lp in logprobs)
         assert result.has_score[i] and result.extra_fields[i]["min_global_steps"] is not None
         assert "agent_error" not in result.extra_fields[i]
+
+
+async def _first_and_total(url: str, body: dict) -> tuple[float, float, list[dict]]:
+    import json
+    import time
+
+    import httpx
+
+    events = []
+    first = None
+    started = time.monotonic()
+    async with httpx.AsyncClient(timeout=120) as http:
+        async with http.stream("POST", url, json=body) as resp:
+            assert resp.status_code == 200, await resp.aread()
+            async for line in resp.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    events.append(json.loads(line[6:]))
+                    if first is None and events[-1]["choices"] and events[-1]["choices"][0].get("text"):
+                        first = time.monotonic() - started
+    assert first is not None
+    return first, time.monotonic() - started, events
+
+
+async def test_a_stream_through_the_gateway_starts_as_vllm_samples(vllm_fleet, tokenizer):
+    """vLLM streams, the replica forwards over the data plane, the gateway sends SSE as tokens come:
+    the first text arrives long before the last token, and the streamed ids are the output's.
+    Time to first token is measured side by side with vLLM's own server."""
+    from rollfleet.gateway import Gateway, GatewayServer, TextCodec
+
+    _, fleet = vllm_fleet
+    client = fleet.get_client(FullyAsyncLLMServerClient)
+    gateway = Gateway(client, TextCodec(tokenizer), rollout=client.config)
+    server = await GatewayServer(gateway.app).start()
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 400, "ignore_eos": True, "stream": True}
+    await client.generate(
+        "warm-up", prompt_ids=[1, 2, 3], sampling_params={"max_tokens": 8}
+    )  # the first forward is slow
+    try:
+        ours = await _first_and_total(f"{server.url}/v1/completions", {**body, "return_token_ids": True})
+        address = (await fleet.get_replicas())[0].address
+        theirs = await _first_and_total(f"{address}/v1/completions", body)
+    finally:
+        await server.stop()
+    first, total, events = ours
+    ids = [t for e in events if e["choices"] for t in e["choices"][0].get("token_ids") or []]
+    text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+    print(f"first text after {first:.3f}s of {total:.3f}s through the gateway; vLLM's own server: "
+          f"{theirs[0]:.3f}s of {theirs[1]:.3f}s")  # fmt: skip
+    assert len(ids) == 400 and text == tokenizer.decode(ids, skip_special_tokens=True)
+    assert first < 0.25 * total

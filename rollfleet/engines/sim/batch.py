@@ -9,6 +9,8 @@ for the model itself and what it trades away.
 from __future__ import annotations
 
 import asyncio
+import math
+import random
 import zlib
 from array import array
 from collections import OrderedDict, deque
@@ -72,6 +74,7 @@ class _Request:
         "prefilled",
         "versions",
         "sample_key",
+        "progress",
     )
 
     def __init__(self, request_id: str, prompt_ids: list[int], max_tokens: int) -> None:
@@ -92,6 +95,7 @@ class _Request:
         self.prefilled = False
         self.versions: list[Optional[int]] = []  # the weight version label of each generated token
         self.sample_key = (0, 0)  # (prompt key, sampling salt): the token seed under any weights
+        self.progress: Optional[asyncio.Event] = None  # set on every new token when streamed
 
     @property
     def context_len(self) -> int:
@@ -117,12 +121,42 @@ class BatchModel:
     _admit_counter: int
     _stats: dict[str, Any]
     _version_label: Optional[int]
+    _rng: random.Random
+    _weights_seed: int
+
+    def _seed_request(self, req: _Request, sampling_params: Any) -> tuple[int, int]:
+        """The request's sampling keys: ``(prompt key, salt)``; the same prompt with a seed (or at
+        temperature 0) samples the same tokens under the same weights."""
+        prompt_key = zlib.crc32(_int_bytes(req.prompt_ids))
+        temperature = float(sampling_params.get("temperature", 1.0))
+        seed = sampling_params.get("seed")
+        if seed is not None:
+            salt = _mix(int(seed), 1)
+        elif temperature == 0.0:
+            salt = 0
+        else:
+            salt = self._rng.getrandbits(63)
+        req.sample_key = (prompt_key, salt)
+        req.token_seed = _mix(self._weights_seed, prompt_key, salt)
+        return prompt_key, salt
+
+    def _natural_length(self, prompt_key: int, salt: int) -> int:
+        """Long-tailed response length: prompt difficulty x per-sample noise (log-normal)."""
+        cfg = self.config
+        sigma = cfg.response_sigma
+        mu = math.log(cfg.mean_response_tokens) - sigma * sigma / 2
+        r_prompt = random.Random(_mix(prompt_key, cfg.seed, 3))
+        r_sample = random.Random(_mix(prompt_key, salt, 5))
+        log_len = mu + 0.8 * sigma * r_prompt.gauss(0, 1) + 0.6 * sigma * r_sample.gauss(0, 1)
+        return max(1, int(math.exp(log_len)))
 
     def _fail_all(self, error: BaseException) -> None:
         for req in list(self._requests.values()):
             self._release(req)
             if not req.future.done():
                 req.future.set_exception(error)
+            if req.progress is not None:
+                req.progress.set()
         self._requests.clear()
         self._waiting.clear()
         self._running.clear()
@@ -144,6 +178,8 @@ class BatchModel:
         self._release(req)
         self._insert_prefix(req.prompt_ids + req.generated)
         self._stats["num_aborted" if reason == "aborted" else "num_finished"] += 1
+        if req.progress is not None:
+            req.progress.set()
         if not req.future.done():
             req.future.set_result(
                 TokenOutput(
@@ -270,6 +306,8 @@ class BatchModel:
             req.generated.append(tok)
             req.log_probs.append(lp)
             req.versions.append(self._version_label)
+            if req.progress is not None:
+                req.progress.set()
             self._stats["generation_tokens"] += 1
             n = len(req.generated)
             if req.scripted is not None and n >= len(req.scripted):

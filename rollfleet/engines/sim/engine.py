@@ -9,20 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import os
 import random
 import tempfile
 import time
-import zlib
 from collections import OrderedDict, deque
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, AsyncIterator, Callable, Optional, Sequence, Union
 
 from rollfleet.config import RolloutConfig, SimEngineConfig
 from rollfleet.engines.base import CommitMode, Engine, EngineHealth, EngineLimits, EngineLoad
-from rollfleet.engines.sim.batch import BatchModel, _fingerprint, _int_bytes, _mix, _Request
+from rollfleet.engines.sim.batch import BatchModel, _fingerprint, _mix, _Request
 from rollfleet.errors import EngineDead, NotSupported
-from rollfleet.types import SamplingParams, TokenOutput
+from rollfleet.types import SamplingParams, TokenDelta, TokenOutput
 
 #: A script maps (request_id, prompt_ids, sampling_params) to the exact response tokens. The
 #: response ends with ``stop`` after those tokens unless ``max_tokens`` cuts it first.
@@ -34,6 +32,7 @@ class SimEngine(BatchModel, Engine):
 
     name = "sim"
     update_modes = frozenset({"abort", "keep"})
+    streams = True
 
     def __init__(self, config: SimEngineConfig, *, max_model_len: Optional[int] = None, replica_index: int = 0):
         self.config = config
@@ -112,6 +111,46 @@ class SimEngine(BatchModel, Engine):
     async def generate(
         self, request_id: str, prompt_ids: list[int], sampling_params: SamplingParams, **kwargs: Any
     ) -> TokenOutput:
+        req = await self._submit(request_id, prompt_ids, sampling_params)
+        if isinstance(req, TokenOutput):
+            return req
+        try:
+            out = await asyncio.shield(req.future)
+        except asyncio.CancelledError:
+            # The caller gave up: free the engine's resources, never leak a running sequence.
+            self._finish(req, "aborted")
+            raise
+        return self._with_extras(out, kwargs)
+
+    async def generate_stream(
+        self, request_id: str, prompt_ids: list[int], sampling_params: SamplingParams, **kwargs: Any
+    ) -> AsyncIterator[Union[TokenDelta, TokenOutput]]:
+        req = await self._submit(request_id, prompt_ids, sampling_params, streamed=True)
+        if isinstance(req, TokenOutput):
+            yield req
+            return
+        assert req.progress is not None
+        sent = 0
+        try:
+            while not req.future.done():
+                await req.progress.wait()
+                req.progress.clear()
+                n = len(req.generated)
+                if n > sent and not req.future.done():
+                    yield TokenDelta(req.generated[sent:n], req.log_probs[sent:n], req.versions[sent:n])
+                    sent = n
+        except BaseException:  # cancelled, or the consumer closed the stream: stop generating
+            self._finish(req, "aborted")
+            raise
+        out = req.future.result()
+        if len(out.token_ids) > sent:  # sampled in the step that ended it
+            yield TokenDelta(out.token_ids[sent:], (out.log_probs or [])[sent:], (out.token_versions or [])[sent:])
+        yield self._with_extras(out, kwargs)
+
+    async def _submit(
+        self, request_id: str, prompt_ids: list[int], sampling_params: SamplingParams, streamed: bool = False
+    ) -> Union[_Request, TokenOutput]:
+        """Queue a request (or answer at once: a script's empty response)."""
         self._check_alive()
         if not self._started:
             await self.start()
@@ -121,17 +160,7 @@ class SimEngine(BatchModel, Engine):
         req = _Request(request_id, list(prompt_ids), max_tokens)
         req.stop_ids = frozenset(sampling_params.get("stop_token_ids") or ())
         req.ignore_eos = bool(sampling_params.get("ignore_eos", False))
-        prompt_key = zlib.crc32(_int_bytes(prompt_ids))
-        temperature = float(sampling_params.get("temperature", 1.0))
-        seed = sampling_params.get("seed")
-        if seed is not None:
-            salt = _mix(int(seed), 1)
-        elif temperature == 0.0:
-            salt = 0
-        else:
-            salt = self._rng.getrandbits(63)
-        req.sample_key = (prompt_key, salt)
-        req.token_seed = _mix(self._weights_seed, prompt_key, salt)
+        prompt_key, salt = self._seed_request(req, sampling_params)
         if self._script is not None:
             req.scripted = [int(t) for t in self._script(request_id, list(prompt_ids), dict(sampling_params))]
             req.target_len = len(req.scripted)
@@ -139,30 +168,20 @@ class SimEngine(BatchModel, Engine):
                 return TokenOutput(token_ids=[], log_probs=[], stop_reason="stop")
         else:
             req.target_len = self._natural_length(prompt_key, salt)
+        if streamed:
+            req.progress = asyncio.Event()
         self._requests[request_id] = req
         self._waiting.append(req)
         assert self._work is not None
         self._work.set()
-        try:
-            out = await asyncio.shield(req.future)
-        except asyncio.CancelledError:
-            # The caller gave up: free the engine's resources, never leak a running sequence.
-            self._finish(req, "aborted")
-            raise
+        return req
+
+    @staticmethod
+    def _with_extras(out: TokenOutput, kwargs: dict[str, Any]) -> TokenOutput:
         extras = {k: v for k, v in kwargs.items() if v is not None}
         if extras:  # echoed so tests can see what reached the engine
             out.extra_fields["request_kwargs"] = extras
         return out
-
-    def _natural_length(self, prompt_key: int, salt: int) -> int:
-        """Long-tailed response length: prompt difficulty x per-sample noise (log-normal)."""
-        cfg = self.config
-        sigma = cfg.response_sigma
-        mu = math.log(cfg.mean_response_tokens) - sigma * sigma / 2
-        r_prompt = random.Random(_mix(prompt_key, cfg.seed, 3))
-        r_sample = random.Random(_mix(prompt_key, salt, 5))
-        log_len = mu + 0.8 * sigma * r_prompt.gauss(0, 1) + 0.6 * sigma * r_sample.gauss(0, 1)
-        return max(1, int(math.exp(log_len)))
 
     async def abort(self, request_id: str) -> None:
         req = self._requests.get(request_id)

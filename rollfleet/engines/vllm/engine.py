@@ -42,6 +42,7 @@ import orjson
 
 from rollfleet.engines.base import EngineLimits, EngineLoad
 from rollfleet.engines.http import HTTPEngine, ServerStartupError, parse_metrics, read_vocab_size
+from rollfleet.engines.http.streaming import StreamingGenerate, StreamReader
 from rollfleet.engines.vllm import wire
 from rollfleet.engines.vllm.launch import VLLMLaunch
 from rollfleet.engines.vllm.staging import Staged, StageDir, default_root
@@ -54,7 +55,7 @@ class VLLMStartupError(ServerStartupError):
     """The vLLM server did not come up (exited or timed out); the message holds its log tail."""
 
 
-class VLLMEngine(VLLMLaunch, VLLMWeights, HTTPEngine):
+class VLLMEngine(VLLMLaunch, VLLMWeights, StreamingGenerate, HTTPEngine):
     """One vLLM OpenAI server, driven over HTTP (see the module docstring).
 
     It listens on :attr:`bind_host` only (the node's IP on a cluster, loopback on an embedded one)
@@ -68,6 +69,7 @@ class VLLMEngine(VLLMLaunch, VLLMWeights, HTTPEngine):
     """
 
     name = "vllm"
+    streams = True  # with its RL routes (a server rollfleet launched); whole answers otherwise
     server_name = "vLLM server"
     startup_error = VLLMStartupError
     stats_metrics = wire.STATS_METRICS
@@ -223,6 +225,9 @@ class VLLMEngine(VLLMLaunch, VLLMWeights, HTTPEngine):
 
     def _invalid(self, message: str, param: Any, prompt_ids: list[int], body: dict[str, Any]) -> InvalidRequest:
         return wire.invalid_request(message, param, prompt_ids, body)
+
+    def _stream_reader(self) -> Optional[StreamReader]:
+        return wire.GenerateStream() if self.rl_routes else None  # /v1/completions: whole answers
 
     def _parse_output(self, raw: bytes, budget: Optional[int]) -> TokenOutput:
         if self.rl_routes:

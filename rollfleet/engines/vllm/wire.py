@@ -50,7 +50,7 @@ import orjson
 
 from rollfleet.engines.http.wire import stop_reason
 from rollfleet.errors import InvalidRequest
-from rollfleet.types import SamplingParams, TokenOutput, budget_of
+from rollfleet.types import SamplingParams, TokenDelta, TokenOutput, budget_of
 
 #: Keys of the request body that rollfleet sets itself; callers' values for them are ignored.
 RESERVED_KEYS = frozenset(
@@ -273,7 +273,54 @@ def parse_generate(raw: bytes, max_tokens: Optional[int]) -> TokenOutput:
     )
 
 
+class GenerateStream:
+    """One streamed ``/inference/v1/generate`` answer (``"stream": true``), read line by line.
+
+    Each ``data:`` chunk carries the new ``token_ids`` and their ``logprobs.content``; the last one
+    the ``finish_reason`` and the ``weight_versions`` spans over the whole output. :meth:`body`
+    puts them back together as the whole answer would have been, for :func:`parse_generate`."""
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.content: list[dict[str, Any]] = []
+        self.top: dict[str, Any] = {}
+        self.ending: dict[str, Any] = {}
+
+    def feed(self, line: bytes) -> Optional[TokenDelta]:
+        line = line.strip()
+        if not line.startswith(b"data:"):
+            return None
+        payload = line[5:].strip()
+        if payload == b"[DONE]":
+            return None
+        data = orjson.loads(payload)
+        if "error" in data:
+            raise ValueError(f"the stream ended with an error: {data['error']}")
+        if not self.top:
+            self.top = {k: v for k, v in data.items() if k != "choices"}
+        choice = data["choices"][0]
+        for key in ("finish_reason", "stop_reason", "weight_versions"):
+            if choice.get(key) is not None:
+                self.ending[key] = choice[key]
+        new = [int(t) for t in (choice.get("token_ids") or [])]
+        content = (choice.get("logprobs") or {}).get("content") or []
+        self.token_ids += new
+        self.content += content
+        if not new:
+            return None
+        logprobs = [float(c["logprob"]) if c.get("logprob") is not None else math.nan for c in content]
+        if len(logprobs) != len(new):
+            logprobs = [math.nan] * len(new)
+        return TokenDelta(new, logprobs, [None] * len(new))  # versions: known at the end (spans)
+
+    def body(self) -> bytes:
+        choice = {"index": 0, "token_ids": self.token_ids, "logprobs": {"content": self.content}, **self.ending}
+        choice.setdefault("finish_reason", "abort")  # a stream that ended without saying why was cut
+        return orjson.dumps({**self.top, "choices": [choice]})
+
+
 __all__ = [
+    "GenerateStream",
     "GENERATE_ROUTE",
     "BOOT_VERSION",
     "generate_body",

@@ -1,0 +1,184 @@
+"""Streamed generation through the fleet: tokens as the engine samples them, and a generation that
+outlives the replica it started on.
+
+A stream yields :class:`~rollfleet.types.TokenDelta` s as they arrive over the data plane, then
+one whole :class:`~rollfleet.types.TokenOutput` (the authority; it adds up the attempts). What
+makes it more than a pipe is the resume rule the non-streamed client applies to aborts, applied
+to everything that cuts a stream short:
+
+* the replica fails mid-stream (its process dies, its connection drops, it is declared dead):
+  the replica is quarantined and the generation goes on elsewhere with the prompt plus the tokens
+  already received and the budget left; the caller sees the same stream continue, never a token
+  twice;
+* the attempt comes back ``aborted`` (a weight update in ``abort`` mode): with a resuming client
+  (``partial_rollout``) it goes on likewise, on the new weights;
+* failures that bring no token count against ``retry.max_attempts``; bad input is raised at once.
+
+Handles without a streaming call (a Ray actor without a data plane) answer with the whole output,
+sent as one delta.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Optional, Union, cast
+
+from rollfleet.client.retry import is_replica_failure, is_retryable, unwrap
+from rollfleet.errors import InvalidRequest, NoServerAvailable, RetriesExhausted
+from rollfleet.types import BUDGET_KEYS, ReplicaResponse, SamplingParams, TokenDelta, TokenOutput
+
+if TYPE_CHECKING:  # pragma: no cover
+    from rollfleet.client.llm_client import LLMServerClient
+
+
+@dataclass
+class _Sofar:
+    """What the stream has delivered, over every attempt."""
+
+    token_ids: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    versions: list[Optional[int]] = field(default_factory=list)
+    num_preempted: int = 0
+    attempts: list[dict[str, Any]] = field(default_factory=list)
+
+    def add(self, delta: TokenDelta) -> None:
+        self.token_ids += delta.token_ids
+        self.log_probs += delta.log_probs
+        self.versions += delta.token_versions
+
+    def settle(self, start: int, out: TokenOutput) -> None:
+        """The attempt's whole output is the authority for its span: its logprobs and versions (an
+        engine may learn a token's version only at the end) replace what the deltas said."""
+        n = len(out.token_ids)
+        if out.log_probs is not None and len(out.log_probs) == n:
+            self.log_probs[start : start + n] = out.log_probs
+        if out.token_versions is not None and len(out.token_versions) == n:
+            self.versions[start : start + n] = out.token_versions
+        self.num_preempted += out.num_preempted or 0
+        self.attempts.append(dict(out.extra_fields))
+
+
+async def stream_generate(
+    client: "LLMServerClient",
+    request_id: str,
+    prompt_ids: list[int],
+    sampling_params: Optional[SamplingParams] = None,
+    **kwargs: Any,
+) -> AsyncIterator[Union[TokenDelta, TokenOutput]]:
+    """See the module docstring."""
+    await client.fleet.ensure_started()
+    params: SamplingParams = dict(sampling_params or {})
+    key = next((k for k in BUDGET_KEYS if params.get(k) is not None), "max_tokens")
+    budget = params.get(key, client.config.response_length)
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+        raise InvalidRequest(f"sampling_params.{key}", "an integer >= 1", budget)
+    resumes = bool(getattr(client, "partial_rollout", False))
+    sofar = _Sofar()
+    failures = 0
+    no_server_since: Optional[float] = None
+    stop_reason = "aborted"
+    last: Optional[TokenOutput] = None
+    while len(sofar.token_ids) < budget:
+        before = len(sofar.token_ids)
+        attempt_params = {**params, key: budget - before}
+        attempt = cast(
+            AsyncGenerator, _attempt(client, request_id, list(prompt_ids) + sofar.token_ids, attempt_params, kwargs)
+        )
+        try:
+            async for item in attempt:
+                if isinstance(item, TokenDelta):
+                    sofar.add(item)
+                    yield item
+                    continue
+                out = item
+                rest = out.token_ids[len(sofar.token_ids) - before :]  # what no delta carried
+                if rest:
+                    n = len(rest)
+                    lps, vs = out.log_probs or [0.0] * n, out.token_versions or [None] * n
+                    tail = TokenDelta(rest, list(lps[-n:]), list(vs[-n:]))
+                    sofar.add(tail)
+                    yield tail
+                sofar.settle(before, out)
+                last, stop_reason = out, out.stop_reason
+        except Exception as raw:
+            exc = unwrap(raw)
+            if not is_retryable(exc):
+                raise exc from (None if exc is raw else raw)
+            if isinstance(exc, NoServerAvailable):
+                no_server_since = no_server_since or time.monotonic()
+                if time.monotonic() - no_server_since > client.config.retry.no_server_wait_s:
+                    raise RetriesExhausted(request_id, failures + 1, exc) from exc
+            elif len(sofar.token_ids) == before:
+                failures += 1  # a failure that brought nothing: bounded; one that did is a resume
+                if failures >= client.retry.max_attempts:
+                    raise RetriesExhausted(request_id, failures, exc) from exc
+            await client.retry.wait(max(1, failures))
+            continue
+        finally:
+            await attempt.aclose()  # at once: it releases the replica and cancels its request
+        no_server_since = None
+        if stop_reason != "aborted" or not resumes:
+            break
+        if len(sofar.token_ids) == before:
+            failures += 1
+            if failures >= client.retry.max_attempts:
+                break
+            await client.retry.wait(failures)
+    yield _whole(sofar, last, stop_reason, budget)
+
+
+async def _attempt(
+    client: "LLMServerClient", request_id: str, prompt: list[int], params: SamplingParams, kwargs: dict[str, Any]
+) -> AsyncIterator[Union[TokenDelta, TokenOutput]]:
+    """One attempt on one replica: its deltas, then its output; the replica is released however
+    the attempt ends, and quarantined when it failed."""
+    server_id, handle = await client._acquire(request_id, len(prompt))
+    try:
+        stream_call = getattr(handle, "stream_generate", None)
+        try:
+            if stream_call is None:
+                response = await handle.generate_with_load.remote(request_id, prompt, params, **kwargs)
+                client.balancer.report_load(response.load)
+                yield response.output
+                return
+            stream = cast(AsyncGenerator, stream_call(request_id, prompt, params, **kwargs))
+            try:
+                async for item in stream:
+                    if isinstance(item, ReplicaResponse):
+                        client.balancer.report_load(item.load)
+                        yield item.output
+                    else:
+                        yield item
+            finally:
+                await stream.aclose()
+        except Exception as raw:
+            exc = unwrap(raw)
+            if is_replica_failure(exc):
+                client.fleet.quarantine(server_id, repr(exc))
+                client.balancer.finish_session(request_id)  # the session moves on to another replica
+            raise
+    finally:
+        await client._release(server_id, len(prompt))
+
+
+def _whole(sofar: _Sofar, last: Optional[TokenOutput], stop_reason: str, budget: int) -> TokenOutput:
+    if len(sofar.token_ids) >= budget and stop_reason == "aborted":
+        stop_reason = "length"
+    extra = dict(last.extra_fields) if last is not None else {}
+    known = [v for v in sofar.versions if v is not None]
+    if known:
+        extra["min_global_steps"], extra["max_global_steps"] = min(known), max(known)
+    extra["num_resumes"] = max(0, len(sofar.attempts) - 1)
+    extra["attempts"] = sofar.attempts
+    return TokenOutput(
+        token_ids=sofar.token_ids,
+        log_probs=sofar.log_probs,
+        stop_reason=stop_reason,
+        num_preempted=sofar.num_preempted,
+        token_versions=sofar.versions,
+        extra_fields=extra,
+    )
+
+
+__all__ = ["stream_generate"]

@@ -1,0 +1,109 @@
+"""Streamed generation for HTTP engines whose server streams tokens (vLLM's ``/inference/v1/generate``
+with ``"stream": true``): :meth:`StreamingGenerate.generate_stream`.
+
+The stream takes the same path as a whole generation (the in-flight table's pause/abort gate, the
+engine-side request id, the abort on cancel) and differs only in reading: the server's SSE lines
+are fed to the engine's stream reader, which turns each into a :class:`~rollfleet.types.TokenDelta`
+and, at the end, into the body a whole answer would have had, so the final output is parsed by
+the very code that parses whole answers (versions, stop reasons, logprobs). Leaving the stream
+early, or a cancel, aborts the request on the server.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, AsyncIterator, Optional, Protocol, Union
+
+import aiohttp
+
+from rollfleet.engines.http.inflight import Inflight
+from rollfleet.engines.http.transport import transport_error
+from rollfleet.engines.http.wire import error_message
+from rollfleet.errors import InvalidRequest, ReplicaUnavailable
+from rollfleet.types import SamplingParams, TokenDelta, TokenOutput
+
+if TYPE_CHECKING:  # pragma: no cover
+    from rollfleet.engines.http.engine import HTTPEngine
+
+    _Base = HTTPEngine
+else:
+    _Base = object
+
+
+class StreamReader(Protocol):
+    """Reads one streamed answer: a delta per SSE line with tokens, then the whole answer's body."""
+
+    def feed(self, line: bytes) -> Optional[TokenDelta]: ...
+
+    def body(self) -> bytes: ...
+
+
+class StreamingGenerate(_Base):
+    """Mixin for an :class:`~rollfleet.engines.http.HTTPEngine` whose server can stream."""
+
+    def _stream_reader(self) -> Optional[StreamReader]:
+        """A reader for one streamed answer, or None when this server cannot stream."""
+        return None
+
+    async def generate_stream(
+        self, request_id: str, prompt_ids: list[int], sampling_params: SamplingParams, **kwargs: Any
+    ) -> AsyncIterator[Union[TokenDelta, TokenOutput]]:
+        reader = self._stream_reader()
+        if reader is None:
+            yield await self.generate(request_id, prompt_ids, sampling_params, **kwargs)
+            return
+        self._check_alive()
+        body, budget = self._build_request(
+            prompt_ids, sampling_params, {k: v for k, v in kwargs.items() if v is not None}
+        )
+        body["stream"] = True
+        call = self._table.add(Inflight(request_id, self._wire_id(request_id), len(prompt_ids) + (budget or 0)))
+        self._load_cache = None
+        done = False
+        try:
+            await self._table.wait_turn(call, self._link.dead)  # held while paused or asleep
+            if call.aborted.is_set():
+                done = True
+                yield TokenOutput(token_ids=[], log_probs=[], stop_reason="aborted")
+                return
+            self._check_alive()
+            call.sent = True
+            async for delta in self._read(call, body, reader, prompt_ids):
+                yield delta
+            out = self._parse_output(reader.body(), budget)
+            self._counts["num_aborted" if out.stop_reason == "aborted" else "num_finished"] += 1
+            done = True
+            yield out
+        except (ReplicaUnavailable, InvalidRequest):
+            self._counts["num_errors"] += 1
+            raise
+        finally:
+            if not done and call.sent:
+                self._abort_in_background([call.wire_id])  # the caller left: stop the server's work
+            self._table.remove(call)
+            self._load_cache = None
+
+    async def _read(
+        self, call: Inflight, body: dict[str, Any], reader: StreamReader, prompt_ids: list[int]
+    ) -> AsyncIterator[TokenDelta]:
+        path, data, headers = self._generate_call(call.wire_id, body)
+        link = self._link
+        assert link.clients is not None
+        try:
+            async with link.clients.session.post(path, data=data, headers=headers) as resp:
+                if resp.status in (400, 422):
+                    raise self._invalid(*error_message(resp.status, await resp.read()), prompt_ids, body)
+                if resp.status >= 400:
+                    message = error_message(resp.status, await resp.read())[0][:1000]
+                    raise ReplicaUnavailable(
+                        self.replica_label, f"generate: {self.server_name} answered HTTP {resp.status}: {message}"
+                    )
+                async for line in resp.content:
+                    link.check()  # the server died: the read may not notice for a while
+                    delta = reader.feed(line)
+                    if delta is not None:
+                        yield delta
+        except (aiohttp.ClientError, TimeoutError) as e:
+            raise await transport_error("generate", e, self.replica_label, link.url, link.gone) from e
+
+
+__all__ = ["StreamingGenerate", "StreamReader"]

@@ -1,0 +1,139 @@
+"""Server-sent events as the fleet samples: one chunk per batch of tokens that reaches the gateway.
+
+Used for a streamed request with one prompt and one choice (``n`` = 1): the client's
+:meth:`~rollfleet.client.LLMServerClient.generate_stream` yields token deltas as the replica
+forwards them, and each becomes an OpenAI chunk at once, so the first token reaches the caller
+after one prefill instead of after the whole generation. A generation cut short by a replica
+failure or a weight update goes on elsewhere inside the client; the caller sees one stream.
+
+The stream's first item is awaited before the response starts: a request the fleet refuses still
+gets its 4xx status and error body. An error after that arrives as an ``error`` event followed by
+``[DONE]`` (the status line has gone). Text is decoded from all the ids so far and sent as the
+new suffix; replacement characters at its end (a multi-byte character not complete yet) wait for
+the next tokens, so the chunks add up to the decoded output exactly.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, AsyncIterator, Callable, Optional, Union
+
+from rollfleet.gateway import responses
+from rollfleet.gateway.codec import TextCodec
+from rollfleet.gateway.errors import from_exception
+from rollfleet.gateway.jsonio import dumps
+from rollfleet.types import TokenDelta, TokenOutput
+
+Stream = AsyncIterator[Union[TokenDelta, TokenOutput]]
+
+_REPLACEMENT = "\ufffd"
+
+
+class _Text:
+    """The decoded text of a growing id list, handed out as suffixes that add up exactly."""
+
+    def __init__(self, codec: TextCodec) -> None:
+        self.codec = codec
+        self.ids: list[int] = []
+        self.sent = ""
+
+    def push(self, ids: list[int], final: bool = False) -> str:
+        self.ids += ids
+        text = self.codec.decode(self.ids)
+        if not final:
+            # Trailing U+FFFD may be a character still incomplete: it waits; what precedes is final.
+            text = text.rstrip(_REPLACEMENT)
+            if not text.startswith(self.sent):
+                return ""  # the decoder re-joined earlier text: wait for more
+        new = text[len(self.sent) :] if text.startswith(self.sent) else text
+        self.sent = text
+        return new
+
+
+async def live_events(
+    kind: str,
+    model: str,
+    codec: TextCodec,
+    first: Union[TokenDelta, TokenOutput],
+    stream: Stream,
+    prompt: list[int],
+    *,
+    logprobs: bool,
+    return_token_ids: bool,
+    include_usage: bool,
+    on_done: Optional[Callable[[TokenOutput], Any]] = None,
+) -> AsyncIterator[bytes]:
+    """SSE bytes for a ``chat`` or ``completion`` stream whose first item is already in hand."""
+    chat = kind == "chat"
+    base: dict[str, Any] = {
+        "id": responses.new_id("chatcmpl" if chat else "cmpl"),
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+    }
+    if include_usage:
+        base["usage"] = None
+    text = _Text(codec)
+    sampled: list[int] = []
+    sampled_logprobs: list[float] = []
+
+    def chunk(choice: dict[str, Any]) -> bytes:
+        return (
+            b"data: "
+            + dumps({**base, "choices": [{"index": 0, "logprobs": None, "finish_reason": None, **choice}]})
+            + b"\n\n"
+        )
+
+    def delta_chunk(delta: TokenDelta) -> Optional[bytes]:
+        start = len(sampled)
+        sampled.extend(delta.token_ids)
+        sampled_logprobs.extend(delta.log_probs)
+        piece = text.push(delta.token_ids)
+        if not piece and not return_token_ids:
+            return None
+        choice: dict[str, Any] = {"delta": {"content": piece}} if chat else {"text": piece}
+        if logprobs:
+            so_far = TokenOutput.model_construct(token_ids=sampled, log_probs=sampled_logprobs)
+            choice["logprobs"] = (
+                responses.chat_logprobs(codec, so_far, start)
+                if chat
+                else responses.completion_logprobs(codec, so_far, start, offset=len(text.sent) - len(piece))
+            )
+        if return_token_ids:
+            choice["token_ids"] = delta.token_ids
+        return chunk(choice)
+
+    opening: dict[str, Any] = {"delta": {"role": "assistant", "content": ""}} if chat else {"text": ""}
+    if return_token_ids:
+        opening["prompt_token_ids"] = prompt
+    item: Union[TokenDelta, TokenOutput] = first
+    try:  # however the stream ends (the caller hung up too), the fleet's generation is closed
+        yield chunk(opening)
+        try:
+            while isinstance(item, TokenDelta):
+                data = delta_chunk(item)
+                if data is not None:
+                    yield data
+                item = await stream.__anext__()
+        except Exception as exc:  # the status line has gone: say it in the stream, then end it
+            yield b"data: " + dumps(from_exception(exc).body()) + b"\n\n" + responses.SSE_DONE
+            return
+        out = item
+        rest = text.push([], final=True)
+        last: dict[str, Any] = {"delta": {"content": rest} if rest else {}} if chat else {"text": rest}
+        last["finish_reason"] = responses.finish_reason(out)
+        if return_token_ids:
+            last.update(responses.meta_fields(out))
+        yield chunk(last)
+        if include_usage:
+            yield b"data: " + dumps({**base, "choices": [], "usage": responses.usage(len(prompt), [out])}) + b"\n\n"
+        yield responses.SSE_DONE
+        if on_done is not None:
+            on_done(out)
+    finally:
+        aclose = getattr(stream, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+__all__ = ["live_events", "Stream"]

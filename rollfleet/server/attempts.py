@@ -1,0 +1,51 @@
+"""One generation attempt on a replica, and the weight versions its output is labelled with.
+
+Why the replica and not the engine stamps versions: only the replica sees both the data plane and
+the control plane. It counts weight changes (an epoch) and compares the epoch at the start and the
+end of every attempt, so an output is never labelled with a version it was not produced under,
+even when an engine does not pause cleanly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from rollfleet.types import SamplingParams, TokenOutput
+
+
+@dataclass(slots=True)
+class Attempt:
+    """An admitted attempt: its engine id, validated input, and the weights it started under."""
+
+    engine_id: str
+    prompt: list[int]
+    params: SamplingParams
+    epoch: int
+    version: Optional[int]
+    started: float
+
+
+def stamp_versions(output: TokenOutput, attempt: Attempt, *, epoch_now: int, version_now: Optional[int]) -> None:
+    """Label ``output``'s tokens, and its first and last version, with the weights that sampled them."""
+    version = attempt.version
+    if output.token_versions is not None and len(output.token_versions) == len(output.token_ids):
+        # The engine knows which weights sampled each token (it was told at every commit);
+        # tokens from before its first commit carry None: the weights it booted with.
+        output.token_versions = [version if v is None else v for v in output.token_versions]
+        known = [v for v in output.token_versions if v is not None]
+        first = min(known) if known else version
+        last = max(known) if known else version
+    elif attempt.epoch == epoch_now or output.stop_reason == "aborted":
+        # No weight change during the attempt (an aborted attempt stopped before any change).
+        first = last = version
+        output.token_versions = [version] * len(output.token_ids) if version is not None else None
+    else:
+        first, last = version, version_now
+        output.token_versions = None  # which tokens came from which weights is unknown
+    output.extra_fields["global_steps"] = last
+    output.extra_fields["min_global_steps"] = first
+    output.extra_fields["max_global_steps"] = last
+
+
+__all__ = ["Attempt", "stamp_versions"]

@@ -1,0 +1,140 @@
+"""Streamed generation through the client, on in-process sim replicas (no Ray): tokens arrive as
+the engine samples them, and a stream cut short by a dead replica or an abort goes on elsewhere
+from the tokens already received, never repeating one."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+from rollfleet.client import FullyAsyncLLMServerClient, LLMServerClient
+from rollfleet.config import RolloutConfig, SimEngineConfig
+from rollfleet.server.local import LocalHandle
+from rollfleet.server.replica import Replica
+from rollfleet.types import TokenDelta, TokenOutput
+
+pytestmark = pytest.mark.unit
+
+PROMPT = [5, 6, 7, 8]
+
+
+async def fleet(n: int, client_cls: type = LLMServerClient, time_scale: float = 2.0):
+    config = RolloutConfig(
+        name="sim",
+        prompt_length=64,
+        response_length=400,
+        max_model_len=1024,
+        sim=SimEngineConfig(vocab_size=300, eos_token_id=299, time_scale=time_scale),
+        retry={"max_attempts": 5, "initial_backoff_s": 0.01, "max_backoff_s": 0.05},
+    )
+    replicas = [Replica(f"r{i}", config, i) for i in range(n)]
+    for r in replicas:
+        await r.start(version=0)
+    prompts: list[tuple[str, list[int]]] = []
+    for r in replicas:  # record what each replica was asked to continue from
+        stream = r.generate_stream
+
+        def recording(request_id: str, prompt_ids: list[int], *a: Any, _r: Replica = r, _s: Any = stream, **k: Any):
+            prompts.append((_r.replica_id, list(prompt_ids)))
+            return _s(request_id, prompt_ids, *a, **k)
+
+        r.generate_stream = recording  # type: ignore[method-assign]
+    client = client_cls(config, servers={r.replica_id: LocalHandle(r) for r in replicas})
+    return replicas, client, prompts
+
+
+async def collect(stream: Any, on_delta: Any = None) -> tuple[list[TokenDelta], TokenOutput, list[float]]:
+    deltas, stamps = [], []
+    final = None
+    async for item in stream:
+        if isinstance(item, TokenDelta):
+            deltas.append(item)
+            stamps.append(time.monotonic())
+            if on_delta is not None:
+                await on_delta(deltas)
+        else:
+            final = item
+    assert final is not None
+    return deltas, final, stamps
+
+
+async def test_tokens_arrive_as_they_are_sampled_and_add_up_to_the_output():
+    replicas, client, _ = await fleet(1)
+    started = time.monotonic()
+    params = {"max_tokens": 200, "ignore_eos": True}
+    deltas, out, stamps = await collect(client.generate_stream("s", prompt_ids=PROMPT, sampling_params=params))
+    ended = time.monotonic()
+    assert len(deltas) > 10
+    assert [t for d in deltas for t in d.token_ids] == out.token_ids and len(out.token_ids) == 200
+    assert [lp for d in deltas for lp in d.log_probs] == out.log_probs
+    assert out.stop_reason == "length" and set(out.token_versions) == {0}
+    assert stamps[0] - started < 0.2 * (ended - started)  # the first token long before the last
+    assert client.balancer.get_total_inflight() == 0
+    for r in replicas:
+        await r.shutdown()
+
+
+async def test_a_replica_that_dies_mid_stream_is_replaced_and_the_stream_goes_on_from_its_tokens():
+    replicas, client, prompts = await fleet(2)
+    params = {"max_tokens": 200, "ignore_eos": True}
+    crashed: list[str] = []
+
+    async def crash_after_some(deltas: list[TokenDelta]) -> None:
+        if not crashed and sum(len(d.token_ids) for d in deltas) >= 40:
+            serving = prompts[-1][0]
+            next(r for r in replicas if r.replica_id == serving).engine.inject_fault("crash")
+            crashed.append(serving)
+
+    deltas, out, _ = await collect(
+        client.generate_stream("s", prompt_ids=PROMPT, sampling_params=params), crash_after_some
+    )
+    assert len(out.token_ids) == 200 and out.stop_reason == "length"
+    assert [t for d in deltas for t in d.token_ids] == out.token_ids  # nothing repeated, nothing lost
+    (first, p1), (second, p2) = prompts
+    assert first == crashed[0] and second != first
+    received = len(p2) - len(PROMPT)
+    assert received >= 40 and p2 == PROMPT + out.token_ids[:received]  # continued from what arrived
+    assert client.balancer.get_total_inflight() == 0
+    for r in replicas:
+        await r.shutdown()
+
+
+async def test_an_abort_mid_stream_is_resumed_by_a_resuming_client_and_ends_a_plain_one():
+    for client_cls, resumed in ((FullyAsyncLLMServerClient, True), (LLMServerClient, False)):
+        replicas, client, prompts = await fleet(1, client_cls)
+        params = {"max_tokens": 150, "ignore_eos": True}
+
+        async def update_after_some(deltas: list[TokenDelta], prompts=prompts, replicas=replicas) -> None:
+            if len(prompts) == 1 and sum(len(d.token_ids) for d in deltas) >= 30:
+                asyncio.ensure_future(replicas[0].update_weights({"w": 1}, 1))  # abort mode: in-flight ends
+
+        replicas[0].config.weight_sync.mode = "abort"
+        deltas, out, _ = await collect(
+            client.generate_stream("s", prompt_ids=PROMPT, sampling_params=params), update_after_some
+        )
+        if resumed:
+            assert len(out.token_ids) == 150 and len(prompts) == 2 and out.extra_fields["num_resumes"] == 1
+            assert {0, 1} <= set(out.token_versions)
+        else:
+            assert out.stop_reason == "aborted" and len(out.token_ids) < 150 and len(prompts) == 1
+        assert [t for d in deltas for t in d.token_ids] == out.token_ids
+        assert client.balancer.get_total_inflight() == 0
+        for r in replicas:
+            await r.shutdown()
+
+
+async def test_leaving_a_stream_early_aborts_the_generation_and_frees_the_replica():
+    replicas, client, _ = await fleet(1)
+    stream = client.generate_stream("s", prompt_ids=PROMPT, sampling_params={"max_tokens": 400, "ignore_eos": True})
+    async for item in stream:
+        assert isinstance(item, TokenDelta)
+        break
+    await stream.aclose()  # type: ignore[attr-defined]
+    await asyncio.sleep(0.05)
+    assert client.balancer.get_total_inflight() == 0
+    assert replicas[0].engine.stats()["num_aborted"] == 1 and replicas[0]._inflight == 0
+    for r in replicas:
+        await r.shutdown()

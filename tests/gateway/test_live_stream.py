@@ -1,0 +1,101 @@
+"""Streaming as the fleet samples: the first chunk leaves the gateway long before the last token is
+sampled, the chunks add up to the output, errors before the first token keep their status, and a
+caller that hangs up stops the generation (one in-process sim replica, no Ray)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+import httpx
+import openai
+import pytest
+from gateway_support import MODEL, in_process_gateway
+
+from rollfleet.config import GatewayConfig
+
+pytestmark = pytest.mark.unit
+
+LONG = {"max_tokens": 300, "ignore_eos": True}
+
+
+@asynccontextmanager
+async def gateway() -> AsyncIterator[tuple[Any, Any, Any]]:
+    # time_scale 5: ~300 tokens take about a second, so "early" is measurable.
+    server, gw, replica = await in_process_gateway(
+        GatewayConfig(), response_length=300, time_scale=5.0, mean_response_tokens=50
+    )
+    try:
+        yield server, gw, replica
+    finally:
+        await server.stop()
+        await replica.shutdown()
+
+
+async def sse(http: httpx.AsyncClient, route: str, body: dict[str, Any]) -> tuple[list[dict], list[float], float]:
+    """The stream's events and when each arrived (seconds after the request was sent)."""
+    events, stamps = [], []
+    started = time.monotonic()
+    async with http.stream("POST", route, json=body) as resp:
+        assert resp.status_code == 200, await resp.aread()
+        async for line in resp.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+                stamps.append(time.monotonic() - started)
+    return events, stamps, time.monotonic() - started
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+async def test_the_first_chunk_arrives_long_before_the_last_and_chunks_add_up(route):
+    async with gateway() as (server, gw, _):
+        chat = route.endswith("chat/completions")
+        body: dict[str, Any] = {"model": MODEL, "stream": True, "return_token_ids": True, **LONG}
+        body |= {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "count 1 2 3"}
+        body["stream_options"] = {"include_usage": True}
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+            events, stamps, total = await sse(http, route, body)
+        choices = [e["choices"][0] for e in events if e["choices"]]
+        texts = [(c["delta"].get("content") or "") if chat else c["text"] for c in choices]
+        ids = [t for c in choices for t in c.get("token_ids") or []]
+        with_text = [s for s, t in zip(stamps, texts) if t]
+        assert len(ids) == 300 and len(with_text) > 10
+        assert with_text[0] < 0.3 * total, (with_text[0], total)  # the first token, long before the last
+        assert "".join(texts) == gw.codec.decode(ids)
+        assert choices[-1]["finish_reason"] == "length"
+        assert events[-1]["usage"]["completion_tokens"] == 300
+
+
+async def test_the_openai_client_streams_and_the_session_turn_is_recorded():
+    async with gateway() as (server, gw, _):
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/sessions/s1/v1", api_key="-", max_retries=0)
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True, max_tokens=40
+        )
+        pieces = [c.choices[0].delta.content or "" async for c in stream if c.choices]
+        record = gw.trajectories.trajectory("s1")
+        branch = record["branches"][0]
+        sampled = [t for t, m in zip(branch["token_ids"], branch["mask"]) if m]
+        assert record["num_turns"] == 1 and 1 <= len(sampled) <= 40
+        assert "".join(pieces) == gw.codec.decode(sampled)
+
+
+async def test_a_refused_stream_keeps_its_status_and_a_caller_that_hangs_up_stops_the_generation():
+    async with gateway() as (server, _, replica):
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+            too_long = {"model": MODEL, "prompt": "x", "stream": True, "max_tokens": 100_000}
+            resp = await http.post("/v1/completions", json=too_long)
+            assert resp.status_code == 400 and resp.json()["error"]["param"] == "max_tokens"
+            body = {"model": MODEL, "prompt": "count", "stream": True, "max_tokens": 300, "ignore_eos": True}
+            async with http.stream("POST", "/v1/completions", json=body) as stream:
+                async for line in stream.aiter_lines():
+                    if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
+                        break  # hang up after the first piece of text
+            deadline = time.monotonic() + 5
+            while replica._inflight and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            assert replica._inflight == 0 and replica.engine.stats()["num_aborted"] == 1
+            ok = await http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4})
+            assert ok.status_code == 200
