@@ -1,11 +1,10 @@
 """Response bodies: OpenAI's shapes (plus the token extension), whole or as SSE chunks. No I/O.
 
-Streaming replays a finished generation: the fleet's ``generate`` is token-level but not
-incremental (a replica answers once, when the response stops, and a weight update in between is
-resumed inside the client), so the gateway waits for the result and then sends it as
-``stream_chunk_tokens``-token chunks. What this trades away is time-to-first-token; what it keeps
-is that a bad request still gets its 4xx status (the status line is sent after the fleet
-answered) and that the streamed text and token ids are exactly those of the non-streamed answer.
+A streamed request with one prompt and one choice is sent as the fleet samples it
+(:mod:`rollfleet.gateway.live`). The chunk builders here replay a finished generation instead,
+for what cannot go live: several prompts or choices (``n`` > 1) in one stream, and chat replies
+whose tool calls are parsed from the whole text. A replayed stream keeps that a bad request still
+gets its 4xx status and that the streamed text and token ids are exactly the non-streamed answer's.
 
 The token extension (``return_token_ids``, and ``/v1/completions/tokens``) adds to each choice:
 ``token_ids``, ``token_logprobs``, ``weight_versions`` (per token, when known),
