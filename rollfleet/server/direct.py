@@ -305,11 +305,19 @@ class DirectHandle:
         with the load); through Ray when the data plane cannot carry it, as one final item."""
         try:
             conn = await get_connection(self.address, self.replica_id, self.token, self.allow_pickle)
-            stream = conn.generate_stream(request_id, prompt_ids, sampling_params, **kwargs)
-            first = await stream.__anext__()
-        except (ReplicaUnavailable, wire.NeedsPickle) as exc:
-            if self.actor is None or (isinstance(exc, ReplicaUnavailable) and "cannot reach" not in str(exc)):
+        except ReplicaUnavailable:
+            if self.actor is None:
                 raise
+            conn = None  # the port is closed to us while the replica may be fine: Ray carries it
+        if conn is not None:
+            stream = conn.generate_stream(request_id, prompt_ids, sampling_params, **kwargs)
+            try:
+                first = await stream.__anext__()
+            except wire.NeedsPickle:
+                if self.actor is None:
+                    raise
+                conn = None  # values JSON cannot carry, and pickle is off on the data plane
+        if conn is None:
             yield await self.actor.generate_with_load.remote(request_id, prompt_ids, sampling_params, **kwargs)
             return
         try:
