@@ -68,15 +68,15 @@ async def solve(run: Any) -> Optional[float]:
     client = AsyncOpenAI(base_url=run.base_url, api_key=run.api_key, max_retries=2)
     messages: list[dict[str, Any]] = [dict(m) for m in run.sample["raw_prompt"]]
     settings = {k: run.sampling[k] for k in ("temperature", "top_p") if run.sampling.get(k) is not None}
+    budget = int(run.sampling.get("max_tokens") or 64)  # tokens the model may still write
     try:
         for _ in range(MAX_TURNS):
+            if budget <= 0:
+                break
             out = await client.chat.completions.create(
-                model=run.model,
-                messages=messages,
-                tools=TOOLS,
-                max_tokens=int(run.sampling.get("max_tokens") or 32),
-                **settings,
+                model=run.model, messages=messages, tools=TOOLS, max_tokens=budget, **settings
             )
+            budget -= out.usage.completion_tokens if out.usage else budget
             message = out.choices[0].message
             messages.append(message.model_dump(exclude_none=True))
             if not message.tool_calls:

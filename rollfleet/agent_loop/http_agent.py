@@ -50,7 +50,8 @@ class AgentRun:
     session_id: str
     model: str
     sample: dict[str, Any]  #: the dataset row (``raw_prompt`` messages, ground truth...)
-    sampling: dict[str, Any] = field(default_factory=dict)  #: the trainer's sampling settings, as hints
+    #: The trainer's sampling settings, as hints (``max_tokens``: the whole trajectory's budget).
+    sampling: dict[str, Any] = field(default_factory=dict)
     reward_url: str = ""  #: POST ``{"reward": x}`` here with header ``X-Rollfleet-Session-Key: api_key``
 
 
@@ -113,7 +114,7 @@ class HttpAgentLoop(AgentLoopBase):
             session_id=session,
             model=gateway.model_names[0],
             sample={k: v for k, v in sample.items() if k not in _PRIVATE_KEYS},
-            sampling=dict(sampling_params),
+            sampling={"max_tokens": self.response_length, **sampling_params},  # the trajectory's budget
             reward_url=f"{url}/v1/sessions/{session}/reward",
         )
         store = gateway.trajectories
