@@ -373,8 +373,16 @@ def _ended_on_their_own(outs) -> list:
 @pytest.mark.vllm
 @MODULE_LOOP
 async def test_abort_returns_partial_tokens_and_load(engine: VLLMEngine):
+    tasks: list = []
+    try:
+        await _abort_returns_partial_tokens_and_load(engine, tasks)
+    finally:  # a failure must not leave 8 long requests running into the next test
+        await _drain(engine, tasks)
+
+
+async def _abort_returns_partial_tokens_and_load(engine: VLLMEngine, tasks: list) -> None:
     for attempt in range(TRIES):
-        tasks = await _long_requests(engine, 8, f"ab{attempt}-")
+        tasks[:] = await _long_requests(engine, 8, f"ab{attempt}-")
         await _all_sent(engine, 8)
         assert (await engine.load()).inflight_tokens >= 8 * LONG  # our own table: no lag
         async with StreamingProbe(engine.address(), max_tokens=LONG) as probe:

@@ -62,7 +62,13 @@ class StreamingProbe:
 
     async def __aenter__(self) -> "StreamingProbe":
         self._http = httpx.AsyncClient(base_url=self.address, timeout=httpx.Timeout(None, connect=30.0))
-        model = (await self._http.get("/v1/models")).json()["data"][0]["id"]
+        for attempt in range(3):  # a server busy streaming may accept late on a loaded machine
+            try:
+                model = (await self._http.get("/v1/models")).json()["data"][0]["id"]
+                break
+            except httpx.ConnectTimeout:
+                if attempt == 2:
+                    raise
         body = {
             "model": model,
             "prompt": self.prompt,
