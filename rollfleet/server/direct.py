@@ -134,7 +134,9 @@ class DirectConnection(asyncio.Protocol):
         if transport is None or transport.is_closing():
             raise ReplicaUnavailable(self.replica_id, self._closed_reason or "data-plane connection closed")
         call_id = next(self._ids)
-        frame = wire.stream_frame(call_id, request_id, prompt_ids, sampling_params, kwargs, self.allow_pickle)
+        frame = wire.generate_frame(
+            call_id, request_id, prompt_ids, sampling_params, kwargs, self.allow_pickle, stream=True
+        )
         queue: asyncio.Queue[Any] = asyncio.Queue()
         self._pending[call_id] = queue
         transport.write(frame)

@@ -152,19 +152,12 @@ def generate_frame(
     sampling_params: Optional[dict],
     kwargs: dict[str, Any],
     allow_pickle: bool = False,
+    *,
+    stream: bool = False,
 ) -> bytes:
-    return pack([GENERATE, call_id, request_id, prompt_ids, sampling_params, kwargs], allow_pickle)
-
-
-def stream_frame(
-    call_id: int,
-    request_id: str,
-    prompt_ids: list[int],
-    sampling_params: Optional[dict],
-    kwargs: dict[str, Any],
-    allow_pickle: bool = False,
-) -> bytes:
-    return pack([STREAM, call_id, request_id, prompt_ids, sampling_params, kwargs], allow_pickle)
+    """A GENERATE call, or with ``stream`` a STREAM call (its tokens come back in PART frames)."""
+    op = STREAM if stream else GENERATE
+    return pack([op, call_id, request_id, prompt_ids, sampling_params, kwargs], allow_pickle)
 
 
 def part_frame(call_id: int, delta: TokenDelta) -> bytes:
@@ -265,7 +258,6 @@ __all__ = [
     "FrameError",
     "pack",
     "generate_frame",
-    "stream_frame",
     "part_frame",
     "decode_part",
     "cancel_frame",

@@ -328,3 +328,25 @@ async def test_dropping_the_connection_of_a_dead_replica_fails_its_calls_over_at
         assert all(isinstance(e, ReplicaUnavailable) and "declared dead" in e.reason for e in results)
         assert await until(lambda: r._inflight == 0)  # the replica side was cancelled too
         assert len((await handle.generate.remote("after", [1], {"max_tokens": 2})).token_ids) >= 1
+
+
+async def test_a_stream_over_the_socket_sends_tokens_as_sampled_and_a_caller_that_leaves_aborts_it():
+    """STREAM calls: PART frames as the engine samples (more than one), then the whole output with
+    the load; the parts add up to it. Leaving the stream early cancels the request on the replica."""
+    from rollfleet.types import TokenDelta
+
+    async with served_replica(time_scale=20.0) as (replica, handle):
+        params = {"max_tokens": 60, "ignore_eos": True}
+        items = [item async for item in handle.stream_generate("s1", [1, 2, 3], params)]
+        *deltas, last = items
+        assert len(deltas) > 3 and all(isinstance(d, TokenDelta) for d in deltas)
+        assert isinstance(last, ReplicaResponse) and len(last.output.token_ids) == 60
+        assert [t for d in deltas for t in d.token_ids] == last.output.token_ids
+        assert {v for d in deltas for v in d.token_versions} == {3}  # stamped with the replica's version
+        stream = handle.stream_generate("s2", [1, 2, 3], {"max_tokens": 4000, "ignore_eos": True})
+        async for item in stream:
+            assert isinstance(item, TokenDelta)
+            break
+        await stream.aclose()  # type: ignore[attr-defined]
+        assert await until(lambda: replica._inflight == 0)
+        assert replica.engine.stats()["num_aborted"] == 1
