@@ -138,10 +138,8 @@ class Replica:
     async def generate_stream(
         self, request_id: str, prompt_ids: list[int], sampling_params: Optional[SamplingParams] = None, **kwargs: Any
     ) -> AsyncIterator[Union[TokenDelta, ReplicaResponse]]:
-        """:meth:`generate_with_load` as it happens: :class:`TokenDelta` s of new tokens while the
-        engine samples them (versions stamped as the whole output's are), then the whole output with
-        the load. An engine that does not stream yields the output alone. Closing the iterator
-        early aborts the generation."""
+        """:meth:`generate_with_load` as it happens: token deltas as the engine samples them, then the
+        output with the load (alone, from an engine that does not stream). Leaving early aborts it."""
         async with self._admitted(request_id, prompt_ids, sampling_params) as call:
             stream = cast(
                 AsyncGenerator, self.engine.generate_stream(call.engine_id, call.prompt, call.params, **kwargs)
