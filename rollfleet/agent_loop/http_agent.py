@@ -149,8 +149,11 @@ class HttpAgentLoop(AgentLoopBase):
         await self._gateway.close()
 
     async def _start(self, run: AgentRun) -> Optional[float]:
-        if self._agent_fn is not None:
-            result = self._agent_fn(run)
+        fn = self._agent_fn
+        if fn is not None:
+            # A synchronous agent runs on a thread: on this loop it would block the very gateway
+            # its requests go to.
+            result = await fn(run) if inspect.iscoroutinefunction(fn) else await asyncio.to_thread(fn, run)
             if inspect.isawaitable(result):
                 result = await result
             return None if result is None else float(result)

@@ -81,16 +81,22 @@ async def test_rewards_from_the_agent_and_its_failures(tokenizer, tmp_path):
         "    await ask(run)\n"
         "    raise ValueError('the sandbox died')\n\n"
         "def silent(run):\n"
-        "    return 1.0\n"
+        "    return 1.0\n\n"
+        "def blocking(run):  # a synchronous agent with a blocking client\n"
+        "    import openai\n"
+        "    c = openai.OpenAI(base_url=run.base_url, api_key=run.api_key)\n"
+        "    c.chat.completions.create(model=run.model, messages=run.sample['raw_prompt'], max_tokens=8)\n"
+        "    return 0.5\n"
     )
-    for name, reward in (("returns", 0.25), ("posts", 0.75), ("crashes", 0.0)):
+    for name, reward in (("returns", 0.25), ("posts", 0.75), ("crashes", 0.0), ("blocking", 0.5)):
         fleet, _, worker = await make(tokenizer, ["6 7 8 9"], {"agent": f"{agents}:{name}"})
         out = await worker.run_sample(dict(SAMPLE))
         assert out.reward_score == reward, name
         assert ("agent_error" in out.extra_fields) == (name == "crashes")
+        if name == "crashes":
+            assert "the sandbox died" in out.extra_fields["agent_error"]
         await worker.close()
         await fleet.shutdown()
-    assert "the sandbox died" in out.extra_fields["agent_error"]
     fleet, _, worker = await make(tokenizer, ["6 7 8 9"], {"agent": f"{agents}:silent"})
     with pytest.raises(RuntimeError, match="made no chat request"):
         await worker.run_sample(dict(SAMPLE))
