@@ -1,0 +1,216 @@
+"""rollfleet's gateway next to the router the peers deploy, in front of the same vLLM replicas.
+
+Three ways to the same 2 vLLM CPU replicas of ``tiny``, measured from outside in one run, in
+rounds that alternate the order (the machine's state drifts; alternating spreads it evenly):
+
+* **direct**: the load generator picks the replica itself (session ``i`` -> replica ``i % 2``);
+* **vllm-router** (``pip install vllm-router``, policy ``sticky_least_loaded``): a Rust router in
+  its own process, sessions keyed by ``session_params.session_id``;
+* **rollfleet gateway**: ``POST /v1/completions`` on the gateway (its own process, as
+  ``rollfleet serve`` runs it), sticky by ``X-Session-ID``, recording nothing (completions).
+
+Workload (issue 14's): 256 token-id completions of 32 tokens each (``ignore_eos``), 64 in flight,
+32 sessions whose prompts share a 200-token prefix. Reported per way: median tokens/s over the
+rounds and median p50 latency. The load generator is a separate process (httpx), the same for all
+three. Every process shares the machine's cores with vLLM: on 2 cores that is the point.
+
+Run: ``python benchmarks/gateway_vs_router.py [--rounds 4]``; writes ``benchmarks/gateway_vs_router.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+REQUESTS, TOKENS, IN_FLIGHT, SESSIONS, PREFIX = 256, 32, 64, 32, 200
+OUT = Path(__file__).with_name("gateway_vs_router.json")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _body(i: int, session: str, way: str) -> dict[str, Any]:
+    prompt = [(7 * k) % 900 + 10 for k in range(PREFIX)] + [int(session[1:]) % 900 + 10, i % 900 + 10]
+    body: dict[str, Any] = {"model": "tiny", "prompt": prompt, "max_tokens": TOKENS, "ignore_eos": True}
+    if way == "vllm-router":
+        body["session_params"] = {"session_id": session}
+    return body
+
+
+async def _load(way: str, urls: list[str]) -> dict[str, float]:
+    import httpx
+
+    latencies: list[float] = []
+    tokens = 0
+    sem = asyncio.Semaphore(IN_FLIGHT)
+    limits = httpx.Limits(max_connections=IN_FLIGHT, max_keepalive_connections=IN_FLIGHT)
+    async with httpx.AsyncClient(timeout=300, limits=limits) as http:
+
+        async def one(i: int) -> None:
+            nonlocal tokens
+            s = i % SESSIONS
+            session = f"s{s}"
+            url = urls[s % len(urls)] if way == "direct" else urls[0]
+            async with sem:
+                started = time.monotonic()
+                resp = await http.post(
+                    f"{url}/v1/completions", json=_body(i, session, way), headers={"X-Session-ID": session}
+                )
+                latencies.append(time.monotonic() - started)
+            resp.raise_for_status()
+            tokens += resp.json()["usage"]["completion_tokens"]
+
+        started = time.monotonic()
+        await asyncio.gather(*(one(i) for i in range(REQUESTS)))
+        wall = time.monotonic() - started
+    return {"tokens_per_s": tokens / wall, "p50_s": statistics.median(latencies), "tokens": tokens}
+
+
+def _loadgen(way: str, urls: list[str], queue: Any) -> None:
+    queue.put(asyncio.run(_load(way, urls)))
+
+
+def run_load(way: str, urls: list[str]) -> dict[str, float]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_loadgen, args=(way, urls, queue), daemon=True)
+    proc.start()
+    result = queue.get(timeout=600)
+    proc.join(30)
+    return result
+
+
+def _wait_http(url: str, timeout_s: float = 120.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=2).status_code < 500:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} did not answer within {timeout_s:.0f}s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=4)
+    args = parser.parse_args()
+    console = Console()
+    router_bin = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
+    if not Path(router_bin).exists():
+        sys.exit("vllm-router is not installed: pip install vllm-router")
+    import ray
+
+    from rollfleet.config import RollfleetConfig
+    from rollfleet.manager import LLMServerManager
+
+    ray.init(include_dashboard=False, num_cpus=3, log_to_driver=False)
+    config = RollfleetConfig.model_validate(
+        {
+            "rollout": {
+                "name": "vllm",
+                "model": "tiny",
+                "num_replicas": 2,
+                "prompt_length": 512,
+                "response_length": TOKENS,
+                "max_model_len": 1024,
+                "vllm": {"max_num_seqs": 128},
+            },
+        }
+    )
+    procs: list[subprocess.Popen] = []
+    manager: Any = None
+    loop = asyncio.new_event_loop()
+    try:
+        manager = loop.run_until_complete(LLMServerManager.create(config))
+        urls = [r.address for r in loop.run_until_complete(manager.get_replicas())]
+        router_port, gateway_port = _free_port(), _free_port()
+        procs.append(
+            subprocess.Popen(
+                [
+                    router_bin,
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(router_port),
+                    "--policy",
+                    "sticky_least_loaded",
+                    "--worker-urls",
+                    *urls,
+                ],  # fmt: skip
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
+        gateway = _start_gateway(loop, manager, gateway_port)
+        ways = {
+            "direct": urls,
+            "vllm-router": [f"http://127.0.0.1:{router_port}"],
+            "rollfleet gateway": [f"http://127.0.0.1:{gateway_port}"],
+        }
+        _wait_http(f"http://127.0.0.1:{router_port}/health")
+        for way, targets in ways.items():  # warm-up: one short round each (first forward passes are slow)
+            loop.run_until_complete(asyncio.to_thread(run_load, way, targets))
+        results: dict[str, list[dict[str, float]]] = {w: [] for w in ways}
+        order = list(ways)
+        for r in range(args.rounds):
+            for way in order[r % 3 :] + order[: r % 3]:
+                res = loop.run_until_complete(asyncio.to_thread(run_load, way, ways[way]))
+                results[way].append(res)
+                console.print(f"round {r + 1} {way}: {res['tokens_per_s']:.0f} tokens/s, p50 {res['p50_s']:.2f}s")
+        loop.run_until_complete(gateway.stop())
+    finally:
+        for p in procs:
+            p.terminate()
+        if manager is not None:
+            loop.run_until_complete(manager.shutdown())
+        ray.shutdown()
+    table = Table(title=f"{REQUESTS} completions x {TOKENS} tokens, {IN_FLIGHT} in flight, {SESSIONS} sessions")
+    for col in ("way", "tokens/s (median)", "p50 latency (median)", "rounds"):
+        table.add_column(col)
+    summary = {}
+    for way, rows in results.items():
+        tps = statistics.median(r["tokens_per_s"] for r in rows)
+        p50 = statistics.median(r["p50_s"] for r in rows)
+        summary[way] = {"tokens_per_s": tps, "p50_s": p50, "rounds": rows}
+        table.add_row(way, f"{tps:,.0f}", f"{p50:.2f} s", ", ".join(f"{r['tokens_per_s']:.0f}" for r in rows))
+    console.print(table)
+    OUT.write_text(json.dumps(summary, indent=2))
+
+
+def _start_gateway(loop: asyncio.AbstractEventLoop, manager: Any, port: int) -> Any:
+    """The gateway in this process on the fleet's client (the load comes from another process)."""
+    from rollfleet.client import FullyAsyncLLMServerClient
+    from rollfleet.config import GatewayConfig
+    from rollfleet.gateway import Gateway, GatewayServer, TextCodec
+
+    client = manager.get_client(FullyAsyncLLMServerClient)
+    gateway = Gateway(client, TextCodec.load("tiny"), config=GatewayConfig(port=port), rollout=client.config)
+    return loop.run_until_complete(GatewayServer(gateway.app, port=port).start())
+
+
+if __name__ == "__main__":
+    main()
