@@ -27,11 +27,10 @@ import os
 import shutil
 import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from rich.console import Console
 from rich.table import Table
@@ -118,16 +117,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=4)
     args = parser.parse_args()
-    console = Console()
     router_bin = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
     if not Path(router_bin).exists():
         sys.exit("vllm-router is not installed: pip install vllm-router")
     import ray
 
+    ray.init(include_dashboard=False, num_cpus=3, log_to_driver=False)
+    try:
+        results = asyncio.run(_run(router_bin, args.rounds, Console()))
+    finally:
+        ray.shutdown()
+    _report(results, Console())
+
+
+async def _run(router_bin: str, rounds: int, console: Console) -> dict[str, list[dict[str, float]]]:
     from rollfleet.config import RollfleetConfig
     from rollfleet.manager import LLMServerManager
 
-    ray.init(include_dashboard=False, num_cpus=3, log_to_driver=False)
     config = RollfleetConfig.model_validate(
         {
             "rollout": {
@@ -141,53 +147,43 @@ def main() -> None:
             },
         }
     )
-    procs: list[subprocess.Popen] = []
-    manager: Any = None
-    loop = asyncio.new_event_loop()
+    manager = await LLMServerManager.create(config)
+    router: Optional[asyncio.subprocess.Process] = None
+    gateway: Any = None
     try:
-        manager = loop.run_until_complete(LLMServerManager.create(config))
-        urls = [r.address for r in loop.run_until_complete(manager.get_replicas())]
+        urls = [r.address for r in await manager.get_replicas()]
         router_port, gateway_port = _free_port(), _free_port()
-        procs.append(
-            subprocess.Popen(
-                [
-                    router_bin,
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(router_port),
-                    "--policy",
-                    "sticky_least_loaded",
-                    "--worker-urls",
-                    *urls,
-                ],  # fmt: skip
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-        )
-        gateway = _start_gateway(loop, manager, gateway_port)
+        router = await asyncio.create_subprocess_exec(
+            router_bin, "--host", "127.0.0.1", "--port", str(router_port), "--policy", "sticky_least_loaded",
+            "--worker-urls", *urls, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+        )  # fmt: skip
+        gateway = await _start_gateway(manager, gateway_port)
         ways = {
             "direct": urls,
             "vllm-router": [f"http://127.0.0.1:{router_port}"],
             "rollfleet gateway": [f"http://127.0.0.1:{gateway_port}"],
         }
-        _wait_http(f"http://127.0.0.1:{router_port}/health")
-        for way, targets in ways.items():  # warm-up: one short round each (first forward passes are slow)
-            loop.run_until_complete(asyncio.to_thread(run_load, way, targets))
+        await asyncio.to_thread(_wait_http, f"http://127.0.0.1:{router_port}/health")
+        for way, targets in ways.items():  # warm-up: a round each (first forward passes are slow)
+            await asyncio.to_thread(run_load, way, targets)
         results: dict[str, list[dict[str, float]]] = {w: [] for w in ways}
         order = list(ways)
-        for r in range(args.rounds):
+        for r in range(rounds):
             for way in order[r % 3 :] + order[: r % 3]:
-                res = loop.run_until_complete(asyncio.to_thread(run_load, way, ways[way]))
+                res = await asyncio.to_thread(run_load, way, ways[way])
                 results[way].append(res)
                 console.print(f"round {r + 1} {way}: {res['tokens_per_s']:.0f} tokens/s, p50 {res['p50_s']:.2f}s")
-        loop.run_until_complete(gateway.stop())
+        return results
     finally:
-        for p in procs:
-            p.terminate()
-        if manager is not None:
-            loop.run_until_complete(manager.shutdown())
-        ray.shutdown()
+        if gateway is not None:
+            await gateway.stop()
+        if router is not None:
+            router.terminate()
+            await router.wait()
+        await manager.shutdown()
+
+
+def _report(results: dict[str, list[dict[str, float]]], console: Console) -> None:
     table = Table(title=f"{REQUESTS} completions x {TOKENS} tokens, {IN_FLIGHT} in flight, {SESSIONS} sessions")
     for col in ("way", "tokens/s (median)", "p50 latency (median)", "rounds"):
         table.add_column(col)
@@ -201,7 +197,7 @@ def main() -> None:
     OUT.write_text(json.dumps(summary, indent=2))
 
 
-def _start_gateway(loop: asyncio.AbstractEventLoop, manager: Any, port: int) -> Any:
+async def _start_gateway(manager: Any, port: int) -> Any:
     """The gateway in this process on the fleet's client (the load comes from another process)."""
     from rollfleet.client import FullyAsyncLLMServerClient
     from rollfleet.config import GatewayConfig
@@ -209,7 +205,7 @@ def _start_gateway(loop: asyncio.AbstractEventLoop, manager: Any, port: int) -> 
 
     client = manager.get_client(FullyAsyncLLMServerClient)
     gateway = Gateway(client, TextCodec.load("tiny"), config=GatewayConfig(port=port), rollout=client.config)
-    return loop.run_until_complete(GatewayServer(gateway.app, port=port).start())
+    return await GatewayServer(gateway.app, port=port).start()
 
 
 if __name__ == "__main__":
