@@ -24,9 +24,9 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from rollfleet.client.budget import token_budget
 from rollfleet.client.llm_client import LLMServerClient
-from rollfleet.errors import InvalidRequest
-from rollfleet.types import BUDGET_KEYS, SamplingParams, TokenOutput
+from rollfleet.types import SamplingParams, TokenOutput
 
 
 class FullyAsyncLLMServerClient(LLMServerClient):
@@ -41,10 +41,6 @@ class FullyAsyncLLMServerClient(LLMServerClient):
         self.partial_rollout = partial_rollout
         self.init_kwargs["partial_rollout"] = partial_rollout  # a pickled copy keeps the setting
 
-    def _configured_response_length(self) -> Optional[int]:
-        length = self.config.response_length
-        return length if isinstance(length, int) and length > 0 else None
-
     async def generate(
         self,
         request_id: str,
@@ -54,17 +50,7 @@ class FullyAsyncLLMServerClient(LLMServerClient):
         **kwargs: Any,
     ) -> TokenOutput:
         params: SamplingParams = dict(sampling_params or {})
-        key = next((k for k in BUDGET_KEYS if params.get(k) is not None), None)
-        if key is None:
-            key = "max_tokens"
-            budget = self._configured_response_length()
-            if budget is None:
-                raise ValueError("no token budget: pass max_tokens/max_new_tokens or configure response_length")
-        else:
-            budget = params[key]
-            # Checked before any arithmetic on it ("16" or True must not become a budget).
-            if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
-                raise InvalidRequest(f"sampling_params.{key}", "an integer >= 1", budget)
+        key, budget = token_budget(params, self.config.response_length)
         prompt = list(prompt_ids)
 
         token_ids: list[int] = []

@@ -24,9 +24,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Optional, Union, cast
 
+from rollfleet.client.budget import token_budget
 from rollfleet.client.retry import is_replica_failure, is_retryable, unwrap
-from rollfleet.errors import InvalidRequest, NoServerAvailable, RetriesExhausted
-from rollfleet.types import BUDGET_KEYS, ReplicaResponse, SamplingParams, TokenDelta, TokenOutput
+from rollfleet.errors import NoServerAvailable, RetriesExhausted
+from rollfleet.types import ReplicaResponse, SamplingParams, TokenDelta, TokenOutput
 
 if TYPE_CHECKING:  # pragma: no cover
     from rollfleet.client.llm_client import LLMServerClient
@@ -69,10 +70,7 @@ async def stream_generate(
     """See the module docstring."""
     await client.fleet.ensure_started()
     params: SamplingParams = dict(sampling_params or {})
-    key = next((k for k in BUDGET_KEYS if params.get(k) is not None), "max_tokens")
-    budget = params.get(key, client.config.response_length)
-    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
-        raise InvalidRequest(f"sampling_params.{key}", "an integer >= 1", budget)
+    key, budget = token_budget(params, client.config.response_length)
     resumes = bool(getattr(client, "partial_rollout", False))
     sofar = _Sofar()
     failures = 0
