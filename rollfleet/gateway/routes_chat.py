@@ -44,22 +44,21 @@ class ChatRoutes(RoutesBase):
         params = sampling_params(req, budget, codec)
         fields = field_mapper("messages", budget_param)
         parse = bool(req.tools) and req.tool_choice != "none"
+
+        def replied(outputs: Sequence[TokenOutput]) -> list[responses.Reply]:
+            """The assistant messages of ``outputs``; a session's turn is recorded with them."""
+            replies = [self.tool_calls.message(codec.decode(o.token_ids), parse=parse) for o in outputs]
+            if store is not None and session is not None:
+                turn = _turn(prompt, outputs, replies, plan)
+                store.record(session, messages, req.tools, turn, new_branch=plan.new_branch, chosen=plan.chosen)
+            return replies
+
         if req.stream and req.n == 1 and not parse:  # live; replies with tool calls are parsed whole
-
-            def record(out: TokenOutput) -> None:
-                if store is not None and session is not None:
-                    reply = [self.tool_calls.message(codec.decode(out.token_ids), parse=False)]
-                    turn = _turn(prompt, [out], reply, plan)
-                    store.record(session, messages, req.tools, turn, new_branch=plan.new_branch, chosen=plan.chosen)
-
             route = "/v1/chat/completions"
             return await self._live("chat", route, req, prompt, params, session, fields, logprobs=req.logprobs,
-                                    on_done=record)  # fmt: skip
+                                    on_done=lambda out: replied([out]))  # fmt: skip
         outputs = await self._generate("/v1/chat/completions", [prompt], params, req.n, session, fields)
-        replies = [self.tool_calls.message(codec.decode(o.token_ids), parse=parse) for o in outputs]
-        if store is not None and session is not None:
-            turn = _turn(prompt, outputs, replies, plan)
-            store.record(session, messages, req.tools, turn, new_branch=plan.new_branch, chosen=plan.chosen)
+        replies = replied(outputs)
         headers = self._headers(outputs, session)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
