@@ -178,7 +178,7 @@ class RoutesBase:
         except Exception as exc:  # before the status line: the caller gets the proper status
             await cast(AsyncGenerator, stream).aclose()
             raise from_exception(exc, fields) from exc
-        options = getattr(req, "stream_options", None)
+        options = req.stream_options
         events = live_events(
             kind,
             req.model,
@@ -187,7 +187,7 @@ class RoutesBase:
             stream,
             prompt,
             logprobs=logprobs,
-            return_token_ids=bool(getattr(req, "return_token_ids", False)),
+            return_token_ids=req.return_token_ids,
             include_usage=bool(options and options.include_usage),
             on_done=on_done,
         )

@@ -125,8 +125,9 @@ class HealthSupervisor:
         health = self.config.health
         record.consecutive_failures += 1
         detail = f"probe failed ({record.consecutive_failures}x): {type(outcome).__name__}"
-        dead = _actor_died(outcome) or record.consecutive_failures >= health.failures_to_dead
-        if dead and fleet_stalled and not _actor_died(outcome):
+        died = _actor_died(outcome)
+        dead = died or record.consecutive_failures >= health.failures_to_dead
+        if dead and fleet_stalled and not died:
             silent = time.monotonic() - record.answered_at
             dead = silent > health.busy_grace_s
             detail += f" with every replica at once, {silent:.0f}s silent (dead after health.busy_grace_s)"
