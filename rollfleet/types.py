@@ -5,6 +5,7 @@ This module holds data only, no I/O, so that every layer (engines up to trainers
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
@@ -64,9 +65,15 @@ class LoadReport:
     """What a replica says about itself: piggybacked on every response and polled.
 
     ``inflight`` and ``inflight_tokens`` are counted by the replica itself (requests inside it and
-    the prompt tokens they carry), the same way a client counts its own, so the router can combine
-    a report with its local counts: ``others = report - mine_at_report``. ``running``, ``waiting``
-    and ``kv_usage`` come from the engine's own view, refreshed when the replica is polled.
+    the prompt tokens they carry), the same way a client counts its own. ``by_client`` splits them
+    by the client that sent them (``client_id -> (requests, tokens)``; a client absent had none in
+    flight), so a client's router learns the load of everyone else *at the moment the replica
+    counted*: ``others = inflight - by_client[me]``. Subtracting its count *now* instead would turn
+    the client's own requests that finished since into phantom load of others, and a report that
+    is a second old (a polled one) would steer new sticky sessions away from a replica that is in
+    fact idle. A report on a response carries the requester's entry only; one polled for a client
+    carries that client's. ``running``, ``waiting`` and ``kv_usage`` come from the engine's own
+    view, refreshed when the replica is polled.
     """
 
     replica_id: str
@@ -79,6 +86,14 @@ class LoadReport:
     #: ``serving`` | ``paused`` | ``sleeping`` | ``starting`` | ``stopped``
     state: str = "serving"
     timestamp: float = field(default_factory=time.monotonic)
+    by_client: Optional[dict[str, tuple[int, int]]] = None
+
+    def for_client(self, client_id: Optional[str]) -> "LoadReport":
+        """This report with ``client_id``'s share alone in ``by_client`` (no split without one)."""
+        if self.by_client is None:
+            return self
+        share = None if client_id is None else {client_id: self.by_client.get(client_id, (0, 0))}
+        return dataclasses.replace(self, by_client=share)
 
 
 @dataclass(slots=True)

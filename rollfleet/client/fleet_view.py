@@ -72,7 +72,9 @@ class FleetView:
                     await asyncio.sleep(self.refresh_interval_s)
                     await self.refresh()
                     continue
-                snapshot = await watch.remote(self._epoch, self._signature, self.refresh_interval_s)
+                snapshot = await watch.remote(
+                    self._epoch, self._signature, self.refresh_interval_s, client_id=self.balancer.client_id
+                )
                 self.apply(snapshot)
                 self.last_refresh = time.monotonic()
             except asyncio.CancelledError:
@@ -93,7 +95,7 @@ class FleetView:
         await asyncio.shield(inflight)
 
     async def _fetch_and_apply(self) -> None:
-        snapshot = await self.controller.snapshot.remote(self._epoch)
+        snapshot = await self.controller.snapshot.remote(self._epoch, client_id=self.balancer.client_id)
         self.apply(snapshot)
         self.last_refresh = time.monotonic()
 

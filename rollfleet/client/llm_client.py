@@ -90,6 +90,7 @@ class LLMServerClient:
             sticky=routing.sticky,
             sticky_overload_factor=routing.sticky_overload_factor,
             sticky_overload_slack=routing.sticky_overload_slack,
+            sticky_spill_kv_usage=routing.sticky_spill_kv_usage,
             seed=self.config.seed if self.config.full_determinism else None,
         )
         health = self.config.health
@@ -215,7 +216,9 @@ class LLMServerClient:
         server_id: Optional[str] = None
         try:
             server_id, handle = await self._acquire(request_id, prompt_len)
-            ref = handle.generate_with_load.remote(request_id, prompt_ids, sampling_params, **kwargs)
+            ref = handle.generate_with_load.remote(
+                request_id, prompt_ids, sampling_params, client_id=self.balancer.client_id, **kwargs
+            )
             timeout = self.config.retry.request_timeout_s
             try:
                 if timeout is None:

@@ -79,7 +79,14 @@ class RoutingConfig(_Section):
         1.5, ge=1.0, description="A sticky replica gives way when its load exceeds factor x mean load ..."
     )
     sticky_overload_slack: int = Field(
-        8, ge=0, description="... and also exceeds mean + slack in-flight requests (both must hold)."
+        8, ge=0, description="... and also exceeds mean + slack in-flight requests (both must hold) ..."
+    )
+    sticky_spill_kv_usage: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="... and is saturated: its engine has requests waiting, or KV cache usage at or above "
+        "this fraction (a replica that runs all it has keeps its sessions and their prefix cache).",
     )
     load_refresh_interval_s: float = Field(
         1.0,

@@ -212,14 +212,16 @@ class FleetController(HealthSupervisor, ControlFanOut):
         _kill(handle)
 
     # ------------------------------------------------------------------ snapshot (polled by clients)
-    async def snapshot(self, known_epoch: int = -1) -> FleetSnapshot:
+    async def snapshot(self, known_epoch: int = -1, client_id: Optional[str] = None) -> FleetSnapshot:
+        """What clients route by; loads carry ``client_id``'s share of each replica's in-flight
+        requests only (each client needs its own; all clients' would grow with the fleet)."""
         records = self._records
         snap = FleetSnapshot(
             membership_epoch=self._membership_epoch,
             current_version=self.current_version,
             states={rid: r.state.value for rid, r in records.items()},
             versions={rid: r.weight_version for rid, r in records.items()},
-            loads={rid: r.load for rid, r in records.items() if r.load is not None},
+            loads={rid: r.load.for_client(client_id) for rid, r in records.items() if r.load is not None},
             rolling_version=self._rolling_version,
             details={rid: r.detail for rid, r in records.items() if r.detail},
         )
@@ -228,7 +230,11 @@ class FleetController(HealthSupervisor, ControlFanOut):
         return snap
 
     async def watch(
-        self, known_epoch: int = -1, known_signature: Optional[tuple] = None, timeout_s: float = 1.0
+        self,
+        known_epoch: int = -1,
+        known_signature: Optional[tuple] = None,
+        timeout_s: float = 1.0,
+        client_id: Optional[str] = None,
     ) -> FleetSnapshot:
         """Long poll: the snapshot as soon as what routing depends on (membership, states,
         versions) differs from ``known_signature``, else after ``timeout_s`` (with fresh loads).
@@ -241,7 +247,7 @@ class FleetController(HealthSupervisor, ControlFanOut):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max(0.0, min(timeout_s, 60.0))
         while True:
-            snap = await self.snapshot(known_epoch)
+            snap = await self.snapshot(known_epoch, client_id)
             remaining = deadline - loop.time()
             if snap.signature() != known_signature or remaining <= 0:
                 return snap

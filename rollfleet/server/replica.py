@@ -21,6 +21,7 @@ from rollfleet.engines.base import CommitMode
 from rollfleet.errors import NotSupported, ReplicaUnavailable
 from rollfleet.health import ReplicaState
 from rollfleet.server.attempts import Attempt, stamp_versions
+from rollfleet.server.inflight import InflightBook
 from rollfleet.server.liveness import EngineLiveness
 from rollfleet.server.validation import validate_prompt, validate_sampling_params
 from rollfleet.types import LoadReport, ReplicaResponse, SamplingParams, TokenDelta, TokenOutput
@@ -51,9 +52,7 @@ class Replica:
         self._version: Optional[int] = None
         self._epoch = 0
         self._gate: Optional[asyncio.Event] = None
-        self._inflight = 0
-        self._inflight_tokens = 0
-        self._sessions: dict[str, set[str]] = {}
+        self._book = InflightBook()
         health = config.health
         self._liveness = EngineLiveness(replica_id, self.engine, health.probe_timeout_s, health.busy_grace_s)
         self._limits: Optional[EngineLimits] = None  # known once the engine has started
@@ -128,19 +127,30 @@ class Replica:
         return (await self.generate_with_load(request_id, prompt_ids, sampling_params, **kwargs)).output
 
     async def generate_with_load(
-        self, request_id: str, prompt_ids: list[int], sampling_params: Optional[SamplingParams] = None, **kwargs: Any
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling_params: Optional[SamplingParams] = None,
+        client_id: Optional[str] = None,
+        **kwargs: Any,
     ) -> ReplicaResponse:
-        """Validate, generate, stamp versions; return the output with this replica's load."""
-        async with self._admitted(request_id, prompt_ids, sampling_params) as call:
+        """Validate, generate, stamp versions; return the output with this replica's load (split
+        by ``client_id``, the sender's router's id: see :class:`~rollfleet.types.LoadReport`)."""
+        async with self._admitted(request_id, prompt_ids, sampling_params, client_id) as call:
             output = await self.engine.generate(call.engine_id, call.prompt, call.params, **kwargs)
-        return ReplicaResponse(self._finished(output, call), self._report())
+        return ReplicaResponse(self._finished(output, call), self._report(client_id))
 
     async def generate_stream(
-        self, request_id: str, prompt_ids: list[int], sampling_params: Optional[SamplingParams] = None, **kwargs: Any
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling_params: Optional[SamplingParams] = None,
+        client_id: Optional[str] = None,
+        **kwargs: Any,
     ) -> AsyncIterator[Union[TokenDelta, ReplicaResponse]]:
         """:meth:`generate_with_load` as it happens: token deltas as the engine samples them, then the
         output with the load (alone, from an engine that does not stream). Leaving early aborts it."""
-        async with self._admitted(request_id, prompt_ids, sampling_params) as call:
+        async with self._admitted(request_id, prompt_ids, sampling_params, client_id) as call:
             stream = cast(
                 AsyncGenerator, self.engine.generate_stream(call.engine_id, call.prompt, call.params, **kwargs)
             )
@@ -153,11 +163,15 @@ class Replica:
                         output = item
             finally:
                 await stream.aclose()  # at once, not when collected: it aborts the engine's request
-        yield ReplicaResponse(self._finished(output, call), self._report())
+        yield ReplicaResponse(self._finished(output, call), self._report(client_id))
 
     @contextlib.asynccontextmanager
     async def _admitted(
-        self, request_id: str, prompt_ids: list[int], sampling_params: Optional[SamplingParams]
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling_params: Optional[SamplingParams],
+        client_id: Optional[str],
     ) -> AsyncIterator[Attempt]:
         """Validate a request, count it in flight, hold it at the gate while paused; on the way
         out, whatever happened, count it out (no leaked in-flight counts)."""
@@ -177,26 +191,16 @@ class Replica:
             self._counters["invalid"] += 1
             raise
         engine_id = f"{request_id}-{uuid.uuid4().hex[:12]}"
-        ids = self._sessions.setdefault(request_id, set())
-        ids.add(engine_id)
-        tokens = len(prompt)
-        self._inflight += 1
-        self._inflight_tokens += tokens
         self._counters["requests"] += 1
-        try:
-            while not self._gate.is_set():
-                await self._gate.wait()
-            self._check_accepting()
-            yield Attempt(engine_id, prompt, params, self._epoch, self._version, time.monotonic())
-        except ReplicaUnavailable:
-            self._counters["errors"] += 1
-            raise
-        finally:
-            self._inflight -= 1
-            self._inflight_tokens -= tokens
-            ids.discard(engine_id)
-            if not ids:
-                self._sessions.pop(request_id, None)
+        with self._book.entry(request_id, engine_id, len(prompt), client_id):
+            try:
+                while not self._gate.is_set():
+                    await self._gate.wait()
+                self._check_accepting()
+                yield Attempt(engine_id, prompt, params, self._epoch, self._version, time.monotonic())
+            except ReplicaUnavailable:
+                self._counters["errors"] += 1
+                raise
 
     def _finished(self, output: TokenOutput, call: Attempt) -> TokenOutput:
         stamp_versions(output, call, epoch_now=self._epoch, version_now=self._version)
@@ -212,22 +216,26 @@ class Replica:
             return
         raise ReplicaUnavailable(self.replica_id, f"state is '{self._state.value}'")
 
-    def _report(self) -> LoadReport:
+    def _report(self, client_id: Optional[str] = None, every_client: bool = False) -> LoadReport:
+        """This replica's load; ``by_client`` holds ``client_id``'s share, or every client's."""
         load = self._liveness.load
+        book = self._book
+        by_client = book.by_client() if every_client else book.by_client(client_id) if client_id is not None else None
         return LoadReport(
             replica_id=self.replica_id,
-            inflight=self._inflight,
-            inflight_tokens=self._inflight_tokens,
+            inflight=book.requests,
+            inflight_tokens=book.tokens,
             running=load.running,
             waiting=load.waiting,
             kv_usage=load.kv_usage,
             weight_version=self._version,
             state=self._state.value,
+            by_client=by_client,
         )
 
     async def abort(self, request_id: str) -> int:
         """Abort every attempt of one session on this replica; return how many."""
-        ids = list(self._sessions.get(request_id, ()))
+        ids = self._book.engine_ids(request_id)
         for engine_id in ids:
             await self.engine.abort(engine_id)
         return len(ids)
@@ -337,7 +345,7 @@ class Replica:
         probe, answered within its timeout even when the engine is slow (see
         :mod:`rollfleet.server.liveness`): busy is not dead, silent is."""
         await self._liveness.poll()
-        return self._report()
+        return self._report(every_client=True)
 
     async def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {

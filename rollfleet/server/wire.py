@@ -205,6 +205,7 @@ def response_frame(call_id: int, response: ReplicaResponse, allow_pickle: bool =
             load.weight_version,
             load.state,
             load.timestamp,
+            load.by_client,
         ],
     ]
     return pack(message, allow_pickle)

@@ -92,7 +92,8 @@ def test_budget_never_exceeded_and_caller_dict_untouched(abort_points, budget, k
         assert call["params"][used_key] >= 1
         granted_plus_done = call["params"][used_key] + len(call["prompt_ids"]) - 3
         assert granted_plus_done == budget
-        assert call["kwargs"] == {"image_data": None, "priority": 3}  # kwargs arrive every attempt
+        # kwargs arrive every attempt, with the id the replica counts this client's requests under
+        assert call["kwargs"] == {"image_data": None, "priority": 3, "client_id": c.balancer.client_id}
     if len(out.token_ids) == budget and out.stop_reason != "stop":
         assert out.stop_reason == "length"
     assert out.stop_reason in ("stop", "length")
@@ -211,7 +212,7 @@ class SyncingController:
         self.ready_at = asyncio.get_running_loop().time() + routable_after_s
         self.snapshot = self  # so that controller.snapshot.remote(...) works like a Ray handle
 
-    def remote(self, known_epoch: int = -1):
+    def remote(self, known_epoch: int = -1, client_id=None):
         from rollfleet.health import FleetSnapshot
 
         self.calls += 1

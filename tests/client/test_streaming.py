@@ -135,6 +135,6 @@ async def test_leaving_a_stream_early_aborts_the_generation_and_frees_the_replic
     await stream.aclose()  # type: ignore[attr-defined]
     await asyncio.sleep(0.05)
     assert client.balancer.get_total_inflight() == 0
-    assert replicas[0].engine.stats()["num_aborted"] == 1 and replicas[0]._inflight == 0
+    assert replicas[0].engine.stats()["num_aborted"] == 1 and replicas[0]._book.requests == 0
     for r in replicas:
         await r.shutdown()

@@ -94,8 +94,8 @@ async def test_a_refused_stream_keeps_its_status_and_a_caller_that_hangs_up_stop
                     if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
                         break  # hang up after the first piece of text
             deadline = time.monotonic() + 5
-            while replica._inflight and time.monotonic() < deadline:
+            while replica._book.requests and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
-            assert replica._inflight == 0 and replica.engine.stats()["num_aborted"] == 1
+            assert replica._book.requests == 0 and replica.engine.stats()["num_aborted"] == 1
             ok = await http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4})
             assert ok.status_code == 200

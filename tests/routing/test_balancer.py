@@ -97,18 +97,24 @@ def test_finish_session_frees_sticky_entry():
     assert lb.finish_session("t") is False
 
 
-def test_sticky_gives_way_when_overloaded():
+def test_sticky_gives_way_when_overloaded_and_saturated():
     lb = make(2, sticky_overload_factor=1.5, sticky_overload_slack=2)
     sid, _ = lb.acquire_server("hot")
-    # pile load on the sticky replica (other callers' requests, as reported by the replica)
-    lb.report_load(LoadReport(replica_id=sid, inflight=20, inflight_tokens=2000))
-    other, _ = lb.acquire_server("hot")
-    assert other != sid
+    # pile load on the sticky replica (other callers' requests, as reported by the replica)...
+    lb.report_load(LoadReport(replica_id=sid, inflight=20, inflight_tokens=2000, timestamp=1.0))
+    assert lb.acquire_server("hot")[0] == sid  # ... but its engine runs them all: stay for the cache
+    lb.report_load(LoadReport(replica_id=sid, inflight=20, inflight_tokens=2000, waiting=3, timestamp=2.0))
+    other, _ = lb.acquire_server("hot")  # requests queue there now: give way
+    assert other != sid and lb.sticky_server("hot") == other
     assert lb.decisions["spill_over"] == 1
-    # below the bound it stays sticky
+    kv = make(2, sticky_overload_factor=1.5, sticky_overload_slack=2, sticky_spill_kv_usage=0.8)
+    s1, _ = kv.acquire_server("hot")
+    kv.report_load(LoadReport(replica_id=s1, inflight=20, inflight_tokens=2000, kv_usage=0.85))
+    assert kv.acquire_server("hot")[0] != s1  # a KV cache near full is saturated too
+    # below the bound it stays sticky, saturated or not
     lb2 = make(2, sticky_overload_factor=1.5, sticky_overload_slack=50)
     s2, _ = lb2.acquire_server("hot")
-    lb2.report_load(LoadReport(replica_id=s2, inflight=20, inflight_tokens=2000))
+    lb2.report_load(LoadReport(replica_id=s2, inflight=20, inflight_tokens=2000, waiting=5))
     assert lb2.acquire_server("hot")[0] == s2
 
 
@@ -135,6 +141,38 @@ def test_load_reports_combine_with_local_counts():
     lb = make(2, policy="least_tokens", seed=0)
     lb.report_load(LoadReport(replica_id="s0", inflight=10, inflight_tokens=5000))
     assert lb.acquire_server("a", prompt_len=10)[0] == "s1"
+
+
+def test_a_late_report_counts_our_share_as_the_replica_counted_it_not_as_it_is_now():
+    """A polled report is up to a probe interval old. Our 12 requests it counted have finished
+    since; subtracting our count *now* (0) would leave 12 phantom requests of others on s0 and
+    send every new session to s1 (what the gateway-vs-router benchmark caught)."""
+    lb = make(2, policy="least_tokens", seed=0)
+    taken = [lb.acquire_server(f"old{i}", prompt_len=100) for i in range(24)]
+    assert sum(1 for sid, _ in taken if sid == "s0") == 12
+    late = LoadReport(replica_id="s0", inflight=12, inflight_tokens=1200, by_client={lb.client_id: (12, 1200)})
+    for sid, _ in taken:
+        lb.release_server(sid, prompt_len=100)
+    lb.report_load(late)
+    new = [lb.acquire_server(f"new{i}", prompt_len=100)[0] for i in range(16)]
+    assert new.count("s0") == new.count("s1") == 8
+    # the same late report without the split: the old guess, phantom load and all
+    guess = make(2, policy="least_tokens", seed=0)
+    guess.report_load(LoadReport(replica_id="s0", inflight=12, inflight_tokens=1200))
+    assert [guess.acquire_server(f"new{i}", prompt_len=100)[0] for i in range(12)].count("s0") == 0
+
+
+def test_a_split_report_without_our_entry_is_all_others_and_older_reports_are_dropped():
+    lb = make(2, policy="least_tokens", seed=0)
+    mine, _ = lb.acquire_server("mine", prompt_len=100)  # counted locally, not yet at the replica
+    other = "s1" if mine == "s0" else "s0"
+    lb.report_load(LoadReport(replica_id=mine, inflight=5, inflight_tokens=500, by_client={}, timestamp=2.0))
+    assert lb.get_status()["estimated_load"][mine] == 1 + 5
+    lb.report_load(LoadReport(replica_id=mine, inflight=0, inflight_tokens=0, by_client={}, timestamp=1.0))
+    assert lb.get_status()["estimated_load"][mine] == 1 + 5  # older than the last one applied
+    lb.set_handle(mine, "restarted")  # a new process, a new clock: its reports count again
+    lb.report_load(LoadReport(replica_id=mine, inflight=0, inflight_tokens=0, by_client={}, timestamp=0.5))
+    assert lb.get_status()["estimated_load"] == {mine: 1, other: 0}
 
 
 def test_ties_are_not_always_first_for_least_tokens():

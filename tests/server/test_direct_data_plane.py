@@ -137,7 +137,7 @@ async def test_many_concurrent_requests_share_one_connection_and_leave_no_inflig
         )
         assert all(len(o.token_ids) >= 1 for o in outs)
         assert r._data_plane.num_connections == 1
-        assert r._inflight == 0 and r._inflight_tokens == 0
+        assert r._book.requests == 0 and r._book.tokens == 0
 
 
 async def test_bad_input_arrives_typed_and_the_connection_keeps_serving():
@@ -150,19 +150,19 @@ async def test_bad_input_arrives_typed_and_the_connection_keeps_serving():
         assert info.value.field == "sampling_params.max_tokens"
         out = await handle.generate.remote("good", [1, 2], {"max_tokens": 4})
         assert len(out.token_ids) >= 1
-        assert r._counters["invalid"] == 2 and r._inflight == 0
+        assert r._counters["invalid"] == 2 and r._book.requests == 0
 
 
 async def test_cancelling_the_caller_aborts_the_request_on_the_replica():
     async with served_replica(time_scale=20.0) as (r, handle):
         task = handle.generate.remote("long", [1, 2, 3], {"max_tokens": 3000, "ignore_eos": True})
-        await until(lambda: r._inflight == 1)
-        assert r._inflight == 1
+        await until(lambda: r._book.requests == 1)
+        assert r._book.requests == 1
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await until(lambda: r._inflight == 0)
-        assert r._inflight == 0 and r._inflight_tokens == 0
+        await until(lambda: r._book.requests == 0)
+        assert r._book.requests == 0 and r._book.tokens == 0
         assert r.engine.stats()["num_aborted"] >= 1
         conn = await get_connection(handle.address, "r0", handle.token)
         assert conn._pending == {}
@@ -183,8 +183,8 @@ async def test_a_lost_connection_fails_pending_requests_as_replica_unavailable()
         no_actor = DirectHandle(None, handle.address, "r0", handle.token)
         with pytest.raises(ReplicaUnavailable, match="cannot reach its data plane"):
             await no_actor.generate.remote("again", [1], {"max_tokens": 2})
-        await until(lambda: r._inflight == 0)  # the replica cancelled the orphaned requests
-        assert r._inflight == 0
+        await until(lambda: r._book.requests == 0)  # the replica cancelled the orphaned requests
+        assert r._book.requests == 0
 
 
 class _Boom:
@@ -322,11 +322,11 @@ async def test_an_unauthenticated_peer_is_dropped_within_the_deadline_having_cos
 async def test_dropping_the_connection_of_a_dead_replica_fails_its_calls_over_at_once():
     async with served_replica(time_scale=20.0) as (r, handle):
         pending = [handle.generate.remote(f"d{i}", [1, 2], {"max_tokens": 3000, "ignore_eos": True}) for i in range(4)]
-        assert await until(lambda: r._inflight == 4)
+        assert await until(lambda: r._book.requests == 4)
         handle.drop_connection("replica-0 declared dead by the fleet: probe failed (2x)")
         results = await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True), 5)
         assert all(isinstance(e, ReplicaUnavailable) and "declared dead" in e.reason for e in results)
-        assert await until(lambda: r._inflight == 0)  # the replica side was cancelled too
+        assert await until(lambda: r._book.requests == 0)  # the replica side was cancelled too
         assert len((await handle.generate.remote("after", [1], {"max_tokens": 2})).token_ids) >= 1
 
 
@@ -348,5 +348,5 @@ async def test_a_stream_over_the_socket_sends_tokens_as_sampled_and_a_caller_tha
             assert isinstance(item, TokenDelta)
             break
         await stream.aclose()  # type: ignore[attr-defined]
-        assert await until(lambda: replica._inflight == 0)
+        assert await until(lambda: replica._book.requests == 0)
         assert replica.engine.stats()["num_aborted"] == 1

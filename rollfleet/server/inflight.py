@@ -1,0 +1,68 @@
+"""What a replica has in flight, counted three ways: in all, per client, per session.
+
+* **In all** (requests and their prompt tokens): the load every router reads.
+* **Per client** (``client_id``: the id of the router, one per fleet client, that sent the
+  request): a router subtracts its own share *as counted here* from the total to learn everyone
+  else's load. Its own count at the time a report arrives is the wrong thing to subtract: a polled
+  report is up to a probe interval old, and the router's requests that finished since would show
+  up as phantom load of others (measured: a report a second old steered 20 of 32 new sticky
+  sessions to one of two idle replicas).
+* **Per session** (``request_id``): the engine ids of a session's attempts, so that
+  :meth:`~rollfleet.server.replica.Replica.abort` can abort a whole session.
+
+Counting in and out is one context manager, so no exit path (error, cancellation) leaks a count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional
+
+
+class InflightBook:
+    """The replica's in-flight counts; see the module docstring."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.tokens = 0
+        self._by_client: dict[str, list[int]] = {}  # client_id -> [requests, tokens]
+        self._sessions: dict[str, set[str]] = {}  # request_id -> engine ids
+
+    @contextlib.contextmanager
+    def entry(self, request_id: str, engine_id: str, tokens: int, client_id: Optional[str]) -> Iterator[None]:
+        """Count one request in for the duration of the block, out however the block ends."""
+        ids = self._sessions.setdefault(request_id, set())
+        ids.add(engine_id)
+        self.requests += 1
+        self.tokens += tokens
+        mine = self._by_client.setdefault(client_id, [0, 0]) if client_id is not None else None
+        if mine is not None:
+            mine[0] += 1
+            mine[1] += tokens
+        try:
+            yield
+        finally:
+            self.requests -= 1
+            self.tokens -= tokens
+            if mine is not None:
+                mine[0] -= 1
+                mine[1] -= tokens
+                if mine[0] <= 0:
+                    self._by_client.pop(client_id, None)  # type: ignore[arg-type]
+            ids.discard(engine_id)
+            if not ids:
+                self._sessions.pop(request_id, None)
+
+    def engine_ids(self, request_id: str) -> list[str]:
+        """The engine ids of a session's attempts in flight."""
+        return list(self._sessions.get(request_id, ()))
+
+    def by_client(self, client_id: Optional[str] = None) -> dict[str, tuple[int, int]]:
+        """``client_id``'s share (zeros when it has none in flight), or every client's (None)."""
+        if client_id is None:
+            return {cid: (n, t) for cid, (n, t) in self._by_client.items()}
+        n, t = self._by_client.get(client_id, (0, 0))
+        return {client_id: (n, t)}
+
+
+__all__ = ["InflightBook"]
