@@ -315,7 +315,18 @@ def main(argv: Optional[list[str]] = None) -> int:
         default="direct",
         help="how requests reach the replicas (ray: verl's way)",
     )
+    parser.add_argument(
+        "--engine", choices=["sim", "vllm"], default="sim", help="vllm: the gateway next to vllm-router (see --vs)"
+    )
+    parser.add_argument("--vs", choices=["vllm-router"], default="vllm-router", help="with --engine vllm")
+    parser.add_argument("--rounds", type=int, default=6, help="with --engine vllm: rounds of each way")
     args = parser.parse_args(argv)
+    if args.engine == "vllm":  # real engines, another benchmark: benchmarks/gateway_vs_router.py
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import gateway_vs_router
+
+        gateway_vs_router.main(["--rounds", str(args.rounds)])
+        return 0
     console = Console(width=max(150, Console().width))
     try:
         import uvloop

@@ -11,10 +11,15 @@ rounds that alternate the order (the machine's state drifts; alternating spreads
 
 Workload (issue 14's): 256 token-id completions of 32 tokens each (``ignore_eos``), 64 in flight,
 32 sessions whose prompts share a 200-token prefix. Reported per way: median tokens/s over the
-rounds and median p50 latency. The load generator is a separate process (httpx), the same for all
-three. Every process shares the machine's cores with vLLM: on 2 cores that is the point.
+rounds and median p50 latency; how the requests split over the two replicas (from vLLM's own
+``/metrics``: a sticky router that moves sessions shows here); and the CPU time the way's own
+processes took per request (the router's process; the gateway's process and the replica actors).
+The load generator is a separate process (httpx), the same for all three; a request whose pooled
+connection the server had just closed is sent once more (counted). Every process shares the
+machine's cores with vLLM: on 2 cores that is the point.
 
-Run: ``python benchmarks/gateway_vs_router.py [--rounds 4]``; writes ``benchmarks/gateway_vs_router.json``.
+Run: ``python benchmarks/gateway_vs_router.py [--rounds 6]`` (or ``python benchmarks/gateway.py
+--engine vllm --vs vllm-router``); writes ``benchmarks/gateway_vs_router.json``.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
+import queue as queue_mod
 import shutil
 import socket
 import statistics
@@ -32,7 +38,9 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+import psutil
 from rich.console import Console
+from rich.progress import Progress
 from rich.table import Table
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -72,17 +80,21 @@ async def _load(way: str, urls: list[str]) -> dict[str, float]:
             url = urls[s % len(urls)] if way == "direct" else urls[0]
             async with sem:
                 started = time.monotonic()
-                resp = await http.post(
-                    f"{url}/v1/completions", json=_body(i, session, way), headers={"X-Session-ID": session}
-                )
+                body, headers = _body(i, session, way), {"X-Session-ID": session}
+                try:
+                    resp = await http.post(f"{url}/v1/completions", json=body, headers=headers)
+                except httpx.TransportError:  # a keep-alive connection closed under us: once more
+                    resent[0] += 1
+                    resp = await http.post(f"{url}/v1/completions", json=body, headers=headers)
                 latencies.append(time.monotonic() - started)
             resp.raise_for_status()
             tokens += resp.json()["usage"]["completion_tokens"]
 
+        resent = [0]
         started = time.monotonic()
         await asyncio.gather(*(one(i) for i in range(REQUESTS)))
         wall = time.monotonic() - started
-    return {"tokens_per_s": tokens / wall, "p50_s": statistics.median(latencies), "tokens": tokens}
+    return {"tokens_per_s": tokens / wall, "p50_s": statistics.median(latencies), "tokens": tokens, "resent": resent[0]}
 
 
 def _loadgen(way: str, urls: list[str], queue: Any) -> None:
@@ -94,9 +106,49 @@ def run_load(way: str, urls: list[str]) -> dict[str, float]:
     queue = ctx.Queue()
     proc = ctx.Process(target=_loadgen, args=(way, urls, queue), daemon=True)
     proc.start()
-    result = queue.get(timeout=600)
+    deadline = time.monotonic() + 600
+    while True:
+        try:
+            result = queue.get(timeout=1.0)
+            break
+        except queue_mod.Empty:  # still running, or dead without a result
+            if not proc.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the {way} load generator ended without a result (exit {proc.exitcode})") from None
     proc.join(30)
     return result
+
+
+def _served(urls: list[str]) -> list[float]:
+    """Requests each replica has finished so far, from vLLM's own ``/metrics``."""
+    import httpx
+
+    counts = []
+    for url in urls:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+        counts.append(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                          if line.startswith("vllm:request_success_total")))  # fmt: skip
+    return counts
+
+
+def _cpu_s(pids: list[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        try:
+            t = psutil.Process(pid).cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def measure(way: str, targets: list[str], replicas: list[str], path_pids: list[int]) -> dict[str, Any]:
+    """One round of one way, with the split over the replicas and the CPU of the way's processes."""
+    served0, cpu0 = _served(replicas), _cpu_s(path_pids)
+    res: dict[str, Any] = dict(run_load(way, targets))
+    cpu, served1 = _cpu_s(path_pids) - cpu0, _served(replicas)
+    res["split"] = [round(b - a) for a, b in zip(served0, served1)]
+    res["path_cpu_ms_per_request"] = cpu / REQUESTS * 1e3
+    return res
 
 
 def _wait_http(url: str, timeout_s: float = 120.0) -> None:
@@ -113,10 +165,10 @@ def _wait_http(url: str, timeout_s: float = 120.0) -> None:
     raise TimeoutError(f"{url} did not answer within {timeout_s:.0f}s")
 
 
-def main() -> None:
+def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=4)
-    args = parser.parse_args()
+    parser.add_argument("--rounds", type=int, default=6)
+    args = parser.parse_args(argv)
     router_bin = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
     if not Path(router_bin).exists():
         sys.exit("vllm-router is not installed: pip install vllm-router")
@@ -164,15 +216,25 @@ async def _run(router_bin: str, rounds: int, console: Console) -> dict[str, list
             "rollfleet gateway": [f"http://127.0.0.1:{gateway_port}"],
         }
         await asyncio.to_thread(_wait_http, f"http://127.0.0.1:{router_port}/health")
+        actors = [
+            p.pid for p in psutil.process_iter(["cmdline"]) if "ReplicaActor" in " ".join(p.info["cmdline"] or [])
+        ]
+        pids = {"direct": [], "vllm-router": [router.pid], "rollfleet gateway": [os.getpid(), *actors]}
         for way, targets in ways.items():  # warm-up: a round each (first forward passes are slow)
             await asyncio.to_thread(run_load, way, targets)
-        results: dict[str, list[dict[str, float]]] = {w: [] for w in ways}
+        results: dict[str, list[dict[str, Any]]] = {w: [] for w in ways}
         order = list(ways)
-        for r in range(rounds):
-            for way in order[r % 3 :] + order[: r % 3]:
-                res = await asyncio.to_thread(run_load, way, ways[way])
-                results[way].append(res)
-                console.print(f"round {r + 1} {way}: {res['tokens_per_s']:.0f} tokens/s, p50 {res['p50_s']:.2f}s")
+        with Progress(console=console) as progress:
+            task = progress.add_task("rounds", total=rounds * len(order))
+            for r in range(rounds):
+                for way in order[r % 3 :] + order[: r % 3]:
+                    res = await asyncio.to_thread(measure, way, ways[way], urls, pids[way])
+                    results[way].append(res)
+                    progress.console.print(
+                        f"round {r + 1} {way}: {res['tokens_per_s']:.0f} tokens/s, p50 {res['p50_s']:.2f}s, "
+                        f"split {res['split']}, path CPU {res['path_cpu_ms_per_request']:.2f} ms/request"
+                    )
+                    progress.advance(task)
         return results
     finally:
         if gateway is not None:
@@ -183,16 +245,21 @@ async def _run(router_bin: str, rounds: int, console: Console) -> dict[str, list
         await manager.shutdown()
 
 
-def _report(results: dict[str, list[dict[str, float]]], console: Console) -> None:
+def _report(results: dict[str, list[dict[str, Any]]], console: Console) -> None:
     table = Table(title=f"{REQUESTS} completions x {TOKENS} tokens, {IN_FLIGHT} in flight, {SESSIONS} sessions")
-    for col in ("way", "tokens/s (median)", "p50 latency (median)", "rounds"):
+    for col in ("way", "tokens/s (median)", "p50 latency (median)", "rounds (tokens/s)", "split per round",
+                "path CPU ms/request"):  # fmt: skip
         table.add_column(col)
     summary = {}
     for way, rows in results.items():
         tps = statistics.median(r["tokens_per_s"] for r in rows)
         p50 = statistics.median(r["p50_s"] for r in rows)
-        summary[way] = {"tokens_per_s": tps, "p50_s": p50, "rounds": rows}
-        table.add_row(way, f"{tps:,.0f}", f"{p50:.2f} s", ", ".join(f"{r['tokens_per_s']:.0f}" for r in rows))
+        cpu = statistics.median(r["path_cpu_ms_per_request"] for r in rows)
+        summary[way] = {"tokens_per_s": tps, "p50_s": p50, "path_cpu_ms_per_request": cpu, "rounds": rows}
+        table.add_row(
+            way, f"{tps:,.0f}", f"{p50:.2f} s", ", ".join(f"{r['tokens_per_s']:.0f}" for r in rows),
+            " ".join("/".join(str(n) for n in r["split"]) for r in rows), f"{cpu:.2f}",
+        )  # fmt: skip
     console.print(table)
     OUT.write_text(json.dumps(summary, indent=2))
 

@@ -10,9 +10,8 @@ that is exactly equivalent (it is what the Python wrapper calls anyway, minus ~7
 call); a slow tokenizer, or one that post-processes decoded text (``clean_up_tokenization_spaces``),
 goes through the wrapper.
 
-Streaming replays a finished result, so text is produced by decoding growing prefixes and sending
-the new suffix; a prefix that ends inside a multi-byte character (the decoder yields U+FFFD) is
-held back until the next chunk completes it, and the chunks always add up to the full text.
+Streamed text (live or replayed) comes from one :class:`IncrementalDecoder`: each step decodes a
+short window of ids, not all of them again, and the pieces add up to the full text.
 """
 
 from __future__ import annotations
@@ -141,24 +140,70 @@ class TextCodec:
         return [decode([i]) for i in ids]
 
     def pieces(self, ids: Sequence[int], chunk_tokens: int) -> Iterator[tuple[str, int, int]]:
-        """``(text, start, end)`` per chunk of about ``chunk_tokens`` tokens; texts add up to
-        ``decode(ids)`` exactly."""
-        full = self.decode(ids)
-        sent = 0
-        start = 0
+        """``(text, start, end)`` per chunk of about ``chunk_tokens`` tokens (a chunk that ends
+        inside a character joins the next); texts add up to ``decode(ids)``."""
+        decoder = IncrementalDecoder(self)
         n = len(ids)
-        end = 0
+        start = end = 0
         while end < n:
-            end = min(n, end + chunk_tokens)
+            step_end = min(n, end + chunk_tokens)
+            text = decoder.push(ids[end:step_end])
+            end = step_end
             if end == n:
-                text = full
-            else:
-                text = self.decode(ids[:end])
-                if text.endswith(_REPLACEMENT) or not full.startswith(text):
-                    continue  # mid-character or the decoder re-joined text: wait for more tokens
-            yield text[sent:], start, end
-            sent = len(text)
+                text += decoder.finish()
+            elif not text:
+                continue  # mid-character: the next chunk carries these tokens' text
+            yield text, start, end
             start = end
 
 
-__all__ = ["TextCodec"]
+class IncrementalDecoder:
+    """The text of a growing list of token ids, handed out as new suffixes.
+
+    Decoding every id again at each step would cost O(n) per step and O(n^2) per stream. As vLLM's
+    and TGI's detokenizers do, each step decodes a window instead: the ids already sent since the
+    last piece's start (``prefix..read``) and those plus the new ones (``prefix..``); the new text
+    is the difference. The window starts a piece back so that a token whose text depends on its
+    left neighbour (SentencePiece's leading space) is decoded in context. Text ending in U+FFFD
+    (a multi-byte character whose remaining bytes are still to come) waits for the next tokens.
+    :meth:`finish` decodes all the ids once and sends whatever the windows have not, so the pieces
+    add up to ``decode(ids)`` (for tokenizers whose text of a window is the matching slice of the
+    whole text: byte-level BPE and SentencePiece, the ones LLMs ship with).
+    """
+
+    def __init__(self, codec: TextCodec) -> None:
+        self._decode = codec.decode
+        self.ids: list[int] = []
+        self._prefix = 0  # where the window starts
+        self._read = 0  # ids before this are in the text sent
+        self._sent: list[str] = []
+        #: Characters sent so far (logprob text offsets count from here).
+        self.sent_chars = 0
+
+    def push(self, ids: Sequence[int]) -> str:
+        """Add ids; return the text they complete ("" while a character is incomplete)."""
+        self.ids.extend(ids)
+        if len(self.ids) == self._read:
+            return ""
+        before = self._decode(self.ids[self._prefix : self._read]) if self._read > self._prefix else ""
+        after = self._decode(self.ids[self._prefix :])
+        if len(after) <= len(before) or after.endswith(_REPLACEMENT) or not after.startswith(before):
+            return ""
+        self._prefix, self._read = self._read, len(self.ids)
+        return self._emit(after[len(before) :])
+
+    def finish(self) -> str:
+        """The text not sent yet, from one decode of all the ids (ends the stream)."""
+        full = self._decode(self.ids)
+        sent = "".join(self._sent)
+        self._prefix = self._read = len(self.ids)
+        return self._emit(full[len(sent) :])
+
+    def _emit(self, text: str) -> str:
+        if text:
+            self._sent.append(text)
+            self.sent_chars += len(text)
+        return text
+
+
+__all__ = ["TextCodec", "IncrementalDecoder"]

@@ -8,9 +8,9 @@ failure or a weight update goes on elsewhere inside the client; the caller sees 
 
 The stream's first item is awaited before the response starts: a request the fleet refuses still
 gets its 4xx status and error body. An error after that arrives as an ``error`` event followed by
-``[DONE]`` (the status line has gone). Text is decoded from all the ids so far and sent as the
-new suffix; replacement characters at its end (a multi-byte character not complete yet) wait for
-the next tokens, so the chunks add up to the decoded output exactly.
+``[DONE]`` (the status line has gone). Text comes from the codec's
+:class:`~rollfleet.gateway.codec.IncrementalDecoder` (a window of ids per chunk, a character
+split across chunks waits for its last byte; the chunks add up to the decoded output).
 """
 
 from __future__ import annotations
@@ -19,35 +19,12 @@ import time
 from typing import Any, AsyncIterator, Callable, Optional, Union
 
 from rollfleet.gateway import responses
-from rollfleet.gateway.codec import TextCodec
+from rollfleet.gateway.codec import IncrementalDecoder, TextCodec
 from rollfleet.gateway.errors import from_exception
 from rollfleet.gateway.jsonio import dumps
 from rollfleet.types import TokenDelta, TokenOutput
 
 Stream = AsyncIterator[Union[TokenDelta, TokenOutput]]
-
-_REPLACEMENT = "\ufffd"
-
-
-class _Text:
-    """The decoded text of a growing id list, handed out as suffixes that add up exactly."""
-
-    def __init__(self, codec: TextCodec) -> None:
-        self.codec = codec
-        self.ids: list[int] = []
-        self.sent = ""
-
-    def push(self, ids: list[int], final: bool = False) -> str:
-        self.ids += ids
-        text = self.codec.decode(self.ids)
-        if not final:
-            # Trailing U+FFFD may be a character still incomplete: it waits; what precedes is final.
-            text = text.rstrip(_REPLACEMENT)
-            if not text.startswith(self.sent):
-                return ""  # the decoder re-joined earlier text: wait for more
-        new = text[len(self.sent) :] if text.startswith(self.sent) else text
-        self.sent = text
-        return new
 
 
 async def live_events(
@@ -73,7 +50,7 @@ async def live_events(
     }
     if include_usage:
         base["usage"] = None
-    text = _Text(codec)
+    text = IncrementalDecoder(codec)
     sampled: list[int] = []
     sampled_logprobs: list[float] = []
 
@@ -97,7 +74,7 @@ async def live_events(
             choice["logprobs"] = (
                 responses.chat_logprobs(codec, so_far, start)
                 if chat
-                else responses.completion_logprobs(codec, so_far, start, offset=len(text.sent) - len(piece))
+                else responses.completion_logprobs(codec, so_far, start, offset=text.sent_chars - len(piece))
             )
         if return_token_ids:
             choice["token_ids"] = delta.token_ids
@@ -119,7 +96,7 @@ async def live_events(
             yield b"data: " + dumps(from_exception(exc).body()) + b"\n\n" + responses.SSE_DONE
             return
         out = item
-        rest = text.push([], final=True)
+        rest = text.finish()
         last: dict[str, Any] = {"delta": {"content": rest} if rest else {}} if chat else {"text": rest}
         last["finish_reason"] = responses.finish_reason(out)
         if return_token_ids:

@@ -9,6 +9,7 @@ from gateway_support import load_codec, stack_config
 
 from rollfleet.errors import InvalidRequest, NoServerAvailable, RetriesExhausted
 from rollfleet.gateway import TextCodec, fit_sim_to_tokenizer
+from rollfleet.gateway.codec import IncrementalDecoder
 from rollfleet.gateway.errors import GatewayError, from_exception
 from rollfleet.gateway.protocol import CompletionRequest
 from rollfleet.gateway.sampling import field_mapper, sampling_params, token_budget
@@ -37,6 +38,35 @@ def test_codec_matches_the_tokenizer(codec):
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     expected = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
     assert codec.render_chat(messages, tools=tools) == tok.encode(expected, add_special_tokens=False)
+
+
+def test_incremental_decoder_adds_up_holds_split_characters_and_decodes_a_window_per_step(codec):
+    rng = random.Random(1)
+    text = "Grüße, 世界! 🤖 emoji and ünïcödé: " * 40
+    samples = [codec.encode(text, add_special_tokens=False)]
+    samples += [[rng.randrange(codec.vocab_size) for _ in range(rng.randrange(1, 300))] for _ in range(100)]
+    decoded = [0]  # ids decoded, all calls together
+
+    def counting(window):
+        decoded[0] += len(window)
+        return codec.decode(window)
+
+    for ids in samples:
+        decoded[0] = 0
+        decoder = IncrementalDecoder(codec)
+        decoder._decode = counting
+        pieces, i = [], 0
+        while i < len(ids):
+            step = rng.randrange(1, 4)
+            pieces.append(decoder.push(ids[i : i + step]))
+            i += step
+        streamed = decoded[0]  # before the one whole decode of finish()
+        pieces.append(decoder.finish())
+        assert "".join(pieces) == codec.decode(ids) and decoder.sent_chars == len(codec.decode(ids))
+        if ids is samples[0]:
+            assert "".join(pieces) == text
+            assert not any(p.endswith("\ufffd") for p in pieces)  # a split character waits, whole
+        assert streamed <= 8 * len(ids)  # a window per step; decoding every prefix costs ~n^2/2
 
 
 def test_codec_stop_strings(codec):

@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import time
 from pathlib import Path
-from typing import Any, ClassVar, Coroutine, Mapping, Optional
+from typing import Any, AsyncIterator, ClassVar, Coroutine, Mapping, Optional
 
 import httpx
 
@@ -213,22 +214,34 @@ class HTTPEngine(Engine):
     async def generate(
         self, request_id: str, prompt_ids: list[int], sampling_params: SamplingParams, **kwargs: Any
     ) -> TokenOutput:
+        async with self._admitted(request_id, prompt_ids, sampling_params, kwargs) as (call, body, budget):
+            return self._counted(await self._generate(call, body, prompt_ids, budget))
+
+    @contextlib.asynccontextmanager
+    async def _admitted(
+        self, request_id: str, prompt_ids: list[int], sampling_params: SamplingParams, kwargs: dict[str, Any]
+    ) -> AsyncIterator[tuple[Inflight, dict[str, Any], Optional[int]]]:
+        """The path of every generation, whole or streamed: checks, the request body and budget, a
+        row in the in-flight table, held there while paused or asleep; on the way out, however it
+        ends, the row goes (no leaked in-flight count) and an error is counted."""
         self._check_alive()
         extras = {k: v for k, v in kwargs.items() if v is not None}
         body, budget = self._build_request(prompt_ids, sampling_params, extras)
         call = self._table.add(Inflight(request_id, self._wire_id(request_id), len(prompt_ids) + (budget or 0)))
         self._load_cache = None
         try:
-            await self._table.wait_turn(call, self._link.dead)  # held while paused or asleep
-            out = await self._generate(call, body, prompt_ids, budget)
-            self._counts["num_aborted" if out.stop_reason == "aborted" else "num_finished"] += 1
-            return out
+            await self._table.wait_turn(call, self._link.dead)
+            yield call, body, budget
         except (ReplicaUnavailable, InvalidRequest):
             self._counts["num_errors"] += 1
             raise
         finally:
             self._table.remove(call)
             self._load_cache = None
+
+    def _counted(self, out: TokenOutput) -> TokenOutput:
+        self._counts["num_aborted" if out.stop_reason == "aborted" else "num_finished"] += 1
+        return out
 
     async def _generate(
         self, call: Inflight, body: dict[str, Any], prompt_ids: list[int], budget: Optional[int]

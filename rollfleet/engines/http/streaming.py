@@ -1,8 +1,9 @@
 """Streamed generation for HTTP engines whose server streams tokens (vLLM's ``/inference/v1/generate``
 with ``"stream": true``): :meth:`StreamingGenerate.generate_stream`.
 
-The stream takes the same path as a whole generation (the in-flight table's pause/abort gate, the
-engine-side request id, the abort on cancel) and differs only in reading: the server's SSE lines
+The stream takes the same path as a whole generation (``HTTPEngine._admitted``: the in-flight
+table's pause/abort gate, the engine-side request id, error counts; the abort on cancel) and
+differs only in reading: the server's SSE lines
 are fed to the engine's stream reader, which turns them into :class:`~rollfleet.types.TokenDelta` s
 (the lines that arrived together as one) and, at the end, into the body a whole answer would have had, so the final output is parsed by
 the very code that parses whole answers (versions, stop reasons, logprobs). Leaving the stream
@@ -18,7 +19,7 @@ import aiohttp
 from rollfleet.engines.http.inflight import Inflight
 from rollfleet.engines.http.transport import transport_error
 from rollfleet.engines.http.wire import error_message
-from rollfleet.errors import InvalidRequest, ReplicaUnavailable
+from rollfleet.errors import ReplicaUnavailable
 from rollfleet.types import SamplingParams, TokenDelta, TokenOutput
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -51,36 +52,24 @@ class StreamingGenerate(_Base):
         if reader is None:
             yield await self.generate(request_id, prompt_ids, sampling_params, **kwargs)
             return
-        self._check_alive()
-        body, budget = self._build_request(
-            prompt_ids, sampling_params, {k: v for k, v in kwargs.items() if v is not None}
-        )
-        body["stream"] = True
-        call = self._table.add(Inflight(request_id, self._wire_id(request_id), len(prompt_ids) + (budget or 0)))
-        self._load_cache = None
-        done = False
-        try:
-            await self._table.wait_turn(call, self._link.dead)  # held while paused or asleep
-            if call.aborted.is_set():
+        async with self._admitted(request_id, prompt_ids, sampling_params, kwargs) as (call, body, budget):
+            body["stream"] = True
+            done = False
+            try:
+                if call.aborted.is_set():
+                    done = True
+                    yield TokenOutput(token_ids=[], log_probs=[], stop_reason="aborted")
+                    return
+                self._check_alive()
+                call.sent = True
+                async for delta in self._read(call, body, reader, prompt_ids):
+                    yield delta
+                out = self._counted(self._parse_output(reader.body(), budget))
                 done = True
-                yield TokenOutput(token_ids=[], log_probs=[], stop_reason="aborted")
-                return
-            self._check_alive()
-            call.sent = True
-            async for delta in self._read(call, body, reader, prompt_ids):
-                yield delta
-            out = self._parse_output(reader.body(), budget)
-            self._counts["num_aborted" if out.stop_reason == "aborted" else "num_finished"] += 1
-            done = True
-            yield out
-        except (ReplicaUnavailable, InvalidRequest):
-            self._counts["num_errors"] += 1
-            raise
-        finally:
-            if not done and call.sent:
-                self._abort_in_background([call.wire_id])  # the caller left: stop the server's work
-            self._table.remove(call)
-            self._load_cache = None
+                yield out
+            finally:
+                if not done and call.sent:
+                    self._abort_in_background([call.wire_id])  # the caller left: stop the server's work
 
     async def _read(
         self, call: Inflight, body: dict[str, Any], reader: StreamReader, prompt_ids: list[int]
