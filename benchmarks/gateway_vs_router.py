@@ -175,8 +175,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     import ray
 
     ray.init(include_dashboard=False, num_cpus=3, log_to_driver=False)
-    try:
-        results = asyncio.run(_run(router_bin, args.rounds, Console()))
+    try:  # the gateway's loop is uvloop's, as under `rollfleet serve`
+        import uvloop
+
+        results = uvloop.run(_run(router_bin, args.rounds, Console()))
     finally:
         ray.shutdown()
     _report(results, Console())

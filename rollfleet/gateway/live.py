@@ -22,6 +22,7 @@ from rollfleet.gateway import responses
 from rollfleet.gateway.codec import IncrementalDecoder, TextCodec
 from rollfleet.gateway.errors import from_exception
 from rollfleet.gateway.jsonio import dumps
+from rollfleet.gateway.toolcalls import ToolCallStream
 from rollfleet.types import TokenDelta, TokenOutput
 
 Stream = AsyncIterator[Union[TokenDelta, TokenOutput]]
@@ -38,9 +39,12 @@ async def live_events(
     logprobs: bool,
     return_token_ids: bool,
     include_usage: bool,
-    on_done: Optional[Callable[[TokenOutput], Any]] = None,
+    tools: Optional[ToolCallStream] = None,
+    on_done: Optional[Callable[[TokenOutput, Optional[responses.Reply]], Any]] = None,
 ) -> AsyncIterator[bytes]:
-    """SSE bytes for a ``chat`` or ``completion`` stream whose first item is already in hand."""
+    """SSE bytes for a ``chat`` or ``completion`` stream whose first item is already in hand;
+    ``tools``: the reply may call tools (its text shows up to the first call, the calls at the end).
+    ``on_done`` gets the output, and the chat reply as the caller was shown it (with ``tools``)."""
     chat = kind == "chat"
     base: dict[str, Any] = {
         "id": responses.new_id("chatcmpl" if chat else "cmpl"),
@@ -66,7 +70,9 @@ async def live_events(
         sampled.extend(delta.token_ids)
         sampled_logprobs.extend(delta.log_probs)
         piece = text.push(delta.token_ids)
-        if not piece and not return_token_ids:
+        if tools is not None:
+            piece = tools.push(piece)
+        if not piece and not return_token_ids and not logprobs:
             return None
         choice: dict[str, Any] = {"delta": {"content": piece}} if chat else {"text": piece}
         if logprobs:
@@ -97,8 +103,15 @@ async def live_events(
             return
         out = item
         rest = text.finish()
+        reply: Optional[responses.Reply] = None
+        if tools is not None:
+            shown = tools.push(rest)
+            held, message, calls = tools.finish()
+            rest, reply = shown + held, (message, calls)
         last: dict[str, Any] = {"delta": {"content": rest} if rest else {}} if chat else {"text": rest}
-        last["finish_reason"] = responses.finish_reason(out)
+        if reply is not None and reply[1]:  # the calls, parsed, in one delta
+            yield chunk({"delta": {"tool_calls": [{"index": k, **c} for k, c in enumerate(reply[0]["tool_calls"])]}})
+        last["finish_reason"] = responses.chat_finish_reason(out, reply[1]) if reply else responses.finish_reason(out)
         if return_token_ids:
             last.update(responses.meta_fields(out))
         yield chunk(last)
@@ -106,7 +119,7 @@ async def live_events(
             yield b"data: " + dumps({**base, "choices": [], "usage": responses.usage(len(prompt), [out])}) + b"\n\n"
         yield responses.SSE_DONE
         if on_done is not None:
-            on_done(out)
+            on_done(out, reply)
     finally:
         aclose = getattr(stream, "aclose", None)
         if aclose is not None:

@@ -10,6 +10,10 @@ Extensions (vLLM-style names where vLLM has one):
   session share a replica and its prefix cache), ``top_k``, ``min_tokens``, ``stop_token_ids``,
   ``ignore_eos``, ``repetition_penalty``, ``return_token_ids`` (token ids, logprobs and weight
   versions of every choice, so an RL agent trains on exactly the tokens it was served);
+* every generation route: ``structured_outputs`` (vLLM's: exactly one of ``json``, ``regex``,
+  ``choice``, ``grammar``, ``json_object``, ``structural_tag``), or OpenAI's ``response_format``
+  (``json_object``, ``json_schema``): the engine samples under the constraint, so the tokens the
+  trainer gets are the ones that satisfied it (the sim engine, whose tokens are random, ignores it);
 * ``/v1/completions``: ``prompt`` may be token ids (``[1, 2, 3]`` or a batch of them);
 * ``/v1/completions/tokens``: token ids in (``prompt_token_ids``), token ids out, no tokenizer.
 """
@@ -27,6 +31,13 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+
+
+class ResponseFormat(_Body):
+    """OpenAI's ``response_format``; ``json_schema`` holds ``{"name", "schema", "strict"}``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[dict[str, Any]] = None
 
 
 class _GenerationRequest(_Body):
@@ -52,6 +63,8 @@ class _GenerationRequest(_Body):
     user: Optional[str] = None
     session_id: Optional[str] = Field(None, min_length=1, max_length=512)
     return_token_ids: bool = False
+    structured_outputs: Optional[dict[str, Any]] = None
+    response_format: Optional[ResponseFormat] = None
 
 
 class CompletionRequest(_GenerationRequest):
@@ -123,6 +136,7 @@ class ProfileRequest(_Body):
 
 __all__ = [
     "StreamOptions",
+    "ResponseFormat",
     "CompletionRequest",
     "ContentPart",
     "ChatMessage",

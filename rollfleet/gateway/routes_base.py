@@ -34,7 +34,7 @@ from rollfleet.gateway.live import live_events
 from rollfleet.gateway.protocol import _GenerationRequest
 from rollfleet.gateway.sampling import token_budget
 from rollfleet.gateway.sessions import SESSION_KEY_HEADER, SessionKeys
-from rollfleet.gateway.toolcalls import ToolCallFormatter
+from rollfleet.gateway.toolcalls import ToolCallFormatter, ToolCallStream
 from rollfleet.gateway.trajectories import TrajectoryStore
 from rollfleet.types import SamplingParams, TokenOutput
 
@@ -169,7 +169,8 @@ class RoutesBase:
         fields: FieldMap,
         *,
         logprobs: bool,
-        on_done: Optional[Callable[[TokenOutput], Any]] = None,
+        tools: Optional[ToolCallStream] = None,
+        on_done: Optional[Callable[[TokenOutput, Optional[responses.Reply]], Any]] = None,
     ) -> Response:
         """A streamed answer sent as the fleet samples it (:mod:`rollfleet.gateway.live`)."""
         stream = self.service.generate_stream(route, prompt, params, session_id=session)
@@ -189,6 +190,7 @@ class RoutesBase:
             logprobs=logprobs,
             return_token_ids=req.return_token_ids,
             include_usage=bool(options and options.include_usage),
+            tools=tools,
             on_done=on_done,
         )
         headers = {**self._headers([], session), "Cache-Control": "no-cache"}

@@ -17,7 +17,7 @@ resume within it).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 from rollfleet.gateway.codec import TextCodec
 from rollfleet.gateway.errors import FieldMap, bad_request
@@ -85,7 +85,43 @@ def sampling_params(req: _GenerationRequest, max_tokens: int, codec: Optional[Te
         stop_ids += codec.stop_token_ids(stops, indexed=not isinstance(req.stop, str))
     if stop_ids:
         params["stop_token_ids"] = stop_ids
+    constraint = structured_outputs(req)
+    if constraint is not None:
+        params["structured_outputs"] = constraint
     return params
+
+
+#: The constraints of vLLM's ``structured_outputs`` (exactly one), and the options beside them.
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+_CONSTRAINT_OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
+
+
+def structured_outputs(req: _GenerationRequest) -> Optional[dict[str, Any]]:
+    """The request's output constraint as vLLM's ``structured_outputs`` (None: unconstrained);
+    OpenAI's ``response_format`` becomes one too."""
+    given, fmt = req.structured_outputs, req.response_format
+    if given is not None:
+        if fmt is not None and fmt.type != "text":
+            raise bad_request("response_format", "give response_format or structured_outputs, not both")
+        for key in given:
+            if key not in _CONSTRAINTS and key not in _CONSTRAINT_OPTIONS:
+                raise bad_request(
+                    f"structured_outputs.{key}", f"one of {', '.join(_CONSTRAINTS + _CONSTRAINT_OPTIONS)}"
+                )
+        chosen = [key for key in _CONSTRAINTS if given.get(key) is not None]
+        if len(chosen) != 1:
+            raise bad_request(
+                "structured_outputs", f"exactly one of {', '.join(_CONSTRAINTS)} (given: {', '.join(chosen) or 'none'})"
+            )
+        return dict(given)
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"json_object": True}
+    schema = (fmt.json_schema or {}).get("schema")
+    if not isinstance(schema, dict):
+        raise bad_request("response_format.json_schema.schema", "a JSON schema object, required with type json_schema")
+    return {"json": schema}
 
 
 def field_mapper(prompt_param: str, budget_param: str = "max_tokens", keep_prompt_index: bool = False) -> FieldMap:
@@ -102,4 +138,4 @@ def field_mapper(prompt_param: str, budget_param: str = "max_tokens", keep_promp
     return mapped
 
 
-__all__ = ["token_budget", "sampling_params", "field_mapper"]
+__all__ = ["token_budget", "sampling_params", "structured_outputs", "field_mapper"]

@@ -6,6 +6,10 @@ an agent built on the OpenAI SDK expects them parsed into ``message.tool_calls``
 registry of :mod:`rollfleet.tool_parser`). A reply with a malformed call is returned as plain
 text, as vLLM does: half a call cannot be run, and the agent still sees what the model wrote.
 
+Streamed, a reply that may call tools goes out as it is sampled up to the parser's call marker
+(``<tool_call>``; text that may be the start of one waits for the next tokens), and its calls
+follow, parsed, in one delta when the reply ends (:class:`ToolCallStream`).
+
 The fleet samples freely, so ``tool_choice`` values that would need constrained decoding
 (``"required"``, a named function) are refused rather than silently ignored.
 """
@@ -72,5 +76,51 @@ class ToolCallFormatter:
                 return {"role": "assistant", "content": parsed.content or None, "tool_calls": calls}, True
         return {"role": "assistant", "content": text}, False
 
+    def stream(self) -> Optional["ToolCallStream"]:
+        """A gate for one streamed reply, or None when this format has no call marker."""
+        return ToolCallStream(self) if self.parser.call_start else None
 
-__all__ = ["check_tools", "ToolCallFormatter"]
+
+class ToolCallStream:
+    """The content of a streamed reply that may call tools: what can be shown before the calls."""
+
+    def __init__(self, formatter: ToolCallFormatter) -> None:
+        assert formatter.parser.call_start is not None
+        self.formatter = formatter
+        self.marker = formatter.parser.call_start
+        self.text = ""
+        self.sent = 0  # characters of text already shown
+        self.calling = False  # the marker has shown up: everything after it waits for the end
+
+    def push(self, piece: str) -> str:
+        """Add decoded text; return what can be shown now."""
+        self.text += piece
+        if self.calling:
+            return ""
+        at = self.text.find(self.marker, max(0, self.sent - len(self.marker)))
+        if at >= 0:
+            self.calling, end = True, at
+        else:
+            end = len(self.text) - _partial_marker(self.text, self.marker)
+        shown = self.text[self.sent : end]
+        self.sent = max(self.sent, end)
+        return shown
+
+    def finish(self) -> tuple[str, dict[str, Any], bool]:
+        """At the end: ``(text still to show, assistant message, whether it calls tools)``; with
+        calls, the text held back is the calls themselves (a malformed call is shown as text)."""
+        message, calls = self.formatter.message(self.text, parse=True)
+        rest = "" if calls else self.text[self.sent :]
+        self.sent = len(self.text)
+        return rest, message, calls
+
+
+def _partial_marker(text: str, marker: str) -> int:
+    """Length of the longest end of ``text`` that begins ``marker`` (it may be completed next)."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:k]):
+            return k
+    return 0
+
+
+__all__ = ["check_tools", "ToolCallFormatter", "ToolCallStream"]

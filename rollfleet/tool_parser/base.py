@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 
 @dataclass
@@ -38,6 +38,10 @@ class ParsedResponse:
 
 class ToolParser(ABC):
     """Extracts tool calls from one assistant turn's decoded text."""
+
+    #: The text that opens a call in this format, if it has one: a reply streamed as it is
+    #: sampled shows its text up to there, and its calls parsed when it ends.
+    call_start: ClassVar[Optional[str]] = None
 
     @abstractmethod
     def parse(self, text: str) -> ParsedResponse: ...

@@ -15,6 +15,8 @@ _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
 class HermesToolParser(ToolParser):
+    call_start = "<tool_call>"
+
     def parse(self, text: str) -> ParsedResponse:
         calls: list[FunctionCall] = []
         for i, match in enumerate(_CALL.finditer(text)):

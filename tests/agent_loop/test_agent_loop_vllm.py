@@ -105,6 +105,17 @@ class _Recorder:
         self.calls[(tuple(prompt_ids), tuple(out.token_ids))] = list(out.log_probs or [])
         return out
 
+    async def generate_stream(self, request_id, *, prompt_ids, sampling_params=None, **kwargs):
+        from rollfleet.types import TokenOutput
+
+        stream = self.client.generate_stream(
+            request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs
+        )
+        async for item in stream:
+            if isinstance(item, TokenOutput):
+                self.calls[(tuple(prompt_ids), tuple(item.token_ids))] = list(item.log_probs or [])
+            yield item
+
 
 async def test_gateway_sessions_on_vllm_capture_the_exact_tokens_across_a_weight_update(vllm_fleet, tokenizer):
     """100 sessions x 3 chat turns through the real openai client, a weight update after the first
@@ -238,3 +249,73 @@ async def test_a_stream_through_the_gateway_starts_as_vllm_samples(vllm_fleet, t
           f"{theirs[0]:.3f}s of {theirs[1]:.3f}s")  # fmt: skip
     assert len(ids) == 400 and text == tokenizer.decode(ids, skip_special_tokens=True)
     assert first < 0.25 * total
+
+
+#: A Hermes tool call, as the chat template writes one: vLLM samples within it (structured outputs).
+TOOL_CALL_REGEX = r'<tool_call>\n\{"name": "add", "arguments": \{"a": [1-9], "b": [1-9]\}\}\n</tool_call>'
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_tool_call_vllm_samples_comes_back_parsed_to_the_openai_client(vllm_fleet, tokenizer, stream):
+    """The random tiny model writes a tool call only when it must: the request constrains vLLM's
+    sampling to one (``structured_outputs``, vLLM's own field). The gateway parses what vLLM
+    sampled into ``tool_calls``, whole or streamed, and the session records exactly those tokens;
+    the tool's answer then continues the same branch."""
+    import json
+
+    import openai
+
+    from rollfleet.gateway import Gateway, GatewayServer, TextCodec
+
+    _, fleet = vllm_fleet
+    recorder = _Recorder(fleet.get_client(FullyAsyncLLMServerClient))
+    gateway = Gateway(recorder, TextCodec(tokenizer), rollout=recorder.client.config)
+    server = await GatewayServer(gateway.app).start()
+    tools = [{"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]  # fmt: skip
+    client = openai.AsyncOpenAI(base_url=f"{server.url}/sessions/calc-{stream}/v1", api_key="unused", max_retries=0)
+    messages: list[dict] = [{"role": "user", "content": "What is 2 + 3? Use the tool."}]
+    constrained = {"structured_outputs": {"regex": TOOL_CALL_REGEX}}
+    try:
+        if stream:
+            chunks = [c async for c in await client.chat.completions.create(
+                model="tiny", messages=messages, tools=tools, max_tokens=60, stream=True, extra_body=constrained)]  # fmt: skip
+            finish = chunks[-1].choices[0].finish_reason
+            calls = [
+                tc
+                for c in chunks
+                if c.choices and c.choices[0].delta.tool_calls
+                for tc in c.choices[0].delta.tool_calls
+            ]
+            name, arguments, call_id = (
+                calls[0].function.name,
+                "".join(tc.function.arguments or "" for tc in calls),
+                calls[0].id,
+            )
+        else:
+            out = await client.chat.completions.create(
+                model="tiny", messages=messages, tools=tools, max_tokens=60, extra_body=constrained
+            )
+            finish, (call,) = out.choices[0].finish_reason, out.choices[0].message.tool_calls
+            name, arguments, call_id = call.function.name, call.function.arguments, call.id
+        assert finish == "tool_calls" and name == "add"
+        args = json.loads(arguments)
+        assert set(args) == {"a", "b"} and all(isinstance(v, int) and 1 <= v <= 9 for v in args.values())
+        record = gateway.trajectories.trajectory(f"calc-{stream}")
+        (branch,) = record["branches"]
+        start = branch["turns"][0]["prompt_tokens"]
+        sampled = tuple(branch["token_ids"][start:])
+        assert (tuple(branch["token_ids"][:start]), sampled) in recorder.calls  # what vLLM sampled, exactly
+        assert "<tool_call>" in tokenizer.decode(list(sampled))
+        messages += [
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": call_id, "type": "function", "function": {"name": "add", "arguments": arguments}}]},
+            {"role": "tool", "tool_call_id": call_id, "content": str(args["a"] + args["b"])},
+        ]  # fmt: skip
+        again = await client.chat.completions.create(model="tiny", messages=messages, tools=tools, max_tokens=8)
+        assert again.choices[0].finish_reason in ("stop", "length", "tool_calls")
+        record = gateway.trajectories.trajectory(f"calc-{stream}")
+        assert len(record["branches"]) == 1 and len(record["branches"][0]["turns"]) == 2  # the call went on
+    finally:
+        await client.close()
+        await server.stop()

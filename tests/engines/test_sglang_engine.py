@@ -76,6 +76,18 @@ def socket_port():
 # ---------------------------------------------------------------------------------------- pure
 
 
+def test_structured_outputs_become_sglangs_constraint_keys():
+    def constraint(**so):
+        out = translate_sampling_params({"max_tokens": 4, "structured_outputs": so})
+        return {k: v for k, v in out.items() if k != "max_new_tokens"}
+
+    assert constraint(json={"type": "object"}) == {"json_schema": '{"type": "object"}'}
+    assert constraint(json_object=True) == {"json_schema": '{"type": "object"}'}
+    assert constraint(regex="[0-9]+") == {"regex": "[0-9]+"}
+    assert constraint(choice=["yes", "a.b"]) == {"regex": "yes|a\\.b"}
+    assert constraint(grammar='root ::= "x"') == {"ebnf": 'root ::= "x"'}
+
+
 def test_translate_sampling_params_does_not_mutate_and_renames():
     sp = {"max_tokens": 7, "seed": 3, "min_tokens": 1, "logprobs": 1, "n": 1, "foo": 2, "stop_token_ids": (5,)}
     before = dict(sp)

@@ -180,6 +180,31 @@ async def test_tool_calls_are_parsed_and_the_next_turn_continues_from_the_sample
         assert "<tool_call>" in no_tools.choices[0].message.content
 
 
+async def test_a_streamed_reply_shows_its_text_as_sampled_and_its_calls_parsed_at_the_end():
+    """Live: the text before the call goes out in chunks, the call's own text never does; the
+    calls come parsed in one delta and the session records the call ids the caller was shown."""
+    async with stack() as s:
+        codec = s.gateway.codec
+        text = "Let me add those two numbers for you.\n" + CALL_TEXT
+        reply_ids = codec.encode(text, add_special_tokens=False) + [codec.eos_token_id]
+        await s.replica.script_responses(lambda rid, prompt, params: reply_ids)
+        stream = await s.client("live").chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "1 + 2?"}], tools=TOOLS, max_tokens=64, stream=True
+        )
+        chunks = [c async for c in stream]
+        contents = [ch.delta.content for c in chunks for ch in c.choices if ch.delta.content]
+        calls = [(i, tc) for i, c in enumerate(chunks) for ch in c.choices for tc in (ch.delta.tool_calls or [])]
+        assert "".join(contents) == "Let me add those two numbers for you.\n"
+        assert len(contents) > 1  # several chunks: it was streamed, not replayed at the end
+        assert not any("<" in piece for piece in contents)  # not even the start of the marker
+        ((at, call),) = calls
+        assert at == len(chunks) - 2 and chunks[-1].choices[0].finish_reason == "tool_calls"
+        session = s.gateway.trajectories.get("live")
+        assert session is not None
+        recorded = session.branches[0].turns[0].choices[0].message
+        assert recorded["tool_calls"][0]["id"] == call.id and json.loads(call.function.arguments) == {"a": 1, "b": 2}
+
+
 async def test_rewards_keys_and_bad_session_requests_get_clear_errors():
     async with stack(max_sessions=3) as s:
         http = httpx.AsyncClient(base_url=s.server.url, timeout=30)

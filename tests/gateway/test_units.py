@@ -69,6 +69,26 @@ def test_incremental_decoder_adds_up_holds_split_characters_and_decodes_a_window
         assert streamed <= 8 * len(ids)  # a window per step; decoding every prefix costs ~n^2/2
 
 
+def test_tool_call_stream_shows_text_up_to_the_marker_even_split_across_pieces():
+    from rollfleet.gateway.toolcalls import ToolCallFormatter
+
+    stream = ToolCallFormatter("hermes").stream()
+    assert stream is not None
+    shown = [
+        stream.push(p) for p in ["Sure", ", <to", "ol", "_c", 'all>\n{"name": "f", ', '"arguments": {}}\n</tool_call>']
+    ]
+    assert shown == ["Sure", ", ", "", "", "", ""]  # "<to..." waits: it may open a call, and it does
+    rest, message, calls = stream.finish()
+    assert (rest, calls, message["tool_calls"][0]["function"]["name"]) == ("", True, "f")
+    plain = ToolCallFormatter("hermes").stream()
+    assert plain is not None
+    assert [plain.push(p) for p in ["a <", "b> c <tool", "box"]] == ["a ", "<b> c ", "<toolbox"]
+    broken = ToolCallFormatter("hermes").stream()
+    assert broken is not None
+    assert broken.push("x <tool_call>{not json</tool_call>") == "x "
+    assert broken.finish()[:2] == ("<tool_call>{not json</tool_call>", {"role": "assistant", "content": "x <tool_call>{not json</tool_call>"})  # fmt: skip
+
+
 def test_codec_stop_strings(codec):
     assert codec.stop_token_ids(["<|im_end|>"]) == [codec.eos_token_id]
     with pytest.raises(GatewayError) as err:
@@ -98,6 +118,32 @@ def test_budget_and_sampling_params(codec):
         "seed": 3,
         "stop_token_ids": [codec.eos_token_id],
     }
+
+
+def test_output_constraints_become_structured_outputs_and_bad_ones_name_the_field(codec):
+    def params(**fields):
+        return sampling_params(CompletionRequest.model_validate({"model": "m", "prompt": "x", **fields}), 7, codec)
+
+    assert "structured_outputs" not in params(response_format={"type": "text"})
+    assert params(structured_outputs={"regex": "[ab]+", "disable_any_whitespace": True})["structured_outputs"] == {
+        "regex": "[ab]+",
+        "disable_any_whitespace": True,
+    }
+    assert params(response_format={"type": "json_object"})["structured_outputs"] == {"json_object": True}
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "r", "schema": schema}}
+    assert params(response_format=fmt)["structured_outputs"] == {"json": schema}
+    bad = [
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one"),
+        ({"structured_outputs": {}}, "structured_outputs", "given: none"),
+        ({"structured_outputs": {"regexp": "a"}}, "structured_outputs.regexp", "one of json"),
+        ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "response_format", "not both"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "r"}}}, "response_format.json_schema.schema", "required"),
+    ]  # fmt: skip
+    for fields, param, words in bad:
+        with pytest.raises(GatewayError) as err:
+            params(**fields)
+        assert err.value.param == param and words in err.value.message, (fields, err.value.message)
 
 
 def test_fleet_errors_map_to_status_and_caller_fields():

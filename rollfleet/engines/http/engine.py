@@ -33,7 +33,7 @@ import httpx
 from rollfleet.engines.base import Engine, EngineHealth, EngineLimits, EngineLoad
 from rollfleet.engines.http.inflight import Inflight, InflightTable
 from rollfleet.engines.http.link import ServerLink
-from rollfleet.engines.http.metrics import parse_metrics
+from rollfleet.engines.http.metrics import named_stats, parse_metrics
 from rollfleet.engines.http.process import ServerStartupError
 from rollfleet.engines.http.transport import StaleConnection
 from rollfleet.engines.http.wire import error_message
@@ -337,8 +337,7 @@ class HTTPEngine(Engine):
 
     # ------------------------------------------------------------------ control plane
     async def _request(self, method: str, path: str, *, op: str, **kw: Any) -> httpx.Response:
-        """A control call, also while starting; HTTP error statuses are the caller's to judge."""
-        return await self._link.request(method, path, op=op, **kw)
+        return await self._link.request(method, path, op=op, **kw)  # also while starting; no status check
 
     async def _control(self, method: str, path: str, *, op: str, ok: bool = True, **kw: Any) -> httpx.Response:
         """A control call on a live engine; with ``ok``, an HTTP error status raises too."""
@@ -394,11 +393,7 @@ class HTTPEngine(Engine):
     def stats(self) -> dict[str, float]:
         """Cumulative counters, named as the sim engine names them, from the last ``/metrics``
         scrape (refreshed by :meth:`load` and :meth:`metrics`) plus this engine's own counts."""
-        m = self._last_metrics
-        out = {key: float(m.get(metric, 0.0)) for key, metric in self.stats_metrics.items()}
-        if "prefix_cache_query_tokens" in out:
-            q = out["prefix_cache_query_tokens"]
-            out["prefix_cache_hit_rate"] = out.get("prefix_cache_hit_tokens", 0.0) / q if q else 0.0
+        out = named_stats(self._last_metrics, dict(self.stats_metrics))
         out.update({k: float(v) for k, v in self._counts.items()})
         if self.pid is not None:
             out[f"{self.name}_pid"] = float(self.pid)  # the server's process group, for operators and fault tests

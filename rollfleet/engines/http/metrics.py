@@ -47,4 +47,14 @@ def parse_metrics(text: str, names: Optional[Iterable[str]] = None) -> dict[str,
     return {name: sum(values) for name, values in metric_samples(text, names).items()}
 
 
-__all__ = ["metric_samples", "parse_metrics"]
+def named_stats(metrics: dict[str, float], names: dict[str, str]) -> dict[str, float]:
+    """{stat: the server's cumulative metric} for ``names`` (stat -> metric), with the prefix-cache
+    hit rate when the query and hit token counts are among them."""
+    out = {key: float(metrics.get(metric, 0.0)) for key, metric in names.items()}
+    if "prefix_cache_query_tokens" in out:
+        q = out["prefix_cache_query_tokens"]
+        out["prefix_cache_hit_rate"] = out.get("prefix_cache_hit_tokens", 0.0) / q if q else 0.0
+    return out
+
+
+__all__ = ["metric_samples", "parse_metrics", "named_stats"]

@@ -44,6 +44,7 @@ Shapes and where they come from (sgl-project/sglang; commits are the ones read):
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import re
@@ -109,9 +110,29 @@ def translate_sampling_params(sampling_params: SamplingParams) -> dict[str, Any]
             out[_RENAMED_KEYS[key]] = value
         elif key in _PASSTHROUGH_KEYS:
             out[key] = list(value) if key == "stop_token_ids" else value
+        elif key == "structured_outputs":
+            out.update(_constraint(value))
         elif key not in _IGNORED_KEYS:
             logger.debug("sglang engine: dropping sampling parameter %r (no SGLang counterpart)", key)
     return out
+
+
+def _constraint(structured: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's ``structured_outputs`` as SGLang's keys (``json_schema`` is a string there)."""
+    if structured.get("json") is not None:
+        schema = structured["json"]
+        return {"json_schema": schema if isinstance(schema, str) else json.dumps(schema)}
+    if structured.get("json_object"):
+        return {"json_schema": json.dumps({"type": "object"})}
+    if structured.get("regex") is not None:
+        return {"regex": structured["regex"]}
+    if structured.get("choice") is not None:
+        return {"regex": "|".join(re.escape(str(c)) for c in structured["choice"])}
+    if structured.get("grammar") is not None:
+        return {"ebnf": structured["grammar"]}
+    if structured.get("structural_tag") is not None:
+        return {"structural_tag": structured["structural_tag"]}
+    raise InvalidRequest("sampling_params.structured_outputs", "one constraint SGLang supports", structured)
 
 
 def generate_body(prompt_ids: list[int], sglang_params: dict[str, Any], rid: str) -> dict[str, Any]:
