@@ -185,6 +185,36 @@ class NullClient(LLMServerClient):
         )
 
 
+async def capture_cost(codec: TextCodec, rollout: Any, sessions: int = 200, turns: int = 3) -> dict[str, float]:
+    """CPU of this process per chat request, with and without trajectory capture (``sessions`` x
+    ``turns``, each turn extending the last), on the null fleet over in-process ASGI: the
+    difference is what recording a session's turns costs the gateway."""
+    import httpx
+
+    out = {}
+    for capture in (False, True):
+        gateway = Gateway(
+            NullClient(rollout, servers={}), codec, config=GatewayConfig(capture_trajectories=capture), rollout=rollout
+        )
+        transport = httpx.ASGITransport(app=gateway.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as http:
+            cpu0 = time.process_time()
+            for i in range(sessions):
+                messages: list[dict[str, Any]] = []
+                for t in range(turns):
+                    messages.append({"role": "user", "content": f"session {i} turn {t}: 1 2 3"})
+                    resp = await http.post(
+                        f"/sessions/s{i}/v1/chat/completions",
+                        json={"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS},
+                    )
+                    resp.raise_for_status()
+                    messages.append(resp.json()["choices"][0]["message"])
+            out["on" if capture else "off"] = (time.process_time() - cpu0) / (sessions * turns) * 1e6
+        if capture:
+            assert len(gateway.trajectories) == sessions
+    return out
+
+
 # ---------------------------------------------------------------------- main
 async def main_async(args: argparse.Namespace, console: Console) -> list[Result]:
     from rollfleet.manager import LLMServerManager
@@ -259,6 +289,13 @@ async def main_async(args: argparse.Namespace, console: Console) -> list[Result]
                     total,
                     seq,
                 )
+            )
+            console.print("[dim]measuring trajectory capture...[/]")
+            cost = await capture_cost(codec, config.rollout)
+            console.print(
+                f"chat, {MAX_TOKENS}-token replies, 3-turn sessions (in-process, null fleet): "
+                f"{cost['off']:,.0f} µs of CPU per request without capture, {cost['on']:,.0f} µs with it "
+                f"(capture costs {cost['on'] - cost['off']:+,.0f} µs per request)"
             )
         finally:
             await null_server.stop()

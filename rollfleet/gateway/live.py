@@ -1,9 +1,10 @@
 """Server-sent events as the fleet samples: one chunk per batch of tokens that reaches the gateway.
 
-Used for a streamed request with one prompt and one choice (``n`` = 1): the client's
+Used for a streamed request with one prompt: the client's
 :meth:`~rollfleet.client.LLMServerClient.generate_stream` yields token deltas as the replica
 forwards them, and each becomes an OpenAI chunk at once, so the first token reaches the caller
-after one prefill instead of after the whole generation. A generation cut short by a replica
+after one prefill instead of after the whole generation. With ``n`` > 1, each choice is its own
+stream, and the chunks of all of them go out as they come, each with its choice's index. A generation cut short by a replica
 failure or a weight update goes on elsewhere inside the client; the caller sees one stream.
 
 The stream's first item is awaited before the response starts: a request the fleet refuses still
@@ -15,8 +16,9 @@ split across chunks waits for its last byte; the chunks add up to the decoded ou
 
 from __future__ import annotations
 
+import asyncio
 import time
-from typing import Any, AsyncIterator, Callable, Optional, Union
+from typing import Any, AsyncIterator, Callable, Optional, Sequence, Union
 
 from rollfleet.gateway import responses
 from rollfleet.gateway.codec import IncrementalDecoder, TextCodec
@@ -26,25 +28,117 @@ from rollfleet.gateway.toolcalls import ToolCallStream
 from rollfleet.types import TokenDelta, TokenOutput
 
 Stream = AsyncIterator[Union[TokenDelta, TokenOutput]]
+Item = Union[TokenDelta, TokenOutput]
+_END = object()
+
+
+class _Choice:
+    """One choice of a live stream: its text so far, what it sampled, its tool-call gate."""
+
+    def __init__(self, index: int, codec: TextCodec, tools: Optional[ToolCallStream]) -> None:
+        self.index, self.codec, self.tools = index, codec, tools
+        self.text = IncrementalDecoder(codec)
+        self.sampled: list[int] = []
+        self.logprobs: list[float] = []
+        self.reply: Optional[responses.Reply] = None
+
+    def delta(self, delta: TokenDelta, chat: bool, logprobs: bool, token_ids: bool) -> Optional[dict[str, Any]]:
+        """The chunk choice for newly sampled tokens (None: nothing to show yet)."""
+        start = len(self.sampled)
+        self.sampled.extend(delta.token_ids)
+        self.logprobs.extend(delta.log_probs)
+        piece = self.text.push(delta.token_ids)
+        if self.tools is not None:
+            piece = self.tools.push(piece)
+        if not piece and not token_ids and not logprobs:
+            return None
+        choice: dict[str, Any] = {"delta": {"content": piece}} if chat else {"text": piece}
+        if logprobs:
+            so_far = TokenOutput.model_construct(token_ids=self.sampled, log_probs=self.logprobs)
+            choice["logprobs"] = (
+                responses.chat_logprobs(self.codec, so_far, start)
+                if chat
+                else responses.completion_logprobs(self.codec, so_far, start, offset=self.text.sent_chars - len(piece))
+            )
+        if token_ids:
+            choice["token_ids"] = delta.token_ids
+        return choice
+
+    def ending(self, out: TokenOutput, chat: bool, token_ids: bool) -> list[dict[str, Any]]:
+        """The chunk choices that end it: the text held back, the calls (parsed), the reason."""
+        rest = self.text.finish()
+        if self.tools is not None:
+            shown = self.tools.push(rest)
+            held, message, calling = self.tools.finish()
+            rest, self.reply = shown + held, (message, calling)
+        last: dict[str, Any] = {"delta": {"content": rest} if rest else {}} if chat else {"text": rest}
+        out_chunks = []
+        if self.reply is not None and self.reply[1]:  # the calls, parsed, in one delta
+            calls = [{"index": k, **c} for k, c in enumerate(self.reply[0]["tool_calls"])]
+            out_chunks.append({"delta": {"tool_calls": calls}})
+        reason = responses.chat_finish_reason(out, self.reply[1]) if self.reply else responses.finish_reason(out)
+        last["finish_reason"] = reason
+        if token_ids:
+            last.update(responses.meta_fields(out))
+        return [*out_chunks, last]
+
+
+async def _merged(firsts: Sequence[Item], streams: Sequence[Stream]) -> AsyncIterator[tuple[int, Item]]:
+    """``(choice index, item)`` as each stream yields them, until every one has its output."""
+    if len(streams) == 1:  # the common case: no task, no queue
+        item = firsts[0]
+        while True:
+            yield 0, item
+            if isinstance(item, TokenOutput):
+                return
+            item = await streams[0].__anext__()
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+    async def pump(i: int, stream: Stream) -> None:
+        try:
+            async for item in stream:
+                queue.put_nowait((i, item))
+        except Exception as exc:  # handed to the reader, which raises it
+            queue.put_nowait((i, exc))
+        queue.put_nowait((i, _END))
+
+    for i, first in enumerate(firsts):
+        yield i, first
+    pumps = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams) if not isinstance(firsts[i], TokenOutput)]
+    try:
+        running = len(pumps)
+        while running:
+            i, item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item is _END:
+                running -= 1
+            else:
+                yield i, item
+    finally:
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
 
 
 async def live_events(
     kind: str,
     model: str,
     codec: TextCodec,
-    first: Union[TokenDelta, TokenOutput],
-    stream: Stream,
+    firsts: Sequence[Item],
+    streams: Sequence[Stream],
     prompt: list[int],
     *,
     logprobs: bool,
     return_token_ids: bool,
     include_usage: bool,
-    tools: Optional[ToolCallStream] = None,
-    on_done: Optional[Callable[[TokenOutput, Optional[responses.Reply]], Any]] = None,
+    tools: Optional[Callable[[], Optional[ToolCallStream]]] = None,
+    on_done: Optional[Callable[[list[TokenOutput], list[Optional[responses.Reply]]], Any]] = None,
 ) -> AsyncIterator[bytes]:
-    """SSE bytes for a ``chat`` or ``completion`` stream whose first item is already in hand;
-    ``tools``: the reply may call tools (its text shows up to the first call, the calls at the end).
-    ``on_done`` gets the output, and the chat reply as the caller was shown it (with ``tools``)."""
+    """SSE bytes for the ``n`` choices (one stream each, whose first items are in hand) of a
+    ``chat`` or ``completion`` request, each chunk sent as its choice samples. ``tools`` makes the
+    gate of a reply that may call tools; ``on_done`` gets the outputs and the chat replies as the
+    caller was shown them."""
     chat = kind == "chat"
     base: dict[str, Any] = {
         "id": responses.new_id("chatcmpl" if chat else "cmpl"),
@@ -54,76 +148,44 @@ async def live_events(
     }
     if include_usage:
         base["usage"] = None
-    text = IncrementalDecoder(codec)
-    sampled: list[int] = []
-    sampled_logprobs: list[float] = []
+    choices = [_Choice(i, codec, tools() if tools is not None else None) for i in range(len(streams))]
+    outs: list[Optional[TokenOutput]] = [None] * len(streams)
 
-    def chunk(choice: dict[str, Any]) -> bytes:
-        return (
-            b"data: "
-            + dumps({**base, "choices": [{"index": 0, "logprobs": None, "finish_reason": None, **choice}]})
-            + b"\n\n"
-        )
+    def chunk(index: int, choice: dict[str, Any]) -> bytes:
+        body = {**base, "choices": [{"index": index, "logprobs": None, "finish_reason": None, **choice}]}
+        return b"data: " + dumps(body) + b"\n\n"
 
-    def delta_chunk(delta: TokenDelta) -> Optional[bytes]:
-        start = len(sampled)
-        sampled.extend(delta.token_ids)
-        sampled_logprobs.extend(delta.log_probs)
-        piece = text.push(delta.token_ids)
-        if tools is not None:
-            piece = tools.push(piece)
-        if not piece and not return_token_ids and not logprobs:
-            return None
-        choice: dict[str, Any] = {"delta": {"content": piece}} if chat else {"text": piece}
-        if logprobs:
-            so_far = TokenOutput.model_construct(token_ids=sampled, log_probs=sampled_logprobs)
-            choice["logprobs"] = (
-                responses.chat_logprobs(codec, so_far, start)
-                if chat
-                else responses.completion_logprobs(codec, so_far, start, offset=text.sent_chars - len(piece))
-            )
-        if return_token_ids:
-            choice["token_ids"] = delta.token_ids
-        return chunk(choice)
-
-    opening: dict[str, Any] = {"delta": {"role": "assistant", "content": ""}} if chat else {"text": ""}
-    if return_token_ids:
-        opening["prompt_token_ids"] = prompt
-    item: Union[TokenDelta, TokenOutput] = first
-    try:  # however the stream ends (the caller hung up too), the fleet's generation is closed
-        yield chunk(opening)
+    try:  # however the stream ends (the caller hung up too), the fleet's generations are closed
+        for i in range(len(streams)):
+            opening: dict[str, Any] = {"delta": {"role": "assistant", "content": ""}} if chat else {"text": ""}
+            if return_token_ids and i == 0:
+                opening["prompt_token_ids"] = prompt
+            yield chunk(i, opening)
         try:
-            while isinstance(item, TokenDelta):
-                data = delta_chunk(item)
-                if data is not None:
-                    yield data
-                item = await stream.__anext__()
+            async for i, item in _merged(firsts, streams):
+                if isinstance(item, TokenDelta):
+                    data = choices[i].delta(item, chat, logprobs, return_token_ids)
+                    if data is not None:
+                        yield chunk(i, data)
+                    continue
+                outs[i] = item
+                for data in choices[i].ending(item, chat, return_token_ids):
+                    yield chunk(i, data)
         except Exception as exc:  # the status line has gone: say it in the stream, then end it
             yield b"data: " + dumps(from_exception(exc).body()) + b"\n\n" + responses.SSE_DONE
             return
-        out = item
-        rest = text.finish()
-        reply: Optional[responses.Reply] = None
-        if tools is not None:
-            shown = tools.push(rest)
-            held, message, calls = tools.finish()
-            rest, reply = shown + held, (message, calls)
-        last: dict[str, Any] = {"delta": {"content": rest} if rest else {}} if chat else {"text": rest}
-        if reply is not None and reply[1]:  # the calls, parsed, in one delta
-            yield chunk({"delta": {"tool_calls": [{"index": k, **c} for k, c in enumerate(reply[0]["tool_calls"])]}})
-        last["finish_reason"] = responses.chat_finish_reason(out, reply[1]) if reply else responses.finish_reason(out)
-        if return_token_ids:
-            last.update(responses.meta_fields(out))
-        yield chunk(last)
+        done = [o for o in outs if o is not None]
         if include_usage:
-            yield b"data: " + dumps({**base, "choices": [], "usage": responses.usage(len(prompt), [out])}) + b"\n\n"
+            usage = responses.usage(len(prompt) * len(done), done)
+            yield b"data: " + dumps({**base, "choices": [], "usage": usage}) + b"\n\n"
         yield responses.SSE_DONE
         if on_done is not None:
-            on_done(out, reply)
+            on_done(done, [c.reply for c in choices])
     finally:
-        aclose = getattr(stream, "aclose", None)
-        if aclose is not None:
-            await aclose()
+        for stream in streams:
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                await aclose()
 
 
 __all__ = ["live_events", "Stream"]

@@ -7,6 +7,7 @@ trajectory capture) and :mod:`rollfleet.gateway.routes_openai` (everything else,
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import (
     TYPE_CHECKING,
@@ -169,23 +170,26 @@ class RoutesBase:
         fields: FieldMap,
         *,
         logprobs: bool,
-        tools: Optional[ToolCallStream] = None,
-        on_done: Optional[Callable[[TokenOutput, Optional[responses.Reply]], Any]] = None,
+        tools: Optional[Callable[[], Optional[ToolCallStream]]] = None,
+        on_done: Optional[Callable[[list[TokenOutput], list[Optional[responses.Reply]]], Any]] = None,
     ) -> Response:
-        """A streamed answer sent as the fleet samples it (:mod:`rollfleet.gateway.live`)."""
-        stream = self.service.generate_stream(route, prompt, params, session_id=session)
-        try:
-            first = await stream.__anext__()
-        except Exception as exc:  # before the status line: the caller gets the proper status
-            await cast(AsyncGenerator, stream).aclose()
-            raise from_exception(exc, fields) from exc
+        """``req.n`` streamed choices, sent as the fleet samples them (:mod:`rollfleet.gateway.live`)."""
+        streams = [self.service.generate_stream(route, prompt, params, session_id=session) for _ in range(req.n)]
+        firsts = await asyncio.gather(*(s.__anext__() for s in streams), return_exceptions=True)
+        failed = next((f for f in firsts if isinstance(f, BaseException)), None)
+        if failed is not None:  # before the status line: the caller gets the proper status
+            for stream in streams:
+                await cast(AsyncGenerator, stream).aclose()
+            if not isinstance(failed, Exception):
+                raise failed
+            raise from_exception(failed, fields) from failed
         options = req.stream_options
         events = live_events(
             kind,
             req.model,
             self.codec,
-            first,
-            stream,
+            cast(list, firsts),
+            streams,
             prompt,
             logprobs=logprobs,
             return_token_ids=req.return_token_ids,

@@ -45,22 +45,26 @@ class ChatRoutes(RoutesBase):
         fields = field_mapper("messages", budget_param)
         parse = bool(req.tools) and req.tool_choice != "none"
 
-        def replied(outputs: Sequence[TokenOutput], shown: Optional[responses.Reply] = None) -> list[responses.Reply]:
-            """The assistant messages of ``outputs`` (``shown``: the one a stream already sent); a
+        def replied(
+            outputs: Sequence[TokenOutput], shown: Sequence[Optional[responses.Reply]] = ()
+        ) -> list[responses.Reply]:
+            """The assistant messages of ``outputs`` (``shown``: those a stream already sent); a
             session's turn is recorded with them."""
-            replies = (
-                [shown] if shown else [self.tool_calls.message(codec.decode(o.token_ids), parse=parse) for o in outputs]
-            )
+            replies = [
+                (shown[i] if i < len(shown) else None)
+                or self.tool_calls.message(codec.decode(o.token_ids), parse=parse)
+                for i, o in enumerate(outputs)
+            ]
             if store is not None and session is not None:
                 turn = _turn(prompt, outputs, replies, plan)
                 store.record(session, messages, req.tools, turn, new_branch=plan.new_branch, chosen=plan.chosen)
             return replies
 
-        tools = self.tool_calls.stream() if parse else None
-        if req.stream and req.n == 1 and (tools is not None or not parse):  # live, calls parsed at the end
+        gates = self.tool_calls.stream if parse else None
+        if req.stream and (gates is None or self.tool_calls.parser.call_start):  # live, calls parsed at the end
             route = "/v1/chat/completions"
             return await self._live("chat", route, req, prompt, params, session, fields, logprobs=req.logprobs,
-                                    tools=tools, on_done=lambda out, shown: replied([out], shown))  # fmt: skip
+                                    tools=gates, on_done=replied)  # fmt: skip
         outputs = await self._generate("/v1/chat/completions", [prompt], params, req.n, session, fields)
         replies = replied(outputs)
         headers = self._headers(outputs, session)

@@ -101,7 +101,7 @@ class OpenAIRoutes(ChatRoutes):
                 budget, max_len = b, len(prompt)
         params = sampling_params(req, budget, codec)
         session = self._session(request, req)
-        if req.stream and len(prompts) == 1 and req.n == 1 and not req.echo:
+        if req.stream and len(prompts) == 1 and not req.echo:
             route, fields = "/v1/completions", field_mapper("prompt")
             logprobs_on = req.logprobs is not None
             return await self._live("completion", route, req, prompts[0], params, session, fields, logprobs=logprobs_on)

@@ -10,8 +10,9 @@ Streamed, a reply that may call tools goes out as it is sampled up to the parser
 (``<tool_call>``; text that may be the start of one waits for the next tokens), and its calls
 follow, parsed, in one delta when the reply ends (:class:`ToolCallStream`).
 
-The fleet samples freely, so ``tool_choice`` values that would need constrained decoding
-(``"required"``, a named function) are refused rather than silently ignored.
+``tool_choice`` values that need constrained decoding (``"required"``, a named function) are
+refused rather than silently ignored; a caller can constrain sampling itself with
+``structured_outputs`` (see :mod:`rollfleet.gateway.protocol`).
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def check_tools(tools: Optional[list[dict[str, Any]]], tool_choice: Any) -> None
         return
     raise bad_request(
         "tool_choice",
-        f"tool_choice {tool_choice!r} needs constrained decoding, which this gateway does not do; use 'auto' or 'none'",
+        f"tool_choice {tool_choice!r} is not turned into a constraint by this gateway; use 'auto' or 'none' "
+        "(structured_outputs constrains sampling directly)",
         code="unsupported_value",
     )
 

@@ -68,6 +68,29 @@ async def test_the_first_chunk_arrives_long_before_the_last_and_chunks_add_up(ro
         assert events[-1]["usage"]["completion_tokens"] == 300
 
 
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+async def test_several_choices_stream_side_by_side_each_adding_up_to_its_output(route):
+    """``n`` = 3: each choice is its own generation, and their chunks go out interleaved as they
+    are sampled, not one choice after another when all have ended."""
+    async with gateway() as (server, gw, _):
+        chat = route.endswith("chat/completions")
+        body: dict[str, Any] = {"model": MODEL, "stream": True, "return_token_ids": True, "n": 3, **LONG}
+        body |= {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "count 1 2 3"}
+        body["stream_options"] = {"include_usage": True}
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+            events, stamps, total = await sse(http, route, body)
+        order = [e["choices"][0]["index"] for e in events if e["choices"] and e["choices"][0].get("token_ids")]
+        assert set(order) == {0, 1, 2}
+        switches = sum(a != b for a, b in zip(order, order[1:]))
+        assert switches > 10, order  # interleaved: every choice is sampled at once
+        for index in range(3):
+            mine = [e["choices"][0] for e in events if e["choices"] and e["choices"][0]["index"] == index]
+            text = "".join((c["delta"].get("content") or "") if chat else c["text"] for c in mine)
+            ids = [t for c in mine for t in c.get("token_ids") or []]
+            assert len(ids) == 300 and text == gw.codec.decode(ids) and mine[-1]["finish_reason"] == "length"
+        assert events[-1]["usage"]["completion_tokens"] == 900
+
+
 async def test_the_openai_client_streams_and_the_session_turn_is_recorded():
     async with gateway() as (server, gw, _):
         client = openai.AsyncOpenAI(base_url=f"{server.url}/sessions/s1/v1", api_key="-", max_retries=0)
