@@ -30,8 +30,10 @@ class SimulateOptions:
     prompt_tokens: int = 256
     tool_tokens: int = 48
     max_tokens_per_turn: int = 256
+    #: Updates fired while the rollout runs, evenly by progress: with 3, when a quarter, half and
+    #: three quarters of the sessions are done (by progress, not by the clock: a faster fleet
+    #: must not finish before the updates it is meant to ride out).
     weight_updates: int = 3
-    update_interval_s: float = 1.0
     seed: int = 0
 
 
@@ -111,11 +113,12 @@ async def run_simulation(
 
             sessions = asyncio.ensure_future(asyncio.gather(*(tracked(i) for i in range(opts.sessions))))
             for version in range(1, opts.weight_updates + 1):
-                try:
-                    await asyncio.wait_for(asyncio.shield(sessions), opts.update_interval_s)
+                at = opts.sessions * version / (opts.weight_updates + 1)
+                while len(done) < at and not sessions.done():
+                    await asyncio.sleep(0.005)
+                if sessions.done():
                     break
-                except asyncio.TimeoutError:
-                    updates.append(await manager.update_weights({"step": version}, version))
+                updates.append(await manager.update_weights({"step": version}, version))
             await sessions
         wall = time.perf_counter() - start
         after = await manager.replica_stats()

@@ -107,8 +107,8 @@ class GatewayConfig(_Section):
     stream_chunk_tokens: int = Field(
         8,
         ge=1,
-        description="Tokens per SSE chunk when a finished result is streamed whole (n > 1, several prompts, chat "
-        "replies with tool calls); one generation streams as it is sampled.",
+        description="Tokens per SSE chunk when a finished result is streamed whole (a batch of several prompts, "
+        "echo, or a tool-call format without a call marker); one prompt streams as it is sampled.",
     )
     max_n: int = Field(16, ge=1, description="Largest 'n' (choices per prompt) one request may ask for.")
     status_poll_interval_s: float = Field(
