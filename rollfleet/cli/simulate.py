@@ -12,7 +12,7 @@ import asyncio
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -106,16 +106,21 @@ async def run_simulation(
         ) as progress:
             task = progress.add_task("sessions", total=opts.sessions, info="")
             done: list[dict] = []
+            progressed = asyncio.Event()  # set as each session ends
 
             async def tracked(i: int) -> None:
                 done.append(await _session(client, i, opts, cfg.sim.vocab_size, random.Random(rng.random())))
                 progress.update(task, advance=1, info=f"weights v{len(updates)}")
+                progressed.set()
 
             sessions = asyncio.ensure_future(asyncio.gather(*(tracked(i) for i in range(opts.sessions))))
             for version in range(1, opts.weight_updates + 1):
                 at = opts.sessions * version / (opts.weight_updates + 1)
                 while len(done) < at and not sessions.done():
-                    await asyncio.sleep(0.005)
+                    progressed.clear()
+                    waiter = asyncio.ensure_future(progressed.wait())
+                    await asyncio.wait([cast(asyncio.Future, sessions), waiter], return_when=asyncio.FIRST_COMPLETED)
+                    waiter.cancel()
                 if sessions.done():
                     break
                 updates.append(await manager.update_weights({"step": version}, version))
