@@ -13,7 +13,8 @@ Workload (issue 14's): 256 token-id completions of 32 tokens each (``ignore_eos`
 32 sessions whose prompts share a 200-token prefix. Reported per way: median tokens/s over the
 rounds and median p50 latency; how the requests split over the two replicas (from vLLM's own
 ``/metrics``: a sticky router that moves sessions shows here); and the CPU time the way's own
-processes took per request (the router's process; the gateway's process and the replica actors).
+processes took per request (the router's process; the gateway's process and the replica actors),
+also net of what those processes take in the other ways' rounds, serving nobody (health probes).
 The load generator is a separate process (httpx), the same for all three; a request whose pooled
 connection the server had just closed is sent once more (counted). Every process shares the
 machine's cores with vLLM: on 2 cores that is the point.
@@ -141,13 +142,15 @@ def _cpu_s(pids: list[int]) -> float:
     return total
 
 
-def measure(way: str, targets: list[str], replicas: list[str], path_pids: list[int]) -> dict[str, Any]:
-    """One round of one way, with the split over the replicas and the CPU of the way's processes."""
-    served0, cpu0 = _served(replicas), _cpu_s(path_pids)
+def measure(way: str, targets: list[str], replicas: list[str], groups: dict[str, list[int]]) -> dict[str, Any]:
+    """One round of one way, with the split over the replicas and the CPU of each way's processes
+    (all of them, every round: rollfleet's also work when they serve nobody, e.g. health probes)."""
+    served0, cpu0 = _served(replicas), {g: _cpu_s(p) for g, p in groups.items()}
     res: dict[str, Any] = dict(run_load(way, targets))
-    cpu, served1 = _cpu_s(path_pids) - cpu0, _served(replicas)
+    cpu, served1 = {g: _cpu_s(p) - cpu0[g] for g, p in groups.items()}, _served(replicas)
     res["split"] = [round(b - a) for a, b in zip(served0, served1)]
-    res["path_cpu_ms_per_request"] = cpu / REQUESTS * 1e3
+    res["cpu_ms_per_request"] = {g: c / REQUESTS * 1e3 for g, c in cpu.items()}
+    res["path_cpu_ms_per_request"] = res["cpu_ms_per_request"].get(way, 0.0)
     return res
 
 
@@ -221,7 +224,7 @@ async def _run(router_bin: str, rounds: int, console: Console) -> dict[str, list
         actors = [
             p.pid for p in psutil.process_iter(["cmdline"]) if "ReplicaActor" in " ".join(p.info["cmdline"] or [])
         ]
-        pids = {"direct": [], "vllm-router": [router.pid], "rollfleet gateway": [os.getpid(), *actors]}
+        groups = {"vllm-router": [router.pid], "rollfleet gateway": [os.getpid(), *actors]}
         for way, targets in ways.items():  # warm-up: a round each (first forward passes are slow)
             await asyncio.to_thread(run_load, way, targets)
         results: dict[str, list[dict[str, Any]]] = {w: [] for w in ways}
@@ -230,7 +233,7 @@ async def _run(router_bin: str, rounds: int, console: Console) -> dict[str, list
             task = progress.add_task("rounds", total=rounds * len(order))
             for r in range(rounds):
                 for way in order[r % 3 :] + order[: r % 3]:
-                    res = await asyncio.to_thread(measure, way, ways[way], urls, pids[way])
+                    res = await asyncio.to_thread(measure, way, ways[way], urls, groups)
                     results[way].append(res)
                     progress.console.print(
                         f"round {r + 1} {way}: {res['tokens_per_s']:.0f} tokens/s, p50 {res['p50_s']:.2f}s, "
@@ -250,17 +253,20 @@ async def _run(router_bin: str, rounds: int, console: Console) -> dict[str, list
 def _report(results: dict[str, list[dict[str, Any]]], console: Console) -> None:
     table = Table(title=f"{REQUESTS} completions x {TOKENS} tokens, {IN_FLIGHT} in flight, {SESSIONS} sessions")
     for col in ("way", "tokens/s (median)", "p50 latency (median)", "rounds (tokens/s)", "split per round",
-                "path CPU ms/request"):  # fmt: skip
+                "path CPU ms/request (less idle)"):  # fmt: skip
         table.add_column(col)
     summary = {}
     for way, rows in results.items():
         tps = statistics.median(r["tokens_per_s"] for r in rows)
         p50 = statistics.median(r["p50_s"] for r in rows)
         cpu = statistics.median(r["path_cpu_ms_per_request"] for r in rows)
-        summary[way] = {"tokens_per_s": tps, "p50_s": p50, "path_cpu_ms_per_request": cpu, "rounds": rows}
+        idle = [r["cpu_ms_per_request"].get(way, 0.0) for w, rs in results.items() if w != way for r in rs]
+        net = cpu - statistics.median(idle) if idle else cpu  # less what the processes do serving nobody
+        summary[way] = {"tokens_per_s": tps, "p50_s": p50, "path_cpu_ms_per_request": cpu,
+                        "path_cpu_net_ms_per_request": net, "rounds": rows}  # fmt: skip
         table.add_row(
             way, f"{tps:,.0f}", f"{p50:.2f} s", ", ".join(f"{r['tokens_per_s']:.0f}" for r in rows),
-            " ".join("/".join(str(n) for n in r["split"]) for r in rows), f"{cpu:.2f}",
+            " ".join("/".join(str(n) for n in r["split"]) for r in rows), f"{cpu:.2f} ({net:.2f} net)",
         )  # fmt: skip
     console.print(table)
     OUT.write_text(json.dumps(summary, indent=2))
