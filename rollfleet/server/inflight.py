@@ -5,8 +5,8 @@
   request): a router subtracts its own share *as counted here* from the total to learn everyone
   else's load. Its own count at the time a report arrives is the wrong thing to subtract: a polled
   report is up to a probe interval old, and the router's requests that finished since would show
-  up as phantom load of others (measured: a report a second old steered 20 of 32 new sticky
-  sessions to one of two idle replicas).
+  up as phantom load of others (measured: 24 phantom requests on a replica that had none, and a
+  gateway's 32 sticky sessions split 22/10 over two replicas that a Rust router split 16/16).
 * **Per session** (``request_id``): the engine ids of a session's attempts, so that
   :meth:`~rollfleet.server.replica.Replica.abort` can abort a whole session.
 
