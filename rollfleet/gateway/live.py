@@ -4,8 +4,9 @@ Used for a streamed request with one prompt: the client's
 :meth:`~rollfleet.client.LLMServerClient.generate_stream` yields token deltas as the replica
 forwards them, and each becomes an OpenAI chunk at once, so the first token reaches the caller
 after one prefill instead of after the whole generation. With ``n`` > 1, each choice is its own
-stream, and the chunks of all of them go out as they come, each with its choice's index. A generation cut short by a replica
-failure or a weight update goes on elsewhere inside the client; the caller sees one stream.
+stream, and the chunks of all of them go out as they come, each with its choice's index. A
+generation cut short by a replica failure or a weight update goes on elsewhere inside the client;
+the caller sees one stream.
 
 The stream's first item is awaited before the response starts: a request the fleet refuses still
 gets its 4xx status and error body. An error after that arrives as an ``error`` event followed by
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, AsyncIterator, Callable, Optional, Sequence, Union
+from typing import Any, AsyncGenerator, AsyncIterator, Callable, Optional, Sequence, Union
 
 from rollfleet.gateway import responses
 from rollfleet.gateway.codec import IncrementalDecoder, TextCodec
@@ -83,7 +84,7 @@ class _Choice:
         return [*out_chunks, last]
 
 
-async def _merged(firsts: Sequence[Item], streams: Sequence[Stream]) -> AsyncIterator[tuple[int, Item]]:
+async def _merged(firsts: Sequence[Item], streams: Sequence[Stream]) -> AsyncGenerator[tuple[int, Item], None]:
     """``(choice index, item)`` as each stream yields them, until every one has its output."""
     if len(streams) == 1:  # the common case: no task, no queue
         item = firsts[0]
@@ -155,6 +156,7 @@ async def live_events(
         body = {**base, "choices": [{"index": index, "logprobs": None, "finish_reason": None, **choice}]}
         return b"data: " + dumps(body) + b"\n\n"
 
+    merged = _merged(firsts, streams)
     try:  # however the stream ends (the caller hung up too), the fleet's generations are closed
         for i in range(len(streams)):
             opening: dict[str, Any] = {"delta": {"role": "assistant", "content": ""}} if chat else {"text": ""}
@@ -162,7 +164,7 @@ async def live_events(
                 opening["prompt_token_ids"] = prompt
             yield chunk(i, opening)
         try:
-            async for i, item in _merged(firsts, streams):
+            async for i, item in merged:
                 if isinstance(item, TokenDelta):
                     data = choices[i].delta(item, chat, logprobs, return_token_ids)
                     if data is not None:
@@ -182,6 +184,7 @@ async def live_events(
         if on_done is not None:
             on_done(done, [c.reply for c in choices])
     finally:
+        await merged.aclose()  # first: it stops the tasks that read the streams, which then close
         for stream in streams:
             aclose = getattr(stream, "aclose", None)
             if aclose is not None:

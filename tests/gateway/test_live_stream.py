@@ -105,13 +105,14 @@ async def test_the_openai_client_streams_and_the_session_turn_is_recorded():
         assert "".join(pieces) == gw.codec.decode(sampled)
 
 
-async def test_a_refused_stream_keeps_its_status_and_a_caller_that_hangs_up_stops_the_generation():
+@pytest.mark.parametrize("n", [1, 3])
+async def test_a_refused_stream_keeps_its_status_and_a_caller_that_hangs_up_stops_the_generation(n, caplog):
     async with gateway() as (server, _, replica):
         async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
             too_long = {"model": MODEL, "prompt": "x", "stream": True, "max_tokens": 100_000}
             resp = await http.post("/v1/completions", json=too_long)
             assert resp.status_code == 400 and resp.json()["error"]["param"] == "max_tokens"
-            body = {"model": MODEL, "prompt": "count", "stream": True, "max_tokens": 300, "ignore_eos": True}
+            body = {"model": MODEL, "prompt": "count", "stream": True, "max_tokens": 300, "ignore_eos": True, "n": n}
             async with http.stream("POST", "/v1/completions", json=body) as stream:
                 async for line in stream.aiter_lines():
                     if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
@@ -119,6 +120,7 @@ async def test_a_refused_stream_keeps_its_status_and_a_caller_that_hangs_up_stop
             deadline = time.monotonic() + 5
             while replica._book.requests and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
-            assert replica._book.requests == 0 and replica.engine.stats()["num_aborted"] == 1
+            assert replica._book.requests == 0 and replica.engine.stats()["num_aborted"] == n
+            assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text  # closed cleanly
             ok = await http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4})
             assert ok.status_code == 200
