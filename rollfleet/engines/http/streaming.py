@@ -3,11 +3,11 @@ with ``"stream": true``): :meth:`StreamingGenerate.generate_stream`.
 
 The stream takes the same path as a whole generation (``HTTPEngine._admitted``: the in-flight
 table's pause/abort gate, the engine-side request id, error counts; the abort on cancel) and
-differs only in reading: the server's SSE lines
-are fed to the engine's stream reader, which turns them into :class:`~rollfleet.types.TokenDelta` s
-(the lines that arrived together as one) and, at the end, into the body a whole answer would have had, so the final output is parsed by
-the very code that parses whole answers (versions, stop reasons, logprobs). Leaving the stream
-early, or a cancel, aborts the request on the server.
+differs only in reading: the server's SSE lines are fed to the engine's stream reader, which turns
+them into :class:`~rollfleet.types.TokenDelta` s (the lines that arrived together as one) and, at
+the end, into the body a whole answer would have had, so the final output is parsed by the very
+code that parses whole answers (versions, stop reasons, logprobs). Leaving the stream early, or a
+cancel, aborts the request on the server.
 """
 
 from __future__ import annotations
