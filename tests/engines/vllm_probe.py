@@ -64,7 +64,10 @@ class StreamingProbe:
         self._http = httpx.AsyncClient(base_url=self.address, timeout=httpx.Timeout(None, connect=30.0))
         for attempt in range(3):  # a server busy streaming may accept late on a loaded machine
             try:
-                model = (await self._http.get("/v1/models")).json()["data"][0]["id"]
+                # Connection: close: the stream below gets a fresh connection, never one the
+                # server may be closing (its keep-alive timer runs on a starved event loop).
+                models = await self._http.get("/v1/models", headers={"Connection": "close"})
+                model = models.json()["data"][0]["id"]
                 break
             except httpx.ConnectTimeout:
                 if attempt == 2:
@@ -83,6 +86,16 @@ class StreamingProbe:
         return self
 
     async def _read(self, body: dict) -> None:
+        for attempt in range(3):  # a connection dropped before the first byte: send it again
+            try:
+                await self._read_once(body)
+                return
+            except (httpx.ReadError, httpx.RemoteProtocolError, httpx.ConnectError) as e:
+                if self.tokens or attempt == 2:
+                    self.ended = f"stream failed: {e!r}"
+                    return
+
+    async def _read_once(self, body: dict) -> None:
         assert self._http is not None
         try:
             async with self._http.stream("POST", "/v1/completions", json=body) as resp:
@@ -98,6 +111,8 @@ class StreamingProbe:
                         if choice.get("finish_reason"):
                             self.ended = f"finished: {choice['finish_reason']}"
             self.ended = self.ended or "stream closed"
+        except (httpx.ReadError, httpx.RemoteProtocolError, httpx.ConnectError):
+            raise  # _read decides: sent again before the first token, a failure after it
         except (httpx.HTTPError, ValueError) as e:
             self.ended = f"stream failed: {e!r}"
 
