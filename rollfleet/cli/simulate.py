@@ -12,7 +12,7 @@ import asyncio
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, cast
+from typing import Any, Optional
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -106,25 +106,18 @@ async def run_simulation(
         ) as progress:
             task = progress.add_task("sessions", total=opts.sessions, info="")
             done: list[dict] = []
-            progressed = asyncio.Event()  # set as each session ends
 
             async def tracked(i: int) -> None:
                 done.append(await _session(client, i, opts, cfg.sim.vocab_size, random.Random(rng.random())))
                 progress.update(task, advance=1, info=f"weights v{len(updates)}")
-                progressed.set()
 
-            sessions = asyncio.ensure_future(asyncio.gather(*(tracked(i) for i in range(opts.sessions))))
-            for version in range(1, opts.weight_updates + 1):
-                at = opts.sessions * version / (opts.weight_updates + 1)
-                while len(done) < at and not sessions.done():
-                    progressed.clear()
-                    waiter = asyncio.ensure_future(progressed.wait())
-                    await asyncio.wait([cast(asyncio.Future, sessions), waiter], return_when=asyncio.FIRST_COMPLETED)
-                    waiter.cancel()
-                if sessions.done():
-                    break
-                updates.append(await manager.update_weights({"step": version}, version))
-            await sessions
+            sessions = [asyncio.ensure_future(tracked(i)) for i in range(opts.sessions)]
+            for finished, session in enumerate(asyncio.as_completed(sessions), 1):
+                await session
+                version = len(updates) + 1  # the next update fires once its share of sessions is done
+                due = version <= opts.weight_updates and finished >= opts.sessions * version / (opts.weight_updates + 1)
+                if due and len(done) < opts.sessions:  # only while sessions still run
+                    updates.append(await manager.update_weights({"step": version}, version))
         wall = time.perf_counter() - start
         after = await manager.replica_stats()
         per_replica = {rid: after[rid]["requests"] - before.get(rid, {}).get("requests", 0) for rid in after}
