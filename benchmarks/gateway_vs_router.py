@@ -123,12 +123,10 @@ def _served(urls: list[str]) -> list[float]:
     """Requests each replica has finished so far, from vLLM's own ``/metrics``."""
     import httpx
 
-    counts = []
-    for url in urls:
-        text = httpx.get(f"{url}/metrics", timeout=10).text
-        counts.append(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                          if line.startswith("vllm:request_success_total")))  # fmt: skip
-    return counts
+    from rollfleet.engines.http.metrics import parse_metrics
+
+    metric = "vllm:request_success_total"
+    return [parse_metrics(httpx.get(f"{url}/metrics", timeout=10).text, [metric]).get(metric, 0.0) for url in urls]
 
 
 def _cpu_s(pids: list[int]) -> float:
