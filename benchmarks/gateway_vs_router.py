@@ -198,7 +198,7 @@ async def _run(router_bin: str, rounds: int, console: Console) -> dict[str, list
                 "prompt_length": 512,
                 "response_length": TOKENS,
                 "max_model_len": 1024,
-                "vllm": {"max_num_seqs": 128},
+                "vllm": {"max_num_seqs": 128, "listen": "tcp"},  # vllm-router and the direct way call the servers
             },
         }
     )

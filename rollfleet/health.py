@@ -62,6 +62,8 @@ class ReplicaRecord:
     replica_id: str
     handle: Any
     address: str = ""
+    #: The engine server's private Unix socket on its node (empty: none), for operators and tests.
+    server_socket: str = ""
     #: ``host:port`` of the replica's direct data plane; empty: requests go through Ray.
     data_plane: str = ""
     #: What a data-plane connection must present first (never shown outside the cluster).

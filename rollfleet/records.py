@@ -29,7 +29,14 @@ class ReplicaInfo(_Record):
 
     replica_id: str
     state: HealthState
-    address: str = Field("", description="The engine's URL (http://node-ip:port), or a pseudo-address (sim://).")
+    address: str = Field(
+        "",
+        description="The engine's URL (http://node-ip:port: its server, or the exporter of its /metrics), "
+        "or a pseudo-address (sim://).",
+    )
+    server_socket: str = Field(
+        "", description="The engine server's private Unix socket on its node (vLLM's default); empty: none."
+    )
     weight_version: Optional[int] = None
     restarts: int = 0
     node_id: str = Field("", description="Ray node id; empty when the replica reserves nothing.")

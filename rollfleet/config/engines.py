@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Literal, Optional
 
 from pydantic import Field
 
@@ -50,7 +50,17 @@ class SimEngineConfig(_Section):
 
 
 class VLLMEngineConfig(_Section):
-    """How a replica launches and talks to a vLLM OpenAI server on loopback."""
+    """How a replica launches and talks to a vLLM OpenAI server on its node."""
+
+    listen: Literal["unix", "tcp"] = Field(
+        "unix",
+        description=(
+            "unix: the server listens on a socket in its private (0700) work dir, so nothing but its replica "
+            "can call its development routes (/pause, weight updates, /collective_rpc); its /metrics and "
+            "/health are served on TCP by the replica. tcp: it listens on the node's address and a free port, "
+            "reachable by every process there (for tools that call the servers themselves, e.g. vllm-router)."
+        ),
+    )
 
     dtype: str = Field("auto", description="'auto' picks float32 on CPU and bfloat16 on GPU.")
     enforce_eager: bool = Field(True, description="Skip graph capture: much faster start-up on CPU.")

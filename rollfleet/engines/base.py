@@ -59,6 +59,8 @@ class Engine(abc.ABC):
     bind_host: str = "127.0.0.1"
     #: Accelerator ids this engine owns (as Ray assigned them); None: whatever the process sees.
     devices: Optional[list[str]] = None
+    #: The Unix socket its server listens on, private to this user on its node; None: no such socket.
+    socket_path: Optional[str] = None
 
     #: The commit modes :meth:`commit_weights` accepts. Every engine can ``abort``.
     update_modes: ClassVar[frozenset[str]] = frozenset({"abort"})

@@ -115,7 +115,7 @@ class FleetController(HealthSupervisor, ControlFanOut):
     def _spawn(self, rid: str, placement: Optional[ReplicaPlacement]) -> Any:
         if self._factory is not None:
             return self._factory(rid, self._indices[rid])
-        from rollfleet.server.replica import ReplicaActor
+        from rollfleet.server.actor import ReplicaActor
 
         options = placement.rank(0).actor_options() if placement is not None else {"num_cpus": 0}
         # mypy keeps a Ray-decorated class's own type: it does not know ActorClass.options
@@ -143,6 +143,7 @@ class FleetController(HealthSupervisor, ControlFanOut):
         else:
             info = await handle.start.remote(boot_version)
         record.address = info.get("address", "")
+        record.server_socket = info.get("server_socket") or ""
         record.node_ip = info.get("node_ip") or ""
         record.devices = info.get("devices")
         record.data_plane = info.get("data_plane") or ""
@@ -363,6 +364,7 @@ def _info(r: ReplicaRecord) -> ReplicaInfo:
         replica_id=r.replica_id,
         state=r.state,
         address=r.address,
+        server_socket=r.server_socket,
         weight_version=r.weight_version,
         restarts=r.restarts,
         node_id=r.node_id,

@@ -1,7 +1,7 @@
 """One replica: an engine behind input validation, version stamping and load reporting.
 
 The logic lives in the plain class :class:`Replica` so it can be tested without Ray;
-:data:`ReplicaActor` is the thin Ray actor around it (an asyncio actor, so thousands of requests
+:data:`~rollfleet.server.actor.ReplicaActor` is the thin Ray actor around it (an asyncio actor, so thousands of requests
 interleave in one process, as the engines expect). How outputs are labelled with weight versions,
 and why here: :mod:`rollfleet.server.attempts`.
 """
@@ -100,6 +100,7 @@ class Replica:
         return {
             "replica_id": self.replica_id,
             "address": self.engine.address(),
+            "server_socket": self.engine.socket_path,
             "engine": self.engine.name,
             "state": self._state.value,
             "data_plane": self._data_plane.address if self._data_plane is not None else None,
@@ -377,33 +378,4 @@ class Replica:
         return self.replica_id
 
 
-try:  # Ray is a hard dependency, but keep the plain class importable without it for unit tests.
-    import ray
-
-    @ray.remote(max_concurrency=100_000)  # type: ignore[call-overload]  # Ray's stub omits actor options
-    class ReplicaActor(Replica):
-        """Ray actor around :class:`Replica` (asyncio actor; placement decided by the manager).
-
-        With ``data_plane: direct`` (the default) it also listens for generate requests on a TCP
-        port of its node (:mod:`rollfleet.server.dataplane`), reported as ``info()["data_plane"]``;
-        the Ray methods stay available for everything, generate included.
-        """
-
-        async def start(  # type: ignore[override]
-            self, version: Optional[int] = None, peer_devices: Optional[list[str]] = None
-        ) -> dict[str, Any]:
-            """Start on this node's IP with the devices Ray assigned: this actor's own (rank 0)
-            followed by ``peer_devices`` (those of the group's other bundles)."""
-            host = ray.util.get_node_ip_address()
-            own = list(ray.get_runtime_context().get_accelerator_ids().get("GPU", []))
-            devices = own + list(peer_devices or []) if (own or peer_devices) else None
-            await super().start(version, host=host, devices=devices)
-            if self.config.data_plane == "direct":
-                await self.serve_data_plane(host)
-            return self.info()
-
-except ImportError:  # pragma: no cover
-    ReplicaActor = None  # type: ignore[assignment,misc]
-
-
-__all__ = ["Replica", "ReplicaActor"]
+__all__ = ["Replica"]

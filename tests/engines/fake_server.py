@@ -171,15 +171,16 @@ class FakeServer:
 
     @classmethod
     def main(cls, **settings: Any) -> None:
-        """``python fake_x.py --host H --port N [--vocab-size V]``: serve until killed."""
+        """``python fake_x.py (--host H --port N | --uds PATH) [--vocab-size V]``: serve until killed."""
         parser = argparse.ArgumentParser()
         parser.add_argument("--host", default="127.0.0.1")
-        parser.add_argument("--port", type=int, required=True)
+        parser.add_argument("--port", type=int)
+        parser.add_argument("--uds")
         parser.add_argument("--vocab-size", type=int, default=1000)
         args, _ = parser.parse_known_args()
         fake = cls(vocab_size=args.vocab_size, **settings)
         config = fake._config()
-        config.host, config.port = args.host, args.port
+        config.host, config.port, config.uds = args.host, args.port, args.uds
         uvicorn.Server(config).run()
 
 

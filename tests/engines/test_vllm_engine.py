@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 
+import httpx
 import pytest
 import pytest_asyncio
 
@@ -247,6 +248,38 @@ PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 @needs_vllm
 @pytest.mark.vllm
 @MODULE_LOOP
+async def test_the_server_is_reachable_over_its_private_socket_only(engine: VLLMEngine):
+    """``listen: unix`` (the default): vLLM serves its HTTP API (development routes included) on no
+    TCP port; the socket is in a 0700 work dir; ``address()`` exports /metrics and /health only."""
+    import psutil
+
+    assert engine.socket_path and os.stat(os.path.dirname(engine.socket_path)).st_mode & 0o777 == 0o700
+    server = psutil.Process(engine.pid)
+    listening = {
+        (c.laddr.ip, c.laddr.port)
+        for p in [server, *server.children(recursive=True)]
+        for c in p.net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN
+    }
+    async with httpx.AsyncClient(timeout=2.0, trust_env=False) as http:
+        for ip, port in listening:  # vLLM's own (torch.distributed store...): none may speak its HTTP API
+            host = "127.0.0.1" if ip in ("0.0.0.0", "::") else ip
+            try:
+                resp = await http.get(f"http://{host}:{port}/v1/models")
+            except httpx.HTTPError:
+                continue
+            assert resp.status_code != 200 or "data" not in resp.text, (ip, port)
+        metrics = await http.get(f"{engine.address()}/metrics")
+        assert metrics.status_code == 200 and "vllm:num_requests_running" in metrics.text
+        assert (await http.post(f"{engine.address()}/pause", json={})).status_code in (404, 405)
+        assert (await http.get(f"{engine.address()}/v1/models")).status_code == 404
+    async with httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=engine.socket_path)) as private:
+        assert (await private.get("http://localhost/v1/models")).json()["data"][0]["id"] == "tiny"
+
+
+@needs_vllm
+@pytest.mark.vllm
+@MODULE_LOOP
 async def test_start_health_limits(engine: VLLMEngine):
     assert engine.address().startswith("http://127.0.0.1:")
     h = await engine.health()
@@ -385,7 +418,7 @@ async def _abort_returns_partial_tokens_and_load(engine: VLLMEngine, tasks: list
         tasks[:] = await _long_requests(engine, 8, f"ab{attempt}-")
         await _all_sent(engine, 8)
         assert (await engine.load()).inflight_tokens >= 8 * LONG  # our own table: no lag
-        async with StreamingProbe(engine.address(), max_tokens=LONG) as probe:
+        async with StreamingProbe.to(engine, max_tokens=LONG) as probe:
             await probe.wait_tokens(PROBE_STEPS)  # the 8 are generating
             # load() reads vLLM's gauges from /metrics, which answers late while vLLM streams:
             # wait for them, bounded, while the requests still run
@@ -431,7 +464,7 @@ async def test_cancelled_generate_is_aborted_on_the_server(engine: VLLMEngine):
         # 8, as in the abort test: alone, two requests may end before the probe reports
         tasks = await _long_requests(engine, 8, f"cancel{attempt}-")
         await _all_sent(engine, 8)
-        async with StreamingProbe(engine.address(), max_tokens=PROBE_MAX) as probe:
+        async with StreamingProbe.to(engine, max_tokens=PROBE_MAX) as probe:
             await probe.wait_tokens(PROBE_STEPS)  # the 8 are generating
             if any(t.done() for t in tasks):
                 print(f"try {attempt}: requests ended before they were cancelled")
@@ -469,7 +502,7 @@ async def test_pause_aborts_and_holds_until_resume(engine: VLLMEngine):
     for attempt in range(TRIES):
         tasks = await _long_requests(engine, 8, f"pa{attempt}-")
         await _all_sent(engine, 8)
-        async with StreamingProbe(engine.address(), max_tokens=LONG) as probe:
+        async with StreamingProbe.to(engine, max_tokens=LONG) as probe:
             await probe.wait_tokens(PROBE_STEPS)  # the 8 are generating
             if any(t.done() for t in tasks):
                 print(f"try {attempt}: requests ended before the pause was sent")
@@ -587,7 +620,7 @@ async def test_a_request_lives_through_three_keep_commits_and_each_token_names_i
         )  # fmt: skip
         await _all_sent(engine, 1)
         commits = []
-        async with StreamingProbe(engine.address(), max_tokens=LONG) as probe:
+        async with StreamingProbe.to(engine, max_tokens=LONG) as probe:
             await probe.wait_tokens(PROBE_STEPS)  # the request is generating
             while len(commits) < 3 and not task.done():
                 commits.append(await _commit(engine, state))
@@ -652,7 +685,7 @@ async def test_staging_while_requests_run_aborts_none_and_a_keep_commit_keeps_th
         tasks = await _long_requests(engine, 8, f"stage{attempt}-")
         try:
             await _all_sent(engine, 8)
-            async with StreamingProbe(engine.address(), max_tokens=LONG) as probe:
+            async with StreamingProbe.to(engine, max_tokens=LONG) as probe:
                 await probe.wait_tokens(PROBE_STEPS)  # the 8 are generating
                 version = next(VERSIONS)
                 aborted = engine.stats()["num_aborted"]
@@ -752,7 +785,7 @@ async def test_killed_server_is_reported_dead_then_shutdown_leaves_no_orphans(en
     for attempt in range(TRIES):
         running = await _long_requests(engine, 8, f"k{attempt}-")
         await _all_sent(engine, 8)
-        async with StreamingProbe(engine.address(), max_tokens=LONG) as probe:
+        async with StreamingProbe.to(engine, max_tokens=LONG) as probe:
             await probe.wait_tokens(PROBE_STEPS)  # they are generating on the server
             if any(t.done() for t in running):
                 print(f"try {attempt}: requests ended before the kill")

@@ -313,28 +313,32 @@ class LaunchedFakeVLLM(VLLMEngine):
     def _command(self) -> list[str]:
         self.real_command = super()._command()
         fake = Path(__file__).with_name("fake_vllm.py")
-        return [
-            sys.executable,
-            str(fake),
-            "--host",
-            self.bind_host,
-            "--port",
-            str(self.port),
-            "--vocab-size",
-            str(VOCAB),
-        ]
+        listen = (
+            ["--uds", self.socket_path] if self.socket_path else ["--host", self.bind_host, "--port", str(self.port)]
+        )
+        return [sys.executable, str(fake), *listen, "--vocab-size", str(VOCAB)]
+
+
+def launched(model_dir: Path, **kw) -> LaunchedFakeVLLM:
+    (model_dir / "config.json").write_text(json.dumps({"vocab_size": VOCAB}))
+    return LaunchedFakeVLLM(str(model_dir), max_model_len=256, device="cpu", startup_timeout_s=30.0, **kw)
 
 
 @pytest.mark.asyncio
-async def test_a_launched_server_gets_its_work_dir_guard_and_watcher(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": VOCAB}))
-    eng = LaunchedFakeVLLM(str(tmp_path), max_model_len=256, device="cpu", startup_timeout_s=30.0)
+@pytest.mark.parametrize("listen", ["unix", "tcp"])
+async def test_a_launched_server_gets_its_work_dir_guard_and_watcher(tmp_path, listen):
+    eng = launched(tmp_path, listen=listen)
     await eng.start()
     try:
         workdir = eng.workdir
-        assert eng.limits().vocab_size == VOCAB and eng.address() == f"http://127.0.0.1:{eng.port}"
         cmd = eng.real_command
-        assert cmd[cmd.index("--port") + 1] == str(eng.port) and cmd[cmd.index("--model") + 1] == str(tmp_path)
+        if listen == "tcp":
+            assert eng.address() == f"http://127.0.0.1:{eng.port}" and eng.socket_path is None
+            assert cmd[cmd.index("--port") + 1] == str(eng.port) and "--uds" not in cmd
+        else:
+            assert eng.port is None and eng.socket_path == str(workdir / "server.sock")
+            assert cmd[cmd.index("--uds") + 1] == eng.socket_path and "--port" not in cmd and "--host" not in cmd
+        assert eng.limits().vocab_size == VOCAB and cmd[cmd.index("--model") + 1] == str(tmp_path)
         profiler = json.loads(cmd[cmd.index("--profiler-config") + 1])
         assert profiler["torch_profiler_dir"] == str(workdir / "profiles")
         assert (workdir / "site" / "sitecustomize.py").exists()  # the parent guard
@@ -346,6 +350,42 @@ async def test_a_launched_server_gets_its_work_dir_guard_and_watcher(tmp_path):
     finally:
         await eng.shutdown()
     assert not workdir.exists()
+
+
+@pytest.mark.asyncio
+async def test_a_private_server_is_driven_by_its_engine_only_and_exports_metrics_and_health(tmp_path):
+    """``listen: unix``: the server's socket is in a work dir no other user can enter, and what
+    listens on TCP (the exporter at ``address()``) forwards GET /metrics and /health, nothing else."""
+    import httpx
+
+    eng = launched(tmp_path)
+    await eng.start()
+    try:
+        assert oct(os.stat(eng.workdir).st_mode & 0o777) == "0o700"
+        assert Path(eng.socket_path).parent == eng.workdir
+        url = eng.address()
+        assert url.startswith("http://127.0.0.1:") and eng.port is None
+        await eng.generate("a", PROMPT, {"max_tokens": 3})
+        async with httpx.AsyncClient(base_url=url, timeout=5) as http:
+            metrics = await http.get("/metrics")
+            assert metrics.status_code == 200 and "vllm:num_requests_running" in metrics.text
+            assert metrics.headers["content-type"].startswith("text/plain")
+            assert (await http.get("/health")).status_code == 200
+            for method, path in [("POST", "/pause"), ("POST", "/resume"), ("POST", "/collective_rpc"),
+                                 ("GET", "/v1/models"), ("POST", "/inference/v1/generate"), ("POST", "/metrics"),
+                                 ("GET", "/metrics/../pause"), ("POST", "/update_weights")]:  # fmt: skip
+                status = (await http.request(method, path, json={})).status_code
+                assert status in (404, 405), (method, path, status)
+            # Had /pause reached the server, it would hold this one.
+            assert (await asyncio.wait_for(eng.generate("b", PROMPT, {"max_tokens": 3}), 5)).stop_reason == "length"
+            os.kill(eng.pid, signal.SIGKILL)
+            await wait_until(lambda: not eng.is_alive(), timeout=5)
+            assert (await http.get("/health")).status_code == 503  # the server is gone, the exporter says so
+    finally:
+        await eng.shutdown()
+    async with httpx.AsyncClient(timeout=2) as http:
+        with pytest.raises(httpx.ConnectError):  # the exporter went with it
+            await http.get(f"{url}/health")
 
 
 # ---------------------------------------------------------------------------------------- RL routes

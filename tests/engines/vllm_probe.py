@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import json
 import time
-from typing import Awaitable, Callable, Optional
+from typing import Any, Awaitable, Callable, Optional
 
 import httpx
 
@@ -51,8 +51,11 @@ class StreamingProbe:
     connection is closed, and vLLM aborts a request whose client went away).
     """
 
-    def __init__(self, address: str, prompt: Optional[list[int]] = None, max_tokens: int = 4000) -> None:
+    def __init__(
+        self, address: str, prompt: Optional[list[int]] = None, max_tokens: int = 4000, uds: Optional[str] = None
+    ) -> None:
         self.address = address.rstrip("/")
+        self.uds = uds  # the server's private socket (``address`` then only names the host)
         self.prompt = prompt or [3, 1, 4, 1, 5, 9, 2, 6]
         self.max_tokens = max_tokens
         self.tokens = 0  # tokens streamed so far
@@ -60,8 +63,21 @@ class StreamingProbe:
         self._task: Optional[asyncio.Task] = None
         self._http: Optional[httpx.AsyncClient] = None
 
+    @classmethod
+    def to(cls, server: Any, **kw: Any) -> "StreamingProbe":
+        """A probe to the vLLM server of ``server`` (an engine, or a replica's ``ReplicaInfo``): over
+        its private socket when it has one (its ``address()`` is then the metrics exporter)."""
+        socket = getattr(server, "socket_path", None) or getattr(server, "server_socket", None)
+        if socket:
+            return cls("http://localhost", uds=socket, **kw)
+        return cls(server.address() if callable(server.address) else server.address, **kw)
+
     async def __aenter__(self) -> "StreamingProbe":
-        self._http = httpx.AsyncClient(base_url=self.address, timeout=httpx.Timeout(None, connect=30.0))
+        self._http = httpx.AsyncClient(
+            base_url=self.address,
+            timeout=httpx.Timeout(None, connect=30.0),
+            transport=httpx.AsyncHTTPTransport(uds=self.uds),
+        )
         for attempt in range(3):  # a server busy streaming may accept late on a loaded machine
             try:
                 # Connection: close: the stream below gets a fresh connection, never one the

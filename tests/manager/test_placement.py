@@ -93,14 +93,18 @@ def test_devices_per_replica_follow_the_engines_tensor_parallel_size():
 
 
 def test_vllm_listens_on_its_node_and_sees_exactly_its_devices():
-    eng = VLLMEngine("tiny", max_model_len=64, device="cuda")
+    eng = VLLMEngine("tiny", max_model_len=64, device="cuda", listen="tcp")
     eng.assign("10.1.2.3", ["4", "5"])
     eng.port = 8123
     cmd = eng._command()
     assert cmd[cmd.index("--host") + 1] == "10.1.2.3" and cmd[cmd.index("--tensor-parallel-size") + 1] == "1"
     env = eng._env()
     assert env["CUDA_VISIBLE_DEVICES"] == "4,5" and env["VLLM_HOST_IP"] == "10.1.2.3"
-    assert eng.address() == "http://10.1.2.3:8123"
+    private = VLLMEngine("tiny", max_model_len=64, device="cuda")  # listen: unix, the default
+    private.assign("10.1.2.3", ["4"])
+    private.socket_path = "/tmp/x/server.sock"
+    cmd = private._command()
+    assert cmd[cmd.index("--uds") + 1] == "/tmp/x/server.sock" and "--host" not in cmd and "--port" not in cmd
     cpu = VLLMEngine("tiny", max_model_len=64, device="cpu", num_replicas=2, replica_index=1)
     cpu.assign("127.0.0.1", None)
     env = cpu._env()

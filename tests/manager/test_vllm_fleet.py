@@ -109,7 +109,8 @@ async def test_serves_200_concurrent_requests(fleet):
 
 async def test_vllm_servers_and_data_planes_listen_on_loopback_only(fleet):
     """On this loopback cluster every listener of a replica's process tree (its data plane, its
-    vLLM API server and vLLM's own engine processes) is bound to 127.0.0.1."""
+    metrics exporter and vLLM's own engine processes) is bound to 127.0.0.1; the vLLM API server
+    listens on a Unix socket."""
     await serving(fleet)
     import ipaddress
 
@@ -121,9 +122,10 @@ async def test_vllm_servers_and_data_planes_listen_on_loopback_only(fleet):
         actor = psutil.Process(s["pid"])
         for proc in [actor] + actor.children(recursive=True):
             found += [c.laddr for c in proc.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
-    addresses = [r.address for r in await fleet.get_replicas()]
+    replicas = await fleet.get_replicas()
     ports = {a.port for a in found}
-    assert all(int(a.rsplit(":", 1)[1]) in ports for a in addresses)  # the vLLM servers were seen
+    assert all(int(r.address.rsplit(":", 1)[1]) in ports for r in replicas)  # the metrics exporters were seen
+    assert all(r.server_socket.endswith("server.sock") for r in replicas)  # vLLM itself: a private socket
     wide = [a for a in found if not ipaddress.ip_address(a.ip.removeprefix("::ffff:")).is_loopback]
     assert not wide, wide
 
@@ -190,7 +192,7 @@ async def test_weight_update_mid_generation_keeps_the_exact_budget(fleet, mode):
     client = fleet.get_client(FullyAsyncLLMServerClient)
     state = tiny_state_dict()
     budget = LONG
-    addresses = [r.address for r in await fleet.get_replicas()]
+    replicas = await fleet.get_replicas()
     # A try where the generations ended before the update reached them (LONG tokens: tens of
     # seconds) proves nothing, and is tried again with fresh requests. The test fails if no try is
     # conclusive.
@@ -208,7 +210,7 @@ async def test_weight_update_mid_generation_keeps_the_exact_budget(fleet, mode):
         # Evidence, not a sleep: the 16 are in the client's in-flight table, then a streaming probe
         # sent to each replica's vLLM afterwards has streamed tokens (those replicas are generating).
         await wait_for(lambda: client.balancer.get_total_inflight() == 16, "16 requests in flight")
-        async with StreamingProbe(addresses[0]) as p0, StreamingProbe(addresses[1]) as p1:
+        async with StreamingProbe.to(replicas[0]) as p0, StreamingProbe.to(replicas[1]) as p1:
             await p0.wait_tokens(64)
             await p1.wait_tokens(64)
         if any(t.done() for t in tasks):

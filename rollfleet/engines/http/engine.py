@@ -32,7 +32,7 @@ import httpx
 
 from rollfleet.engines.base import Engine, EngineHealth, EngineLimits, EngineLoad
 from rollfleet.engines.http.inflight import Inflight, InflightTable
-from rollfleet.engines.http.link import ServerLink
+from rollfleet.engines.http.link import Endpoint, ServerLink
 from rollfleet.engines.http.metrics import named_stats, parse_metrics
 from rollfleet.engines.http.process import ServerStartupError
 from rollfleet.engines.http.transport import StaleConnection
@@ -62,7 +62,7 @@ class HTTPEngine(Engine):
 
     def __init__(
         self, *, label: str, base_url: Optional[str], startup_timeout_s: float, request_timeout_s: float,
-        control_timeout_s: float, health_timeout_s: float,
+        control_timeout_s: float, health_timeout_s: float, private: bool = False,
     ) -> None:  # fmt: skip
         self.replica_label = label
         self.base_url = base_url.rstrip("/") if base_url else None  # set: attach, never launch
@@ -70,7 +70,9 @@ class HTTPEngine(Engine):
         self.request_timeout_s = request_timeout_s
         self.control_timeout_s = control_timeout_s
         self.health_timeout_s = health_timeout_s
+        self.private = private  # a launched server listens on a private socket (see .link)
         self.port: Optional[int] = None
+        self.socket_path = None  # where a private server listens, once launched
         self._link = self._new_link()  # a new one per start
         self._limits: Optional[EngineLimits] = None
         self._started = False
@@ -154,11 +156,8 @@ class HTTPEngine(Engine):
         return self._link.server.workdir if self._link.server is not None else None
 
     def address(self) -> str:
-        if self.base_url is not None:
-            return self.base_url
-        if self.port is None:
-            return f"{self.name}://not-started"
-        return f"http://{self.bind_host}:{self.port}"
+        """Where others reach the server: ``base_url``, its port, or the exporter of a private one."""
+        return self.base_url or self._link.public_url() or f"{self.name}://not-started"
 
     def limits(self) -> EngineLimits:
         if self._limits is None:
@@ -187,7 +186,9 @@ class HTTPEngine(Engine):
         try:
             await self._prepare()
             if self.base_url is None:
-                await self._link.launch(self.bind_host, self._spawn_args, self.startup_timeout_s, self.startup_error)
+                await self._link.launch(
+                    self.bind_host, self._spawn_args, self.startup_timeout_s, self.startup_error, private=self.private
+                )
             else:
                 await self._link.attach(self.base_url, self.startup_timeout_s)
             self._limits = await self._discover_limits()
@@ -198,8 +199,8 @@ class HTTPEngine(Engine):
             raise
         self._started = True
 
-    def _spawn_args(self, port: int) -> tuple[list[str], dict[str, str]]:
-        self.port = port
+    def _spawn_args(self, endpoint: Endpoint) -> tuple[list[str], dict[str, str]]:
+        self.port, self.socket_path = endpoint.port, endpoint.path
         return self._command(), self._env()
 
     async def shutdown(self, grace_s: float = 10.0) -> None:
@@ -359,21 +360,8 @@ class HTTPEngine(Engine):
             self._check_alive()
         except ReplicaUnavailable as e:
             return EngineHealth(False, e.reason)
-        assert self._link.clients is not None
-        try:
-            r = await self._link.clients.request("GET", "/health", timeout=self.health_timeout_s)
-        except httpx.TimeoutException as e:
-            # A server starved of CPU answers late while it still generates: busy is not dead.
-            # Without responses for BUSY_GRACE_S, the silence counts (a hung server).
-            since = time.monotonic() - self._last_progress
-            if len(self._table) and since < BUSY_GRACE_S:
-                return EngineHealth(True, f"busy: /health slow ({e!r}), last response {since:.1f}s ago")
-            return EngineHealth(False, f"/health failed: {e!r}")
-        except (httpx.HTTPError, RuntimeError) as e:
-            return EngineHealth(False, f"/health failed: {e!r}")
-        if r.status_code != 200:
-            return EngineHealth(False, f"/health answered HTTP {r.status_code}")
-        return EngineHealth(True, "ok")
+        busy_for = time.monotonic() - self._last_progress if len(self._table) else None
+        return await self._link.health(self.health_timeout_s, busy_for, BUSY_GRACE_S)
 
     async def load(self) -> EngineLoad:
         """The server's view (cached for LOAD_CACHE_S), plus the calls this engine holds."""

@@ -7,6 +7,11 @@ dead once the launched process has exited (a watcher notices within 0.2 s, a fai
 with the reason, including a generation already waiting on the wire (:meth:`ServerLink.post`
 races it against death). Calls use the transport-error rule of :mod:`.transport`.
 
+Where a launched server listens (:class:`Endpoint`): a TCP port on the node's address, or, with
+``private``, a Unix socket in its work dir (mode 0700), so that nothing but its replica can drive
+it; its ``/metrics`` and ``/health`` are then served on TCP by a read-only exporter
+(:mod:`.exporter`), whose URL is :meth:`ServerLink.public_url`.
+
 A link serves one start: ``start`` after a death builds a new one, so nothing (events, sessions)
 outlives the server it was made for.
 """
@@ -14,17 +19,38 @@ outlives the server it was made for.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import httpx
 
+from rollfleet.engines.base import EngineHealth
+from rollfleet.engines.http.exporter import ServerExporter
 from rollfleet.engines.http.process import ServerProcess, ServerStartupError, free_port, wait_ready
 from rollfleet.engines.http.transport import HTTPClients, StaleConnection, is_stale, transport_error
 from rollfleet.errors import EngineDead, ReplicaUnavailable
 
-#: (command, environment) of the server for a port.
-SpawnArgs = Callable[[int], tuple[list[str], dict[str, str]]]
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where a launched server listens: ``port`` on ``host``, or the Unix socket ``path``."""
+
+    host: str
+    port: Optional[int] = None
+    path: Optional[str] = None
+
+    @property
+    def url(self) -> str:
+        """The base URL of requests (over a socket, only the Host header reads it)."""
+        return f"http://{self.host}:{self.port}" if self.path is None else "http://localhost"
+
+    def __str__(self) -> str:
+        return self.url if self.path is None else f"unix:{self.path}"
+
+
+#: (command, environment) of the server for an endpoint.
+SpawnArgs = Callable[[Endpoint], tuple[list[str], dict[str, str]]]
 
 
 class ServerLink:
@@ -36,7 +62,9 @@ class ServerLink:
         self.control_timeout_s = control_timeout_s
         self.ready_route = ready_route
         self.ready_probe_s = ready_probe_s
-        self.url = ""
+        self.url = ""  # where the server is, for messages
+        self.endpoint: Optional[Endpoint] = None  # where a launched server listens
+        self.exporter: Optional[ServerExporter] = None  # its public face, when it listens privately
         self.server: Optional[ServerProcess] = None  # None when attached
         self.clients: Optional[HTTPClients] = None
         self.dead = asyncio.Event()  # set when the server died or the engine shut down
@@ -68,35 +96,53 @@ class ServerLink:
 
     # ------------------------------------------------------------------ up and down
     async def launch(self, host: str, spawn_args: SpawnArgs, timeout_s: float,
-                     error: type[ServerStartupError]) -> None:  # fmt: skip
-        """Spawn the server on a free port of ``host`` and wait until it is ready."""
+                     error: type[ServerStartupError], *, private: bool = False) -> None:  # fmt: skip
+        """Spawn the server and wait until it is ready: on a free port of ``host``, or with
+        ``private`` on a socket in its work dir, with the exporter on ``host``."""
         for attempt in (1, 2):  # a second try only if the picked port got taken meanwhile
-            port = free_port(host)
             server = self.server = ServerProcess(self.label, self.what)  # its work dir is in the command
-            command, env = spawn_args(port)
+            endpoint = self.endpoint = (
+                Endpoint(host, path=server.socket_path()) if private else Endpoint(host, port=free_port(host))
+            )
+            command, env = spawn_args(endpoint)
             server.spawn(command, env)
-            await self._connect(f"http://{host}:{port}")
+            await self._connect(endpoint.url, endpoint.path)
+            self.url = str(endpoint)
             try:
                 await server.wait_ready(self.probe, timeout_s, error)
                 break
             except ServerStartupError:
-                if attempt == 2 or "address already in use" not in server.log_tail(200).lower():
+                if private or attempt == 2 or "address already in use" not in server.log_tail(200).lower():
                     raise
                 await server.kill(0.0)
                 server.remove_workdir()
         server.watch(self.mark_dead)
+        if private:
+            self.exporter = ServerExporter(self.label, self._fetch)
+            await self.exporter.start(host)
+
+    def public_url(self) -> Optional[str]:
+        """Where others reach the server (its exporter when it listens privately), once launched."""
+        if self.exporter is not None:
+            return self.exporter.url
+        return self.endpoint.url if self.endpoint is not None and self.endpoint.path is None else None
+
+    async def _fetch(self, path: str, timeout: float) -> httpx.Response:
+        if self.clients is None:
+            raise RuntimeError("client closed")
+        return await self.clients.request("GET", path, timeout=timeout)
 
     async def attach(self, url: str, timeout_s: float) -> None:
         """Reach a server someone else runs, and wait until it is ready."""
         await self._connect(url)
         await wait_ready(self.probe, timeout_s, self.label, f"{self.what} at {url}")
 
-    async def _connect(self, url: str) -> None:
+    async def _connect(self, url: str, uds: Optional[str] = None) -> None:
         if self.clients is not None:
             await self.clients.close()
         self.url = url
         self.clients = HTTPClients(
-            url, request_timeout_s=self.request_timeout_s, control_timeout_s=self.control_timeout_s
+            url, request_timeout_s=self.request_timeout_s, control_timeout_s=self.control_timeout_s, uds=uds
         )
 
     async def probe(self, remaining: float) -> Optional[str]:
@@ -109,10 +155,29 @@ class ServerLink:
             return f"{path}: {type(e).__name__}"
         return None if resp.status_code == 200 else f"{path} answered {resp.status_code}"
 
+    async def health(self, timeout_s: float, busy_for: Optional[float], grace_s: float) -> EngineHealth:
+        """``GET /health``. A server starved of CPU answers late while it still generates: busy is not
+        dead. ``busy_for``: seconds since its last response while requests are out (None: none
+        are); past ``grace_s`` of that, the silence counts (a hung server)."""
+        assert self.clients is not None
+        try:
+            r = await self.clients.request("GET", "/health", timeout=timeout_s)
+        except httpx.TimeoutException as e:
+            if busy_for is not None and busy_for < grace_s:
+                return EngineHealth(True, f"busy: /health slow ({e!r}), last response {busy_for:.1f}s ago")
+            return EngineHealth(False, f"/health failed: {e!r}")
+        except (httpx.HTTPError, RuntimeError) as e:
+            return EngineHealth(False, f"/health failed: {e!r}")
+        if r.status_code != 200:
+            return EngineHealth(False, f"/health answered HTTP {r.status_code}")
+        return EngineHealth(True, "ok")
+
     async def close(self, grace_s: float, keep_workdir: Callable[[Path], bool]) -> None:
         """Kill a launched server's whole process group (SIGTERM, SIGKILL after ``grace_s``) and
         close the clients; calls still out fail with the reason given to :meth:`mark_dead`."""
         self.mark_dead("engine shut down")
+        if self.exporter is not None:
+            await self.exporter.close()  # its URL stays readable: the address of the last server
         server, self.server = self.server, None  # never signal that group again: it may be reused
         if server is not None:
             await server.kill(grace_s)
@@ -171,4 +236,4 @@ class ServerLink:
             raise await transport_error("generate", e, self.label, self.url, self.gone) from e
 
 
-__all__ = ["ServerLink", "SpawnArgs"]
+__all__ = ["ServerLink", "SpawnArgs", "Endpoint"]

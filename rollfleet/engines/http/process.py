@@ -15,8 +15,9 @@ Three layers make sure nothing is orphaned:
 * the parent guard (:mod:`.guard`) in every server process kills the group when the replica
   process is gone, even SIGKILLed.
 
-Each launch gets a work dir (``rollfleet-<label>-*`` under the temp dir) holding the server's log
-and the guard; the engine removes it at shutdown unless it holds something worth keeping (traces).
+Each launch gets a work dir (``rollfleet-<label>-*`` under the temp dir, mode 0700) holding the
+server's log, the guard and, for a server on a private socket, the socket; the engine removes it at
+shutdown unless it holds something worth keeping (traces).
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ READY_POLL_S = 0.5
 #: After SIGKILL: how long to wait for the server's processes to be gone.
 KILL_WAIT_S = 5.0
 
+#: Longest Unix socket path that fits ``sockaddr_un`` on Linux and macOS, with room to spare.
+MAX_SOCKET_PATH = 100
+
 #: Process groups of running servers, killed at interpreter exit if nobody shut them down.
 _LIVE_GROUPS: set[int] = set()
 
@@ -79,6 +83,7 @@ class ServerProcess:
         self.what = what  # "vLLM server", for messages
         self.workdir = Path(tempfile.mkdtemp(prefix=f"rollfleet-{label}-"))
         self.log_path = self.workdir / "server.log"
+        self._socket_dir: Optional[Path] = None  # when the work dir's path is too long for a socket
         self._proc: Optional[subprocess.Popen] = None
         self._watcher: Optional[asyncio.Task] = None
 
@@ -93,6 +98,17 @@ class ServerProcess:
 
     def exit_reason(self) -> str:
         return f"{self.what} process {self.pid} exited with code {self.returncode}"
+
+    def socket_path(self) -> str:
+        """Where the server's private Unix socket goes: in the work dir, whose mode (0700) lets no
+        other user reach it; in a short private dir of ``/tmp`` when the work dir's path is too
+        long for a socket address."""
+        path = self.workdir / "server.sock"
+        if len(str(path)) > MAX_SOCKET_PATH:
+            if self._socket_dir is None:
+                self._socket_dir = Path(tempfile.mkdtemp(prefix="rollfleet-", dir="/tmp"))
+            path = self._socket_dir / "server.sock"
+        return str(path)
 
     def spawn(self, command: list[str], env: dict[str, str]) -> None:
         env = dict(env)
@@ -184,6 +200,8 @@ class ServerProcess:
                 pass
 
     def remove_workdir(self, keep: bool = False) -> None:
+        if self._socket_dir is not None:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
         if not keep:
             shutil.rmtree(self.workdir, ignore_errors=True)
 

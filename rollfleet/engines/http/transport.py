@@ -84,19 +84,29 @@ async def transport_error(
 
 
 class HTTPClients:
-    """The aiohttp session (generation) and the httpx client (control routes) for one server."""
+    """The aiohttp session (generation) and the httpx client (control routes) for one server, over
+    TCP to ``base_url``, or over the Unix socket ``uds`` (``base_url`` then only names the host
+    header)."""
 
-    def __init__(self, base_url: str, *, request_timeout_s: float, control_timeout_s: float) -> None:
+    def __init__(
+        self, base_url: str, *, request_timeout_s: float, control_timeout_s: float, uds: Optional[str] = None
+    ) -> None:
         self.base_url = base_url
+        connector: aiohttp.BaseConnector
+        if uds is None:
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
+        else:
+            connector = aiohttp.UnixConnector(uds, limit=0, keepalive_timeout=KEEPALIVE_S)
         self.session = aiohttp.ClientSession(
             base_url=base_url,
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S),
+            connector=connector,
             timeout=aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=CONNECT_TIMEOUT_S),
         )
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=KEEPALIVE_S)
         self.control = httpx.AsyncClient(
             base_url=base_url,
             timeout=httpx.Timeout(control_timeout_s, connect=CONNECT_TIMEOUT_S),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=KEEPALIVE_S),
+            transport=httpx.AsyncHTTPTransport(uds=uds, limits=limits),
             trust_env=False,  # a proxy from the environment must not sit between replica and server
         )
 

@@ -58,8 +58,9 @@ class VLLMStartupError(ServerStartupError):
 class VLLMEngine(VLLMLaunch, VLLMWeights, StreamingGenerate, HTTPEngine):
     """One vLLM OpenAI server, driven over HTTP (see the module docstring).
 
-    It listens on :attr:`bind_host` only (the node's IP on a cluster, loopback on an embedded one)
-    and sees exactly :attr:`devices` when placement assigned some (``CUDA_VISIBLE_DEVICES``); the
+    ``listen``: ``"unix"`` (a private socket; its ``/metrics`` and ``/health`` on :attr:`bind_host`
+    through an exporter) or ``"tcp"`` (on :attr:`bind_host`: the node's IP on a cluster, loopback
+    on an embedded one; never every interface). It sees exactly :attr:`devices` when placement assigned some (``CUDA_VISIBLE_DEVICES``); the
     CPU build keeps its per-replica thread binding.
 
     ``stage_dir``/``stage_key``: where :meth:`stage_weights` writes (``<stage_dir>/<stage_key>/``;
@@ -102,11 +103,14 @@ class VLLMEngine(VLLMLaunch, VLLMWeights, StreamingGenerate, HTTPEngine):
         rl_routes: Optional[bool] = None,
         stage_dir: Optional[str] = None,
         stage_key: Optional[str] = None,
+        listen: str = "unix",
     ) -> None:
+        if listen not in ("unix", "tcp"):
+            raise ValueError(f"listen must be 'unix' or 'tcp', got {listen!r}")
         super().__init__(
             label=f"vllm-{replica_index}", base_url=base_url, startup_timeout_s=startup_timeout_s,
             request_timeout_s=request_timeout_s, control_timeout_s=control_timeout_s,
-            health_timeout_s=health_timeout_s,
+            health_timeout_s=health_timeout_s, private=listen == "unix",
         )  # fmt: skip
         self.model = model
         self.max_model_len = int(max_model_len)
@@ -163,6 +167,7 @@ class VLLMEngine(VLLMLaunch, VLLMWeights, StreamingGenerate, HTTPEngine):
             extra_env=v.extra_env,
             stage_dir=config.weight_sync.stage_dir,
             stage_key=config.weight_sync.stage_key,
+            listen=v.listen,
         )
 
     @property

