@@ -1,5 +1,6 @@
 """Faults while a fleet generates: what is lost, duplicated or truncated, and how long it takes to
-notice and recover, one scenario after the other on a simulated fleet (Ray, 4 sim replicas).
+notice and recover, one scenario after the other on a simulated fleet (Ray, 4 sim replicas), and on
+real vLLM where marked.
 
 Each scenario starts a fresh fleet and runs a rollout of ``--requests`` generations, ``--concurrency``
 at a time, each with a budget drawn up to ``--budget`` tokens (``ignore_eos``, through the resuming
@@ -11,16 +12,23 @@ in:
 * ``replica SIGSTOP + update``: the actor's process is stopped, then a weight update is pushed;
 * ``update storm``: an abort-mode weight update every 0.3 s for the whole rollout;
 * ``cancellation storm``: ``--cancel`` requests, each cancelled at a random moment;
-* ``sessions``: ``--sessions`` concurrent short sessions.
+* ``sessions``: ``--sessions`` concurrent short sessions;
+* ``node removal``: the fleet is placed on two fresh nodes of a real multi-node Ray cluster (this
+  benchmark runs on a ``ray.cluster_utils.Cluster``: a head and worker nodes on this machine, each a
+  raylet of its own): 2 replicas on a node with 2 (fake) GPUs, 2 on one with 4; the first node is
+  removed (its raylet and every process on it killed), and its replicas restart on the free GPUs;
+* ``vLLM SIGKILL`` (``--vllm``; not in the default list): 2 vLLM CPU replicas of the ``tiny``
+  model; one's vLLM server process is killed (the replica lives and restarts it).
 
 Reported per scenario: requests lost (an error reached the caller), duplicated (more tokens than the
 budget) and truncated (fewer), the in-flight count left over, the time to detect the fault (the
 controller marks the replica dead), to recover (it serves again), how long the weight update took,
 and the fleet-frozen time: the longest stretch with no generation finishing anywhere (the whole
-fleet, not the faulty replica). Node removal is covered by ``tests/manager/cluster`` (a real
-multi-node Ray cluster), not here.
+fleet, not the faulty replica). With several victims (a node), detect is the first one marked dead
+and recover the last one serving again.
 
-Run: ``python benchmarks/faults.py`` (about 3 minutes on 2 cores); ``--json`` writes the numbers.
+Run: ``python benchmarks/faults.py`` (about 4 minutes on 2 cores; ``--vllm`` adds about 3 more);
+``--json`` writes the numbers.
 """
 
 from __future__ import annotations
@@ -32,135 +40,22 @@ import os
 import random
 import signal
 import time
-from dataclasses import asdict, dataclass
-from typing import Awaitable, Callable, Optional
+from dataclasses import asdict
+from typing import Any, Optional
 
 from rich.console import Console
 from rich.table import Table
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
+from fault_rollout import VICTIM, Outcome, fleet_config, rollout
+
 from rollfleet.client import FullyAsyncLLMServerClient
-from rollfleet.config import RayConfig, RollfleetConfig
 from rollfleet.manager import LLMServerManager
-from rollfleet.manager.ray_runtime import ensure_ray
+from rollfleet.manager.ray_runtime import use_loopback
 
-VICTIM = "replica-1"
-
-
-@dataclass
-class Outcome:
-    scenario: str
-    requests: int = 0
-    lost: int = 0
-    duplicated: int = 0
-    truncated: int = 0
-    inflight_left: int = 0
-    detect_s: Optional[float] = None
-    recover_s: Optional[float] = None
-    update_s: Optional[float] = None
-    frozen_s: float = 0.0
-    wall_s: float = 0.0
-    updates: int = 0
-    cancelled: int = 0
-
-
-def fleet_config(args: argparse.Namespace) -> RollfleetConfig:
-    return RollfleetConfig.model_validate(
-        {
-            "rollout": {
-                "name": "sim",
-                "num_replicas": 4,
-                "prompt_length": 256,
-                "response_length": args.budget,
-                "max_model_len": 4096,
-                "retry": {"max_attempts": 8, "initial_backoff_s": 0.02, "max_backoff_s": 0.5},
-                "health": {
-                    "probe_interval_s": 0.5,
-                    "probe_timeout_s": 2.0,
-                    "failures_to_dead": 2,
-                    "busy_grace_s": 3.0,
-                    "control_timeout_s": 5.0,
-                    "restart_backoff_s": 0.5,
-                },
-                "weight_sync": {"mode": "keep", "commit_timeout_s": 5.0, "stage_timeout_s": 5.0},
-                "sim": {"time_scale": args.time_scale, "vocab_size": 2000},
-            },
-        }
-    )
-
-
-async def watch_victim(manager: LLMServerManager, since: float, out: Outcome, stop: asyncio.Event) -> None:
-    """Times from the fault to the victim marked dead (detect) and back to healthy (recover)."""
-    while not stop.is_set():
-        state = (await manager.status()).replicas[VICTIM].state
-        now = time.monotonic() - since
-        if out.detect_s is None and state not in ("healthy", "suspect"):
-            out.detect_s = now
-        elif out.detect_s is not None and out.recover_s is None and state == "healthy":
-            out.recover_s = now
-            return
-        await asyncio.sleep(0.05)
-
-
-async def rollout(
-    manager: LLMServerManager,
-    args: argparse.Namespace,
-    name: str,
-    fault: Optional[Callable[[Outcome, float], Awaitable[Optional[asyncio.Task[None]]]]],
-    watch: bool = True,
-) -> Outcome:
-    """``args.requests`` generations, ``args.concurrency`` at a time (each worker starts the next as
-    one finishes, so generations finish all along the run), budgets drawn from [budget/4, budget];
-    ``fault`` is injected ``args.fault_at`` seconds in."""
-    out = Outcome(name, requests=args.requests)
-    client = manager.get_client(FullyAsyncLLMServerClient)
-    rng = random.Random(7)
-    budgets = [rng.randint(args.budget // 4, args.budget) for _ in range(args.requests)]
-    queue = list(range(args.requests))
-    finished: list[float] = []
-
-    async def worker() -> None:
-        while queue:
-            i = queue.pop()
-            try:
-                o = await client.generate(
-                    f"{name}-{i}",
-                    prompt_ids=[3, 4, 5 + i % 1000],
-                    sampling_params={"max_tokens": budgets[i], "ignore_eos": True},
-                )
-            except Exception:
-                out.lost += 1
-                continue
-            n = len(o.token_ids)
-            out.duplicated += n > budgets[i]
-            out.truncated += n < budgets[i]
-            finished.append(time.monotonic())
-
-    started = time.monotonic()
-    workers = asyncio.ensure_future(asyncio.gather(*(worker() for _ in range(args.concurrency))))
-    stop = asyncio.Event()
-    watcher = background = None
-    if fault is not None:
-        await asyncio.sleep(args.fault_at)
-        fault_at = time.monotonic()
-        if watch:
-            watcher = asyncio.ensure_future(watch_victim(manager, fault_at, out, stop))
-        background = await fault(out, fault_at)
-    await workers
-    out.wall_s = time.monotonic() - started
-    if background is not None:
-        background.cancel()
-    if watcher is not None:
-        try:
-            await asyncio.wait_for(watcher, 120)
-        except asyncio.TimeoutError:
-            pass
-    stop.set()
-    stamps = sorted(finished)  # from the first completion on: the ramp-up is not a freeze
-    out.frozen_s = max((b - a for a, b in zip(stamps, stamps[1:])), default=0.0)
-    out.inflight_left = client.balancer.get_total_inflight()
-    return out
+#: The Ray cluster every scenario runs on (started in main); node removal adds nodes to it.
+CLUSTER: Any = None
 
 
 async def victim_pid(manager: LLMServerManager) -> int:
@@ -168,6 +63,10 @@ async def victim_pid(manager: LLMServerManager) -> int:
 
 
 async def scenario(args: argparse.Namespace, name: str) -> Outcome:
+    if name == "node removal":
+        return await node_removal(args)
+    if name == "vLLM SIGKILL":
+        return await vllm_sigkill(args)
     manager = await LLMServerManager.create(fleet_config(args))
     try:
         if name == "replica SIGKILL":
@@ -228,6 +127,73 @@ async def scenario(args: argparse.Namespace, name: str) -> Outcome:
         await manager.shutdown()
 
 
+async def node_removal(args: argparse.Namespace) -> Outcome:
+    """Two fresh nodes labelled for the fleet: 2 GPUs (the one that dies) and 4 (room for its
+    replicas once it is gone); replicas SPREAD over them, so each hosts two."""
+    node = {"node_ip_address": "127.0.0.1", "labels": {"pool": "faults"}}
+    doomed = CLUSTER.add_node(num_cpus=2, num_gpus=2, **node)
+    spare = CLUSTER.add_node(num_cpus=4, num_gpus=4, **node)
+    await asyncio.to_thread(CLUSTER.wait_for_nodes)
+    placement = {"device": "gpu", "strategy": "SPREAD", "node_labels": {"pool": "faults"}, "pending_retry_s": 0.5}
+    manager = await LLMServerManager.create(fleet_config(args, placement=placement))
+    try:
+        victims = tuple(r.replica_id for r in await manager.get_replicas() if r.node_id == doomed.node_id)
+        assert victims, "SPREAD put no replica on the node to remove"
+
+        async def remove(out: Outcome, at: float) -> None:
+            await asyncio.to_thread(CLUSTER.remove_node, doomed)
+
+        return await rollout(manager, args, "node removal", remove, victims=victims)
+    finally:
+        await manager.shutdown()
+        await asyncio.to_thread(CLUSTER.remove_node, spare)
+
+
+async def vllm_sigkill(args: argparse.Namespace) -> Outcome:
+    """2 vLLM CPU replicas of ``tiny``; one's vLLM server is SIGKILLed (its replica restarts it)."""
+    config = fleet_config(
+        args,
+        name="vllm",
+        model="tiny",
+        num_replicas=2,
+        prompt_length=16,
+        response_length=args.vllm_budget,
+        max_model_len=512,
+        health={"probe_interval_s": 0.5, "probe_timeout_s": 5.0, "failures_to_dead": 2, "restart_backoff_s": 0.5},
+        vllm={"max_num_seqs": 64},
+    )
+    manager = await LLMServerManager.create(config)
+    try:
+        vllm_args = argparse.Namespace(**{**vars(args), "requests": args.vllm_requests, "budget": args.vllm_budget})
+
+        async def kill(out: Outcome, at: float) -> None:
+            os.kill(int((await manager.replica_stats())[VICTIM]["vllm_pid"]), signal.SIGKILL)
+
+        return await rollout(manager, vllm_args, "vLLM SIGKILL", kill)
+    finally:
+        await manager.shutdown()
+
+
+def start_cluster(num_cpus: int) -> None:
+    """A multi-node Ray cluster on this machine (Ray's own test harness); its head hosts everything
+    but the fleet of ``node removal``."""
+    global CLUSTER
+    import ray
+    from ray.cluster_utils import Cluster
+
+    use_loopback()
+    CLUSTER = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": num_cpus,
+            "num_gpus": 0,
+            "node_ip_address": "127.0.0.1",
+            "include_dashboard": False,
+        },
+    )
+    ray.init(address=CLUSTER.address, namespace="rollfleet-faults", log_to_driver=False)
+
+
 async def cancellations(manager: LLMServerManager, args: argparse.Namespace) -> Outcome:
     out = Outcome("cancellation storm", requests=args.cancel)
     client = manager.get_client(FullyAsyncLLMServerClient)
@@ -281,7 +247,10 @@ SCENARIOS = (
     "update storm",
     "cancellation storm",
     "sessions",
+    "node removal",
 )
+#: Scenarios on real vLLM, run with ``--vllm``.
+VLLM_SCENARIOS = ("vLLM SIGKILL",)
 
 
 def fmt(x: Optional[float]) -> str:
@@ -291,21 +260,22 @@ def fmt(x: Optional[float]) -> str:
 async def main_async(args: argparse.Namespace) -> list[Outcome]:
     console = Console(width=160)
     outcomes = []
-    for name in args.scenarios or SCENARIOS:
+    for name in args.scenarios or (SCENARIOS + (VLLM_SCENARIOS if args.vllm else ())):
         console.print(f"[bold]{name}[/bold] ...")
         outcome = await scenario(args, name)
         console.print(f"  {asdict(outcome)}")
         outcomes.append(outcome)
     title = (
-        f"faults on 4 sim replicas ({args.requests} generations of <= {args.budget} tokens, {args.concurrency} at once)"
+        f"faults on 4 sim replicas ({args.requests} generations of <= {args.budget} tokens, {args.concurrency} at once;"
+        f" vLLM: 2 replicas, {args.vllm_requests} of <= {args.vllm_budget})"
     )
     table = Table(title=title)
-    for col in ("scenario", "requests", "lost", "dup.", "trunc.", "cancelled", "in flight after", "detect s",
+    for col in ("scenario", "replicas hit", "requests", "lost", "dup.", "trunc.", "cancelled", "in flight after", "detect s",
                 "recover s", "updates", "longest update s", "fleet frozen s", "wall s"):  # fmt: skip
         table.add_column(col, justify="right" if col != "scenario" else "left")
     for o in outcomes:
         table.add_row(
-            o.scenario, str(o.requests), str(o.lost), str(o.duplicated), str(o.truncated), str(o.cancelled),
+            o.scenario, str(o.victims or "-"), str(o.requests), str(o.lost), str(o.duplicated), str(o.truncated), str(o.cancelled),
             str(o.inflight_left), fmt(o.detect_s), fmt(o.recover_s), str(o.updates), fmt(o.update_s),
             fmt(o.frozen_s), fmt(o.wall_s),
         )  # fmt: skip
@@ -322,10 +292,13 @@ def main() -> None:
     parser.add_argument("--cancel", type=int, default=5000)
     parser.add_argument("--sessions", type=int, default=10000)
     parser.add_argument("--time-scale", type=float, default=1.0)
-    parser.add_argument("--scenarios", nargs="*", choices=SCENARIOS)
+    parser.add_argument("--scenarios", nargs="*", choices=SCENARIOS + VLLM_SCENARIOS)
+    parser.add_argument("--vllm", action="store_true", help="also run the scenarios on real vLLM")
+    parser.add_argument("--vllm-requests", type=int, default=200)
+    parser.add_argument("--vllm-budget", type=int, default=128)
     parser.add_argument("--json", help="write the outcomes here")
     args = parser.parse_args()
-    ensure_ray(RayConfig(num_cpus=8))  # once for every scenario's fleet
+    start_cluster(num_cpus=8)  # once for every scenario's fleet
     outcomes = asyncio.run(main_async(args))
     if args.json:
         with open(args.json, "w") as f:
