@@ -91,7 +91,7 @@ class LLMServerClient:
             sticky_overload_factor=routing.sticky_overload_factor,
             sticky_overload_slack=routing.sticky_overload_slack,
             sticky_spill_kv_usage=routing.sticky_spill_kv_usage,
-            seed=self.config.seed if self.config.full_determinism else None,
+            seed=self.config.seed if self.config.full_determinism else routing.seed,
         )
         health = self.config.health
         self.fleet = FleetView(

@@ -31,6 +31,12 @@ class SimEngineConfig(_Section):
         4096, ge=0, description="Bound of the prefix cache (LRU over token blocks); 0 disables it."
     )
     max_num_seqs: int = Field(256, ge=1, description="Most sequences in one running batch.")
+    cache_on_prefill: bool = Field(
+        False,
+        description="Insert a request's prompt blocks into the prefix cache once it is prefilled, as vLLM "
+        "does (requests that run at the same time then share a system or group prompt); false: only when "
+        "it finishes.",
+    )
     mean_response_tokens: float = Field(
         400.0, gt=0, description="Mean of the long-tailed (log-normal) natural response length."
     )

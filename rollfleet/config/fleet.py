@@ -73,6 +73,11 @@ class RoutingConfig(_Section):
         description="A registered routing policy: least_inflight | least_tokens | power_of_two | rendezvous, or "
         "one added with rollfleet.routing.register_policy (checked at construction).",
     )
+    seed: Optional[int] = Field(
+        None,
+        description="Seed of the policy's random choices (tie-breaks, power_of_two's two picks), for runs that "
+        "must repeat exactly (rollfleet.plan); None: a fresh seed per client. full_determinism overrides it.",
+    )
     max_cache_size: int = Field(10_000, ge=1, description="Sticky sessions remembered per client (LRU).")
     sticky: bool = Field(True, description="Keep all turns of a request_id on one replica.")
     sticky_overload_factor: float = Field(

@@ -4,12 +4,15 @@ It is a discrete-time model of a continuous-batching engine (vLLM-like), run on 
 
 * **Step-time model.** One engine step costs ``step_base_ms + step_per_seq_ms * running +
   prefill_per_token_ms * uncached_prompt_tokens`` of simulated time, divided by ``time_scale``
-  in wall time. Every running sequence emits one token per step.
+  in wall time (on the event loop's clock: on a virtual-time loop, :mod:`rollfleet.plan`, no wall
+  time at all). Every running sequence emits one token per step.
 * **Prefix cache.** A bounded LRU over full KV blocks, keyed by a chained hash of the block's
   tokens (as vLLM's automatic prefix caching does). A request's prefill only pays for the tokens
   after its longest cached prefix, so the cache really decides the cost of the next turn of a
   session: route a session elsewhere and it pays the whole prefill again. Finished (and aborted)
-  requests insert their blocks. A weight update or ``clear_kv_cache`` empties it.
+  requests insert their blocks; with ``cache_on_prefill`` a request's prompt blocks go in once it
+  is prefilled (as in vLLM: GRPO siblings and sessions that run at once share their prompt). A
+  weight update or ``clear_kv_cache`` empties it.
 * **KV capacity and preemption.** Running sequences hold ``ceil(tokens / block_size)`` blocks of
   ``kv_capacity_tokens``. When a sequence needs a block and none is free, the most recently
   admitted sequence is preempted (recompute mode: its blocks are freed, it goes back to the head

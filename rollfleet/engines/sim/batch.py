@@ -250,6 +250,8 @@ class BatchModel:
                 self._stats["prompt_tokens"] += len(req.prompt_ids)
             req.prefilled = True
             prefill += len(context) - cached
+            if self.config.cache_on_prefill:  # its blocks are computed now: later requests reuse them
+                self._insert_prefix(context)
             self._admit_counter += 1
             req.admitted_seq = self._admit_counter
             self._running.append(req)

@@ -361,11 +361,14 @@ class SimEngine(BatchModel, Engine):
             ) * self._slow_factor
             started = time.perf_counter()
             # Pace against an anchor rather than sleeping each step: sub-millisecond steps (large
-            # time scales) would otherwise each pay the event loop's sleep overhead.
+            # time scales) would otherwise each pay the event loop's sleep overhead. The loop's
+            # clock, not time.monotonic(): on a virtual-time loop (rollfleet.utils.virtual_time)
+            # the steps then take simulated time only, whatever the host's speed.
+            clock = asyncio.get_running_loop().time
             if anchor is None:
-                anchor = (time.monotonic(), self._sim_clock)
+                anchor = (clock(), self._sim_clock)
             target = anchor[0] + (self._sim_clock + step_ms / 1000.0 - anchor[1]) / cfg.time_scale
-            await asyncio.sleep(max(0.0, target - time.monotonic()))
+            await asyncio.sleep(max(0.0, target - clock()))
             if self._paused or self._sleeping or self._hung or self._dead is not None:
                 continue  # the step was interrupted; its tokens are not emitted
             if self._slow_factor != 1.0:

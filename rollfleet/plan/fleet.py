@@ -1,0 +1,97 @@
+"""VirtualFleet: simulated replicas and the client that routes to them, in one process.
+
+Built from the same parts as a fleet on Ray, minus Ray: a plain :class:`~rollfleet.server.Replica`
+per replica (validation, version stamps, load reports) around a
+:class:`~rollfleet.engines.sim.SimEngine`, reached through
+:class:`~rollfleet.server.local.LocalHandle`, and the client the agent loops use
+(``FullyAsyncLLMServerClient`` by default: balancer, routing policy, stickiness, resumes). Run
+inside :func:`rollfleet.utils.virtual_time.run`, every engine step costs its simulated time and no
+wall time, so what a workload reports (makespan, busy time, prefix hits) depends on the model and
+the routing only: the same on any host, under any load.
+
+Weight updates go through the replicas' two-phase path (stage, then commit in ``abort`` or
+``keep`` mode), as the fleet controller drives them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Optional
+
+from rollfleet.client import FullyAsyncLLMServerClient, LLMServerClient
+from rollfleet.config import RolloutConfig
+from rollfleet.engines.base import CommitMode
+from rollfleet.server.local import LocalHandle
+from rollfleet.server.replica import Replica
+
+
+@dataclass
+class FleetReport:
+    """What a run cost the fleet, from the engines' own counters (simulated seconds)."""
+
+    makespan_s: float
+    busy_s: dict[str, float] = field(default_factory=dict)
+    requests: dict[str, int] = field(default_factory=dict)
+    prompt_tokens: int = 0  # prompt tokens of every admission, cached or not
+    prefill_tokens: int = 0  # of which computed (not found in the prefix cache)
+    output_tokens: int = 0
+    preempted: int = 0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return 1.0 - self.prefill_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def busy_imbalance(self) -> float:
+        """Busiest replica's busy time over the mean (1.0: perfectly even)."""
+        busy = list(self.busy_s.values())
+        mean = sum(busy) / len(busy) if busy else 0.0
+        return max(busy) / mean if mean else 1.0
+
+
+class VirtualFleet:
+    """``rollout.num_replicas`` sim replicas and a client; use inside a running event loop."""
+
+    def __init__(self, rollout: RolloutConfig, client_cls: type[LLMServerClient] = FullyAsyncLLMServerClient) -> None:
+        if rollout.name != "sim":
+            raise ValueError(f"rollout.name must be 'sim' for a virtual fleet, got {rollout.name!r}")
+        self.rollout = rollout
+        self.replicas = {f"replica-{i}": Replica(f"replica-{i}", rollout, i) for i in range(rollout.num_replicas)}
+        self.client = client_cls(rollout, servers={rid: LocalHandle(r) for rid, r in self.replicas.items()})
+        self.version = 0
+        self._started_at: Optional[float] = None
+
+    async def start(self) -> "VirtualFleet":
+        await asyncio.gather(*(r.start(version=self.version) for r in self.replicas.values()))
+        self._started_at = asyncio.get_running_loop().time()
+        return self
+
+    async def update_weights(self, mode: CommitMode = "keep") -> int:
+        """Stage the next version on every replica while they serve, then commit it everywhere."""
+        version = self.version + 1
+        weights = {"version": version}
+        await asyncio.gather(*(r.stage_weights(weights, version) for r in self.replicas.values()))
+        await asyncio.gather(*(r.commit_weights(version, mode) for r in self.replicas.values()))
+        self.version = version
+        return version
+
+    async def report(self) -> FleetReport:
+        assert self._started_at is not None, "start() first"
+        out = FleetReport(makespan_s=asyncio.get_running_loop().time() - self._started_at)
+        for rid, replica in self.replicas.items():
+            stats = await replica.stats()
+            out.busy_s[rid] = float(stats["sim_busy_s"])
+            out.requests[rid] = int(stats["requests"])
+            out.prompt_tokens += int(stats["prefix_cache_query_tokens"])
+            out.prefill_tokens += int(stats["prefix_cache_query_tokens"] - stats["prefix_cache_hit_tokens"])
+            out.output_tokens += int(stats["tokens_out"])
+            out.preempted += int(stats["num_preemptions"])
+        return out
+
+    async def shutdown(self) -> None:
+        await self.client.close()
+        await asyncio.gather(*(r.shutdown() for r in self.replicas.values()))
+
+
+__all__ = ["VirtualFleet", "FleetReport"]

@@ -1,0 +1,148 @@
+"""Virtual time (rollfleet.utils.virtual_time) and the in-process fleet on it (rollfleet.plan):
+simulated seconds cost no wall time, and a run repeats exactly whatever the host is doing."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from rollfleet.config import RolloutConfig, SimEngineConfig
+from rollfleet.plan import FleetReport, VirtualFleet
+from rollfleet.utils import virtual_time
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
+
+
+def test_the_clock_jumps_to_each_timer_and_timeouts_fire_in_virtual_time():
+    async def main() -> tuple[list[float], float]:
+        loop = asyncio.get_running_loop()
+
+        async def ticker(period: float) -> float:
+            for _ in range(1000):
+                await asyncio.sleep(period)
+            return loop.time()
+
+        ends = await asyncio.gather(ticker(0.25), ticker(1.0))
+        with pytest.raises(asyncio.TimeoutError):  # an hour-long wait, cut at half an hour: no wall time
+            await asyncio.wait_for(asyncio.sleep(3600), 1800)
+        return ends, loop.time()
+
+    ends, now = virtual_time.run(main())
+    assert ends == pytest.approx([250.0, 1000.0])
+    assert now == pytest.approx(2800.0)
+
+
+def test_a_threads_result_wakes_the_loop_and_waiting_on_nothing_is_an_error():
+    async def with_thread() -> str:
+        return await asyncio.to_thread(lambda: "done")
+
+    assert virtual_time.run(with_thread()) == "done"
+
+    async def forever() -> None:
+        await asyncio.get_running_loop().create_future()
+
+    with pytest.raises(virtual_time.Stalled, match="no timer is scheduled"):
+        virtual_time.run(forever(), idle_timeout_s=0.2)
+
+
+def rollout(**sim) -> RolloutConfig:
+    return RolloutConfig(
+        name="sim",
+        num_replicas=2,
+        prompt_length=1024,
+        response_length=512,
+        max_model_len=4096,
+        routing={"seed": 3},
+        sim=SimEngineConfig(vocab_size=1000, max_num_seqs=8, mean_response_tokens=60, cache_on_prefill=True, **sim),
+    )
+
+
+def test_a_lone_request_takes_exactly_its_modelled_time():
+    """Prefill on the first step, then one token per step of ``step_base + step_per_seq`` ms."""
+    config = rollout()
+    prompt, budget = list(range(3, 3 + 200)), 300
+
+    async def main() -> tuple[FleetReport, int]:
+        fleet = await VirtualFleet(config).start()
+        out = await fleet.client.generate(
+            "one", prompt_ids=prompt, sampling_params={"max_tokens": budget, "ignore_eos": True}
+        )
+        report = await fleet.report()
+        await fleet.shutdown()
+        return report, len(out.token_ids)
+
+    report, tokens = virtual_time.run(main())
+    sim = config.sim
+    assert tokens == budget
+    expected_ms = budget * (sim.step_base_ms + sim.step_per_seq_ms) + len(prompt) * sim.prefill_per_token_ms
+    assert report.makespan_s == pytest.approx(expected_ms / 1000.0, abs=1e-6)
+    assert sum(report.busy_s.values()) == pytest.approx(expected_ms / 1000.0, abs=1e-6)
+
+
+async def grpo_with_an_update(config: RolloutConfig) -> tuple[FleetReport, list[tuple[int, ...]]]:
+    fleet = await VirtualFleet(config).start()
+    prompts = [[5 + (g * 31 + k) % 900 for k in range(128)] for g in range(6)]
+
+    async def sample(g: int, i: int):
+        return await fleet.client.generate(
+            f"g{g}-{i}", prompt_ids=prompts[g], sampling_params={"max_tokens": 200, "seed": g * 10 + i}
+        )
+
+    tasks = [asyncio.ensure_future(sample(g, i)) for g in range(6) for i in range(4)]
+    await asyncio.sleep(0.5)  # simulated: the update lands mid-rollout
+    await fleet.update_weights("keep")
+    outs = await asyncio.gather(*tasks)
+    report = await fleet.report()
+    await fleet.shutdown()
+    return report, [tuple(o.token_ids) for o in outs]
+
+
+def test_a_run_repeats_exactly_even_while_the_host_is_busy():
+    config = rollout()
+    first = virtual_time.run(grpo_with_an_update(config))
+    stop = threading.Event()
+
+    def hog() -> None:  # competes for the GIL and the cores: wall time changes, results must not
+        while not stop.is_set():
+            sum(i * i for i in range(10_000))
+
+    threads = [threading.Thread(target=hog, daemon=True) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        second = virtual_time.run(grpo_with_an_update(config))
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert first == second
+    report = first[0]
+    assert report.output_tokens == sum(len(t) for t in first[1]) and report.makespan_s > 0.5
+    assert report.prompt_tokens >= 24 * 128 and 0 < report.prefix_hit_rate < 1
+
+
+def test_keep_mode_updates_leave_every_generation_whole_and_labelled():
+    async def main():
+        fleet = await VirtualFleet(rollout()).start()
+        tasks = [
+            asyncio.ensure_future(
+                fleet.client.generate(
+                    f"r{i}", prompt_ids=[7, 8, 9 + i], sampling_params={"max_tokens": 400, "ignore_eos": True}
+                )
+            )
+            for i in range(8)
+        ]
+        for _ in range(3):
+            await asyncio.sleep(0.4)
+            await fleet.update_weights("keep")
+        outs = await asyncio.gather(*tasks)
+        await fleet.shutdown()
+        return outs
+
+    outs = virtual_time.run(main())
+    assert all(len(o.token_ids) == 400 for o in outs)
+    assert all(o.extra_fields["num_resumes"] == 0 for o in outs)  # keep: never resubmitted
+    assert {o.extra_fields["max_global_steps"] for o in outs} == {3}
+    assert {o.extra_fields["min_global_steps"] for o in outs} == {0}
