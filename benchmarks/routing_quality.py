@@ -1,0 +1,217 @@
+"""Routing quality: how close each routing policy gets a rollout to its lower bound, in virtual time.
+
+Every policy serves the same work (response lengths are fixed by per-sample seeds, so they do not
+depend on where a request runs) on a :class:`rollfleet.plan.VirtualFleet`: the real replicas,
+client, balancer and policies over sim engines, on a virtual clock, so the numbers are the same on
+any host and under any load. The engines cache a prompt's blocks once it is prefilled
+(``cache_on_prefill``), as vLLM does.
+
+Workloads (``--replicas`` replicas, ``--max-num-seqs`` sequences each):
+
+* ``grpo capacity``: 64 groups x 8 samples, a 512-token prompt per group, responses log-normal
+  (mean 200, sigma 1) up to 1,024: far more sequences than batch slots;
+* ``grpo tail``: 16 groups x 4 samples, responses with a longer tail (mean 300, sigma 1.4) up to
+  2,048: fewer sequences than slots, so the longest sample decides;
+* ``sessions``: 128 sessions x 4 turns; every session starts with the same 512-token system
+  prompt, then a 64-token task; each turn appends the answer and a 48-token tool reply.
+
+Reported per policy: makespan over the lower bound, where the bound is the larger of (a) the
+longest trajectory alone on an idle replica and (b) all the work spread perfectly: every decode
+token at full-batch throughput, every distinct prompt prefilled once, divided by the replicas;
+busy-time imbalance (busiest replica over the mean), prefix-cache hit rate, prompt tokens
+prefilled, and for GRPO the group prompt's prefill per group in prompt lengths (1.0: once).
+
+Run: ``python benchmarks/routing_quality.py`` (about a minute on 2 cores); ``--json`` writes the
+numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Awaitable, Callable
+
+from rich.console import Console
+from rich.table import Table
+
+from rollfleet.config import RolloutConfig, SimEngineConfig
+from rollfleet.plan import FleetReport, VirtualFleet
+from rollfleet.utils import virtual_time
+
+POLICIES = ("least_inflight", "least_tokens", "power_of_two", "rendezvous")
+VOCAB = 4000
+SYSTEM_PROMPT = 512  # tokens every session starts with
+
+
+@dataclass
+class Workload:
+    name: str
+    mean_response: float
+    sigma: float
+    max_tokens: int
+    run: Callable[[VirtualFleet, int], Awaitable[list[list[tuple[int, int]]]]]
+    group_prompt: int = 0  # tokens of the prompt a GRPO group shares (0: not GRPO)
+    groups: int = 0
+
+
+@dataclass
+class Result:
+    workload: str
+    policy: str
+    makespan_s: float
+    bound_s: float
+    busy_imbalance: float
+    prefix_hit_rate: float
+    prefill_tokens: int
+    group_prefill: float
+    preempted: int
+
+    @property
+    def vs_bound(self) -> float:
+        return self.makespan_s / self.bound_s
+
+
+def grpo(groups: int, samples: int, prompt_len: int, max_tokens: int):
+    async def run(fleet: VirtualFleet, seed: int) -> list[list[tuple[int, int]]]:
+        rng = random.Random(seed)
+        prompts = [[rng.randrange(3, VOCAB) for _ in range(prompt_len)] for _ in range(groups)]
+
+        async def sample(g: int, i: int) -> list[tuple[int, int]]:
+            out = await fleet.client.generate(
+                f"g{g}-s{i}", prompt_ids=prompts[g], sampling_params={"max_tokens": max_tokens, "seed": g * 1000 + i}
+            )
+            return [(prompt_len, len(out.token_ids))]
+
+        return await asyncio.gather(*(sample(g, i) for g in range(groups) for i in range(samples)))
+
+    return run
+
+
+def sessions(count: int, turns: int, system_len: int, task_len: int, tool_len: int, max_tokens: int):
+    async def run(fleet: VirtualFleet, seed: int) -> list[list[tuple[int, int]]]:
+        rng = random.Random(seed)
+        system = [rng.randrange(3, VOCAB) for _ in range(system_len)]
+
+        async def session(s: int) -> list[tuple[int, int]]:
+            local = random.Random(seed * 7919 + s)
+            prompt = system + [local.randrange(3, VOCAB) for _ in range(task_len)]
+            turns_done = []
+            for t in range(turns):
+                out = await fleet.client.generate(
+                    f"session-{s}", prompt_ids=prompt, sampling_params={"max_tokens": max_tokens, "seed": s * 100 + t}
+                )
+                new = len(prompt) if t == 0 else tool_len  # what the session's own warm cache still prefills
+                turns_done.append((new, len(out.token_ids)))
+                prompt = prompt + out.token_ids + [local.randrange(3, VOCAB) for _ in range(tool_len)]
+            fleet.client.finish_session(f"session-{s}")
+            return turns_done
+
+        return await asyncio.gather(*(session(s) for s in range(count)))
+
+    return run
+
+
+WORKLOADS = {
+    "grpo capacity": Workload("grpo capacity", 200, 1.0, 1024, grpo(64, 8, 512, 1024), 512, 64),
+    "grpo tail": Workload("grpo tail", 300, 1.4, 2048, grpo(16, 4, 512, 2048), 512, 16),
+    "sessions": Workload("sessions", 120, 1.0, 512, sessions(128, 4, SYSTEM_PROMPT, 64, 48, 512)),
+}
+
+
+def rollout_config(args: argparse.Namespace, workload: Workload, policy: str) -> RolloutConfig:
+    return RolloutConfig(
+        name="sim",
+        num_replicas=args.replicas,
+        prompt_length=4096,
+        response_length=workload.max_tokens,
+        max_model_len=8192,
+        routing={"policy": policy, "seed": args.seed},
+        sim=SimEngineConfig(
+            vocab_size=VOCAB,
+            max_num_seqs=args.max_num_seqs,
+            mean_response_tokens=workload.mean_response,
+            response_sigma=workload.sigma,
+            cache_on_prefill=True,
+            seed=args.seed,
+        ),
+    )
+
+
+def lower_bound(
+    sim: SimEngineConfig, replicas: int, trajectories: list[list[tuple[int, int]]], unique_prompt: int
+) -> float:
+    """max(longest trajectory alone, all work at full-batch throughput over every replica), in s."""
+    alone_step = sim.step_base_ms + sim.step_per_seq_ms
+    longest = max(sum(new * sim.prefill_per_token_ms + out * alone_step for new, out in t) for t in trajectories)
+    full_batch_ms_per_token = (sim.step_base_ms + sim.step_per_seq_ms * sim.max_num_seqs) / sim.max_num_seqs
+    decode = sum(out for t in trajectories for _, out in t)
+    spread = (decode * full_batch_ms_per_token + unique_prompt * sim.prefill_per_token_ms) / replicas
+    return max(longest, spread) / 1000.0
+
+
+async def measure(args: argparse.Namespace, workload: Workload, policy: str) -> tuple[FleetReport, Any, RolloutConfig]:
+    config = rollout_config(args, workload, policy)
+    fleet = await VirtualFleet(config).start()
+    try:
+        trajectories = await workload.run(fleet, args.seed)
+        return await fleet.report(), trajectories, config
+    finally:
+        await fleet.shutdown()
+
+
+def one(args: argparse.Namespace, workload: Workload, policy: str) -> Result:
+    report, trajectories, config = virtual_time.run(measure(args, workload, policy))
+    alone = sum(new for t in trajectories for new, _ in t)  # prefilled with nothing shared
+    if workload.groups:  # each group's prompt once
+        unique = workload.groups * workload.group_prompt
+    else:  # sessions: the system prompt once; each session's task, then each tool reply
+        unique = alone - (len(trajectories) - 1) * SYSTEM_PROMPT
+    bound = lower_bound(config.sim, config.num_replicas, trajectories, unique)
+    group_prefill = report.prefill_tokens / unique if workload.groups else 0.0
+    return Result(
+        workload.name, policy, report.makespan_s, bound, report.busy_imbalance, report.prefix_hit_rate,
+        report.prefill_tokens, group_prefill, report.preempted,
+    )  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--replicas", type=int, default=4)
+    parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workloads", nargs="*", choices=list(WORKLOADS), default=list(WORKLOADS))
+    parser.add_argument("--policies", nargs="*", choices=POLICIES, default=list(POLICIES))
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    console = Console(width=140)
+    results = []
+    for name in args.workloads:
+        for policy in args.policies:
+            started = time.perf_counter()
+            result = one(args, WORKLOADS[name], policy)
+            console.print(
+                f"{name:>14} {policy:<15} {result.vs_bound:.3f}x bound  ({time.perf_counter() - started:.1f} s)"
+            )
+            results.append(result)
+    table = Table(title=f"routing quality: {args.replicas} sim replicas x {args.max_num_seqs} seqs, virtual time")
+    for col in ("workload", "policy", "makespan s", "bound s", "vs bound", "busy imbalance", "prefix hit",
+                "prefilled tokens", "group prompt prefills", "preempted"):  # fmt: skip
+        table.add_column(col, justify="left" if col in ("workload", "policy") else "right")
+    for r in results:
+        table.add_row(
+            r.workload, r.policy, f"{r.makespan_s:.2f}", f"{r.bound_s:.2f}", f"{r.vs_bound:.3f}x",
+            f"{r.busy_imbalance:.2f}", f"{r.prefix_hit_rate:.1%}", f"{r.prefill_tokens:,}",
+            f"{r.group_prefill:.2f}x" if r.group_prefill else "-", str(r.preempted),
+        )  # fmt: skip
+    console.print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) | {"vs_bound": r.vs_bound} for r in results], f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
