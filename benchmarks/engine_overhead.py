@@ -186,6 +186,7 @@ async def main_async(args: argparse.Namespace) -> None:
                 "max_model_len": 512,
                 "response_length": args.max_tokens,
                 "data_plane": args.data_plane,
+                "vllm": {"listen": "tcp"},  # the direct path calls the vLLM server itself, over TCP
             },
             "ray": {"num_cpus": 2},
         }
