@@ -38,19 +38,28 @@ def _simulate(args: argparse.Namespace) -> int:
         overrides["rollout.num_replicas"] = args.replicas
     if args.time_scale is not None:
         overrides["rollout.sim.time_scale"] = args.time_scale
+    if args.virtual:  # simulated seconds are the virtual clock's own seconds: no scaling
+        overrides["rollout.sim.time_scale"] = 1.0
     config = _load(args.config, overrides)
+    if args.virtual and config.rollout.routing.seed is None:  # a virtual run repeats exactly: seed the policy
+        config = _load(args.config, {**overrides, "rollout.routing.seed": 0})
     if config.rollout.name != "sim":
         print(f"rollfleet simulate runs the sim engine; the config names '{config.rollout.name}'", file=sys.stderr)
         return 2
     opts = SimulateOptions(sessions=args.sessions, turns=args.turns, weight_updates=args.weight_updates)
     console = Console()
+    pace = "virtual time" if args.virtual else f"time scale {config.rollout.sim.time_scale}x"
     console.print(
         f"[bold]rollfleet simulate[/]: {opts.sessions} sessions x {opts.turns} turns on "
-        f"{config.rollout.num_replicas} simulated replicas (time scale {config.rollout.sim.time_scale}x, "
-        f"routing {config.rollout.routing.policy})"
+        f"{config.rollout.num_replicas} simulated replicas ({pace}, routing {config.rollout.routing.policy})"
     )
-    result = asyncio.run(run_simulation(config, opts, console))
-    render(result, console)
+    if args.virtual:
+        from rollfleet.utils import virtual_time
+
+        result = virtual_time.run(run_simulation(config, opts, console, virtual=True))
+    else:
+        result = asyncio.run(run_simulation(config, opts, console))
+    render(result, console, virtual=args.virtual)
     ok = result.trajectories == opts.sessions
     return 0 if ok else 1
 
@@ -133,6 +142,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     sim.add_argument("--weight-updates", type=int, default=3)
     sim.add_argument("--replicas", type=int, default=None)
     sim.add_argument("--time-scale", type=float, default=None)
+    sim.add_argument(
+        "--virtual", action="store_true", help="in-process fleet in virtual time: simulated seconds, same on any host"
+    )
     sim.set_defaults(func=_simulate)
 
     srv = sub.add_parser("serve", help="start Ray, the fleet and the OpenAI-compatible gateway; Ctrl-C stops all")

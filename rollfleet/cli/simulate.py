@@ -4,13 +4,16 @@ Runs ``--sessions`` multi-turn sessions (each turn appends the model's answer an
 to the prompt, so later turns share a growing prefix) through ``FullyAsyncLLMServerClient`` on an
 embedded Ray cluster, fires weight updates while they are in flight, and prints throughput, the
 prefix-cache hit rate, the load balance across replicas and how many requests were resumed.
+
+``--virtual``: the same rollout on a :class:`rollfleet.plan.VirtualFleet` (no Ray; the real
+replica, client and routing code) in virtual time: times are simulated seconds, and a run repeats
+exactly on any host.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
-import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -21,6 +24,7 @@ from rich.table import Table
 from rollfleet.client import FullyAsyncLLMServerClient
 from rollfleet.config import RollfleetConfig
 from rollfleet.manager import LLMServerManager
+from rollfleet.plan import VirtualFleet
 
 
 @dataclass
@@ -79,8 +83,10 @@ async def _session(
 
 
 async def run_simulation(
-    config: RollfleetConfig, opts: SimulateOptions, console: Optional[Console] = None
+    config: RollfleetConfig, opts: SimulateOptions, console: Optional[Console] = None, *, virtual: bool = False
 ) -> SimulateResult:
+    """The rollout on a fleet on Ray, or with ``virtual`` on a :class:`VirtualFleet`: run it then
+    under :func:`rollfleet.utils.virtual_time.run`, and ``wall_s`` is simulated seconds."""
     console = console or Console()
     cfg = config.rollout
     needed = opts.prompt_tokens * 2 + opts.turns * (opts.max_tokens_per_turn + opts.tool_tokens)
@@ -88,13 +94,14 @@ async def run_simulation(
     if cfg.max_model_len < needed:
         cfg = cfg.model_copy(update={"max_model_len": needed})
         config = config.model_copy(update={"rollout": cfg})
-    manager = await LLMServerManager.create(config)
+    manager: Any = await (VirtualFleet.create(config) if virtual else LLMServerManager.create(config))
+    clock = asyncio.get_running_loop().time  # virtual on a virtual-time loop, monotonic otherwise
     try:
         client = manager.get_client(FullyAsyncLLMServerClient)
         rng = random.Random(opts.seed)
         before = await manager.replica_stats()
         updates: list[dict[str, Any]] = []
-        start = time.perf_counter()
+        start = clock()
         with Progress(
             TextColumn("[bold]rollout"),
             BarColumn(),
@@ -118,7 +125,7 @@ async def run_simulation(
                 due = version <= opts.weight_updates and finished >= opts.sessions * version / (opts.weight_updates + 1)
                 if due and len(done) < opts.sessions:  # only while sessions still run
                     updates.append(await manager.update_weights({"step": version}, version))
-        wall = time.perf_counter() - start
+        wall = clock() - start
         after = await manager.replica_stats()
         per_replica = {rid: after[rid]["requests"] - before.get(rid, {}).get("requests", 0) for rid in after}
         hit = sum(
@@ -145,14 +152,16 @@ async def run_simulation(
         await manager.shutdown()
 
 
-def render(result: SimulateResult, console: Console) -> None:
+def render(result: SimulateResult, console: Console, *, virtual: bool = False) -> None:
+    """The summary table; with ``virtual``, times are simulated seconds."""
+    clock = "simulated" if virtual else "wall"
     table = Table(title="rollfleet simulate: summary")
     table.add_column("metric")
     table.add_column("value", justify="right")
     table.add_row("trajectories completed", f"{result.trajectories}")
     table.add_row("requests (turns)", f"{result.requests}")
-    table.add_row("wall time", f"{result.wall_s:.2f} s")
-    table.add_row("throughput", f"{result.output_tokens / result.wall_s:,.0f} output tokens/s (wall)")
+    table.add_row(f"{clock} time", f"{result.wall_s:.2f} s")
+    table.add_row("throughput", f"{result.output_tokens / result.wall_s:,.0f} output tokens/s ({clock})")
     table.add_row("requests/s", f"{result.requests / result.wall_s:,.1f}")
     table.add_row("prefix-cache hit rate", f"{result.cache_hit_rate:.1%}")
     table.add_row("sessions kept on one replica", f"{result.sticky_kept:.1%}")

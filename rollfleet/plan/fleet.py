@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from rollfleet.client import FullyAsyncLLMServerClient, LLMServerClient
-from rollfleet.config import RolloutConfig
+from rollfleet.config import RollfleetConfig, RolloutConfig
 from rollfleet.engines.base import CommitMode
 from rollfleet.server.local import LocalHandle
 from rollfleet.server.replica import Replica
@@ -62,19 +62,41 @@ class VirtualFleet:
         self.version = 0
         self._started_at: Optional[float] = None
 
+    @classmethod
+    async def create(cls, config: RollfleetConfig) -> "VirtualFleet":
+        """Build and start a fleet from a whole config (what ``LLMServerManager.create`` takes)."""
+        return await cls(config.rollout).start()
+
     async def start(self) -> "VirtualFleet":
         await asyncio.gather(*(r.start(version=self.version) for r in self.replicas.values()))
         self._started_at = asyncio.get_running_loop().time()
         return self
 
-    async def update_weights(self, mode: CommitMode = "keep") -> int:
-        """Stage the next version on every replica while they serve, then commit it everywhere."""
-        version = self.version + 1
-        weights = {"version": version}
-        await asyncio.gather(*(r.stage_weights(weights, version) for r in self.replicas.values()))
+    def get_client(self, cls: Optional[type[LLMServerClient]] = None) -> LLMServerClient:
+        """The fleet's client (one per fleet; ``cls`` must be its class or a base of it)."""
+        if cls is not None and not isinstance(self.client, cls):
+            raise TypeError(f"this fleet's client is a {type(self.client).__name__}, not a {cls.__name__}")
+        return self.client
+
+    async def update_weights(
+        self, weights: Any = None, version: Optional[int] = None, mode: Optional[CommitMode] = None
+    ) -> dict[str, Any]:
+        """Stage ``version`` (default: the next one) on every replica while they serve, then commit
+        it everywhere (``mode``: ``rollout.weight_sync.mode`` by default; ``rolling`` commits like
+        ``keep``, every replica at once). Returns
+        the version and how long it took in simulated seconds, as the manager's result does."""
+        clock = asyncio.get_running_loop().time
+        started = clock()
+        version = self.version + 1 if version is None else version
+        mode = mode or ("abort" if self.rollout.weight_sync.mode == "abort" else "keep")
+        payload = {"version": version} if weights is None else weights
+        await asyncio.gather(*(r.stage_weights(payload, version) for r in self.replicas.values()))
         await asyncio.gather(*(r.commit_weights(version, mode) for r in self.replicas.values()))
         self.version = version
-        return version
+        return {"version": version, "mode": mode, "total_s": clock() - started}
+
+    async def replica_stats(self) -> dict[str, dict[str, Any]]:
+        return {rid: await r.stats() for rid, r in self.replicas.items()}
 
     async def report(self) -> FleetReport:
         assert self._started_at is not None, "start() first"

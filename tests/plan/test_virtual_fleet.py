@@ -92,7 +92,7 @@ async def grpo_with_an_update(config: RolloutConfig) -> tuple[FleetReport, list[
 
     tasks = [asyncio.ensure_future(sample(g, i)) for g in range(6) for i in range(4)]
     await asyncio.sleep(0.5)  # simulated: the update lands mid-rollout
-    await fleet.update_weights("keep")
+    await fleet.update_weights(mode="keep")
     outs = await asyncio.gather(*tasks)
     report = await fleet.report()
     await fleet.shutdown()
@@ -136,7 +136,7 @@ def test_keep_mode_updates_leave_every_generation_whole_and_labelled():
         ]
         for _ in range(3):
             await asyncio.sleep(0.4)
-            await fleet.update_weights("keep")
+            await fleet.update_weights(mode="keep")
         outs = await asyncio.gather(*tasks)
         await fleet.shutdown()
         return outs

@@ -1,0 +1,35 @@
+"""``rollfleet simulate --virtual`` end to end: the command on an in-process fleet in virtual time."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+from rollfleet.cli.main import main
+from rollfleet.cli.simulate import SimulateOptions, run_simulation
+from rollfleet.config import RollfleetConfig
+from rollfleet.utils import virtual_time
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(180)]
+
+
+def test_the_command_runs_every_session_and_reports_in_simulated_seconds(capsys):
+    code = main(["simulate", "--virtual", "--sessions", "40", "--turns", "2", "--weight-updates", "2"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "virtual time" in out and "simulated time" in out and "output tokens/s (simulated)" in out
+    assert re.search(r"trajectories completed\s*│\s*40\s*│", out) and re.search(r"requests \(turns\)\s*│\s*80\s*│", out)
+
+
+def test_a_virtual_simulation_repeats_exactly():
+    config = RollfleetConfig.model_validate(
+        {"rollout": {"name": "sim", "num_replicas": 3, "routing": {"seed": 5}, "sim": {"time_scale": 1.0}}}
+    )
+    opts = SimulateOptions(sessions=30, turns=3, weight_updates=2, max_tokens_per_turn=128)
+    first = virtual_time.run(run_simulation(config, opts, virtual=True))
+    second = virtual_time.run(run_simulation(config, opts, virtual=True))
+    assert dataclasses.asdict(first) == dataclasses.asdict(second)
+    assert first.trajectories == 30 and len(first.weight_updates) == 2 and first.wall_s > 0
+    assert first.sticky_kept == 1.0 and 0 < first.cache_hit_rate < 1
