@@ -201,7 +201,8 @@ async def test_the_openai_sdk_example_agent_rolls_out_on_vllm_through_http_agent
         assert "agent_error" not in result.extra_fields[i]
 
 
-async def _first_and_total(url: str, body: dict) -> tuple[float, float, list[dict]]:
+async def _first_and_total(url: str, body: dict, uds: str | None = None) -> tuple[float, float, list[dict]]:
+    """Stream ``body`` to ``url`` (over the Unix socket ``uds`` when given): (first text s, total s, events)."""
     import json
     import time
 
@@ -210,7 +211,7 @@ async def _first_and_total(url: str, body: dict) -> tuple[float, float, list[dic
     events = []
     first = None
     started = time.monotonic()
-    async with httpx.AsyncClient(timeout=120) as http:
+    async with httpx.AsyncClient(timeout=120, transport=httpx.AsyncHTTPTransport(uds=uds)) as http:
         async with http.stream("POST", url, json=body) as resp:
             assert resp.status_code == 200, await resp.aread()
             async for line in resp.aiter_lines():
@@ -238,8 +239,9 @@ async def test_a_stream_through_the_gateway_starts_as_vllm_samples(vllm_fleet, t
     )  # the first forward is slow
     try:
         ours = await _first_and_total(f"{server.url}/v1/completions", {**body, "return_token_ids": True})
-        address = (await fleet.get_replicas())[0].address
-        theirs = await _first_and_total(f"{address}/v1/completions", body)
+        # vLLM's own server, over the private socket the replica talks to it on.
+        socket = (await fleet.get_replicas())[0].server_socket
+        theirs = await _first_and_total("http://localhost/v1/completions", body, uds=socket)
     finally:
         await server.stop()
     first, total, events = ours
