@@ -360,10 +360,8 @@ class SimEngine(BatchModel, Engine):
                 cfg.step_base_ms + cfg.step_per_seq_ms * len(self._running) + cfg.prefill_per_token_ms * prefill
             ) * self._slow_factor
             started = time.perf_counter()
-            # Pace against an anchor rather than sleeping each step: sub-millisecond steps (large
-            # time scales) would otherwise each pay the event loop's sleep overhead. The loop's
-            # clock, not time.monotonic(): on a virtual-time loop (rollfleet.utils.virtual_time)
-            # the steps then take simulated time only, whatever the host's speed.
+            # Pace against an anchor (sub-ms steps would each pay the sleep overhead), on the loop's
+            # clock: on a virtual-time loop (rollfleet.utils.virtual_time) steps take no wall time.
             clock = asyncio.get_running_loop().time
             if anchor is None:
                 anchor = (clock(), self._sim_clock)
