@@ -101,8 +101,7 @@ class VirtualFleet:
     async def report(self) -> FleetReport:
         assert self._started_at is not None, "start() first"
         out = FleetReport(makespan_s=asyncio.get_running_loop().time() - self._started_at)
-        for rid, replica in self.replicas.items():
-            stats = await replica.stats()
+        for rid, stats in (await self.replica_stats()).items():
             out.busy_s[rid] = float(stats["sim_busy_s"])
             out.requests[rid] = int(stats["requests"])
             out.prompt_tokens += int(stats["prefix_cache_query_tokens"])

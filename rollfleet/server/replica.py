@@ -1,9 +1,9 @@
 """One replica: an engine behind input validation, version stamping and load reporting.
 
 The logic lives in the plain class :class:`Replica` so it can be tested without Ray;
-:data:`~rollfleet.server.actor.ReplicaActor` is the thin Ray actor around it (an asyncio actor, so thousands of requests
-interleave in one process, as the engines expect). How outputs are labelled with weight versions,
-and why here: :mod:`rollfleet.server.attempts`.
+:data:`~rollfleet.server.actor.ReplicaActor` is the thin Ray actor around it (an asyncio actor, so
+thousands of requests interleave in one process, as the engines expect). How outputs are labelled
+with weight versions, and why here: :mod:`rollfleet.server.attempts`.
 """
 
 from __future__ import annotations

@@ -45,9 +45,6 @@ class Endpoint:
         """The base URL of requests (over a socket, only the Host header reads it)."""
         return f"http://{self.host}:{self.port}" if self.path is None else "http://localhost"
 
-    def __str__(self) -> str:
-        return self.url if self.path is None else f"unix:{self.path}"
-
 
 #: (command, environment) of the server for an endpoint.
 SpawnArgs = Callable[[Endpoint], tuple[list[str], dict[str, str]]]
@@ -107,7 +104,6 @@ class ServerLink:
             command, env = spawn_args(endpoint)
             server.spawn(command, env)
             await self._connect(endpoint.url, endpoint.path)
-            self.url = str(endpoint)
             try:
                 await server.wait_ready(self.probe, timeout_s, error)
                 break
@@ -140,7 +136,7 @@ class ServerLink:
     async def _connect(self, url: str, uds: Optional[str] = None) -> None:
         if self.clients is not None:
             await self.clients.close()
-        self.url = url
+        self.url = url if uds is None else f"unix:{uds}"  # for messages
         self.clients = HTTPClients(
             url, request_timeout_s=self.request_timeout_s, control_timeout_s=self.control_timeout_s, uds=uds
         )

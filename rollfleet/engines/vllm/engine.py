@@ -60,8 +60,8 @@ class VLLMEngine(VLLMLaunch, VLLMWeights, StreamingGenerate, HTTPEngine):
 
     ``listen``: ``"unix"`` (a private socket; its ``/metrics`` and ``/health`` on :attr:`bind_host`
     through an exporter) or ``"tcp"`` (on :attr:`bind_host`: the node's IP on a cluster, loopback
-    on an embedded one; never every interface). It sees exactly :attr:`devices` when placement assigned some (``CUDA_VISIBLE_DEVICES``); the
-    CPU build keeps its per-replica thread binding.
+    on an embedded one; never every interface). It sees exactly :attr:`devices` when placement
+    assigned some (``CUDA_VISIBLE_DEVICES``); the CPU build keeps its per-replica thread binding.
 
     ``stage_dir``/``stage_key``: where :meth:`stage_weights` writes (``<stage_dir>/<stage_key>/``;
     by default ``/dev/shm/rollfleet-weights`` and a key of this engine's own). Replicas of one

@@ -11,9 +11,8 @@ through the replica's exporter), or on ``--host`` :attr:`bind_host` and a free `
 Placement decides where the server (or its exporter) listens and what it sees (``Engine.assign``):
 ``--host`` and ``VLLM_HOST_IP`` are :attr:`bind_host` (the node's IP on a cluster, loopback
 embedded; never every interface) and ``CUDA_VISIBLE_DEVICES`` is exactly :attr:`devices` when
-placement gave some. On the
-CPU build each replica gets its own slice of the cores (:func:`omp_threads_bind`), so replicas on
-one machine do not fight over the same cores.
+placement gave some. On the CPU build each replica gets its own slice of the cores
+(:func:`omp_threads_bind`), so replicas on one machine do not fight over the same cores.
 
 The control routes (``/abort_requests``, ``/pause``, ``/sleep``, ``/collective_rpc``...) exist only
 in dev mode (``VLLM_SERVER_DEV_MODE=1``), ``/start_profile`` only with ``--profiler-config``. The RL
