@@ -215,7 +215,7 @@ class LLMServerClient:
     ) -> ReplicaResponse:
         server_id: Optional[str] = None
         try:
-            server_id, handle = await self._acquire(request_id, prompt_len)
+            server_id, handle = await self._acquire(request_id, prompt_len, prompt_ids)
             ref = handle.generate_with_load.remote(
                 request_id, prompt_ids, sampling_params, client_id=self.balancer.client_id, **kwargs
             )
@@ -242,11 +242,11 @@ class LLMServerClient:
             if server_id is not None:
                 await self._release(server_id, prompt_len)
 
-    async def _acquire(self, request_id: str, prompt_len: int) -> tuple[str, Any]:
+    async def _acquire(self, request_id: str, prompt_len: int, prompt_ids: list[int]) -> tuple[str, Any]:
         if self._remote_balancer is not None:
             return await self._remote_balancer.acquire_server.remote(request_id)
         self.fleet.expire_quarantine()
-        return self.balancer.acquire_server(request_id, prompt_len)
+        return self.balancer.acquire_server(request_id, prompt_len, prompt_ids)
 
     async def _release(self, server_id: str, prompt_len: int) -> None:
         if self._remote_balancer is not None:

@@ -131,7 +131,7 @@ async def _attempt(
 ) -> AsyncIterator[Union[TokenDelta, TokenOutput]]:
     """One attempt on one replica: its deltas, then its output; the replica is released however
     the attempt ends, and quarantined when it failed."""
-    server_id, handle = await client._acquire(request_id, len(prompt))
+    server_id, handle = await client._acquire(request_id, len(prompt), prompt)
     kwargs = {**kwargs, "client_id": client.balancer.client_id}
     try:
         stream_call = getattr(handle, "stream_generate", None)

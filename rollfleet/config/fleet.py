@@ -70,7 +70,8 @@ class RoutingConfig(_Section):
 
     policy: str = Field(
         "least_tokens",
-        description="A registered routing policy: least_inflight | least_tokens | power_of_two | rendezvous, or "
+        description="A registered routing policy: least_inflight | least_tokens | power_of_two | rendezvous | "
+        "prefix_affinity, or "
         "one added with rollfleet.routing.register_policy (checked at construction).",
     )
     seed: Optional[int] = Field(

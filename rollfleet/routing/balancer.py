@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import uuid
 from collections import Counter
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Iterable, Optional, Sequence, Union
 
 from cachetools import LRUCache
 
 from rollfleet.errors import NoServerAvailable
 from rollfleet.routing.policies import ReplicaView, RoutingPolicy, get_policy
+from rollfleet.routing.policies.prefix_affinity import prefix_key
 from rollfleet.types import LoadReport
 
 
@@ -105,8 +106,11 @@ class GlobalRequestLoadBalancer:
         self.add_servers(servers)
 
     # ------------------------------------------------------------------ hot path
-    def acquire_server(self, request_id: str, prompt_len: int = 0) -> tuple[str, Any]:
-        """Pick a replica for ``request_id``, count the request on it, return ``(id, handle)``."""
+    def acquire_server(
+        self, request_id: str, prompt_len: int = 0, prompt_ids: Optional[Sequence[int]] = None
+    ) -> tuple[str, Any]:
+        """Pick a replica for ``request_id``, count the request on it, return ``(id, handle)``.
+        ``prompt_ids`` feed a policy that places equal prompts together (``uses_prefix``)."""
         servers = self._servers
         sticky_id = self._request_id_to_server.get(request_id) if self._sticky_enabled else None
         chosen: Optional[str] = None
@@ -135,7 +139,11 @@ class GlobalRequestLoadBalancer:
                 if servers:
                     raise NoServerAvailable(f"none of {len(servers)} replicas is routable (unhealthy or stale weights)")
                 raise NoServerAvailable()
-            chosen = self._policy.select(candidates, request_id, prompt_len)
+            if self._policy.uses_prefix and prompt_ids is not None:
+                key = prefix_key(prompt_ids)
+                chosen = self._policy.select(candidates, request_id, prompt_len, prefix_key=key)
+            else:
+                chosen = self._policy.select(candidates, request_id, prompt_len)
             if self._sticky_enabled:
                 self._request_id_to_server[request_id] = chosen
         state = servers[chosen]

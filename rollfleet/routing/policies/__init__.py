@@ -1,7 +1,8 @@
 """Routing policies, chosen by name.
 
 Built-ins: ``least_inflight`` (verl's baseline), ``least_tokens`` (default), ``power_of_two``,
-``rendezvous`` (deterministic; used for ``full_determinism``). They are registered by import path
+``rendezvous`` (deterministic; used for ``full_determinism``), ``prefix_affinity`` (requests with
+one prompt, e.g. a GRPO group, share a replica within a load bound). They are registered by import path
 and imported when first used.
 
 To add one: subclass :class:`RoutingPolicy` in a module of its own, implement ``select``, and call
@@ -27,6 +28,7 @@ POLICIES: Registry[type[RoutingPolicy]] = Registry(
         "least_tokens": "rollfleet.routing.policies.least_tokens:LeastTokensPolicy",
         "power_of_two": "rollfleet.routing.policies.power_of_two:PowerOfTwoPolicy",
         "rendezvous": "rollfleet.routing.policies.rendezvous:RendezvousPolicy",
+        "prefix_affinity": "rollfleet.routing.policies.prefix_affinity:PrefixAffinityPolicy",
     },
 )
 

@@ -30,11 +30,18 @@ class RoutingPolicy(abc.ABC):
     #: True when the choice must be reproducible across processes (no randomness, no load).
     deterministic: ClassVar[bool] = False
 
+    #: True when ``select`` uses ``prefix_key`` (a digest of the prompt, equal for requests with
+    #: the same prompt): the balancer computes it only for such policies, and calls the others
+    #: without it, so a policy written before the argument existed keeps working.
+    uses_prefix: ClassVar[bool] = False
+
     def __init__(self, seed: Optional[int] = None) -> None:
         """Every policy is built as ``cls(seed=seed)``; one without randomness ignores the seed."""
 
     @abc.abstractmethod
-    def select(self, candidates: Sequence[ReplicaView], request_id: str, prompt_len: int) -> str:
+    def select(
+        self, candidates: Sequence[ReplicaView], request_id: str, prompt_len: int, prefix_key: Optional[int] = None
+    ) -> str:
         """Return the ``replica_id`` of one of ``candidates`` (never empty)."""
 
     def on_request_done(self, replica_id: str) -> None:

@@ -6,7 +6,7 @@ benchmarks compare against the real thing. Its weakness: it counts requests, not
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 from rollfleet.routing.policies.base import ReplicaView, RoutingPolicy
 
@@ -14,7 +14,9 @@ from rollfleet.routing.policies.base import ReplicaView, RoutingPolicy
 class LeastInflightPolicy(RoutingPolicy):
     name = "least_inflight"
 
-    def select(self, candidates: Sequence[ReplicaView], request_id: str, prompt_len: int) -> str:
+    def select(
+        self, candidates: Sequence[ReplicaView], request_id: str, prompt_len: int, prefix_key: Optional[int] = None
+    ) -> str:
         best = candidates[0]
         for view in candidates[1:]:
             if view.inflight < best.inflight:

@@ -19,7 +19,9 @@ class LeastTokensPolicy(RoutingPolicy):
     def __init__(self, seed: Optional[int] = None) -> None:
         self._rng = random.Random(seed)
 
-    def select(self, candidates: Sequence[ReplicaView], request_id: str, prompt_len: int) -> str:
+    def select(
+        self, candidates: Sequence[ReplicaView], request_id: str, prompt_len: int, prefix_key: Optional[int] = None
+    ) -> str:
         best_key = None
         best: list[str] = []
         for view in candidates:

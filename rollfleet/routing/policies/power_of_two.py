@@ -18,7 +18,9 @@ class PowerOfTwoPolicy(RoutingPolicy):
     def __init__(self, seed: Optional[int] = None) -> None:
         self._rng = random.Random(seed)
 
-    def select(self, candidates: Sequence[ReplicaView], request_id: str, prompt_len: int) -> str:
+    def select(
+        self, candidates: Sequence[ReplicaView], request_id: str, prompt_len: int, prefix_key: Optional[int] = None
+    ) -> str:
         if len(candidates) == 1:
             return candidates[0].replica_id
         a, b = self._rng.sample(range(len(candidates)), 2)

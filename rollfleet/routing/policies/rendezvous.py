@@ -9,7 +9,7 @@ the requests that hash highest to it, not ``1 - 1/n`` of all keys as ``hash % n`
 from __future__ import annotations
 
 import hashlib
-from typing import Sequence
+from typing import Optional, Sequence
 
 from rollfleet.routing.policies.base import ReplicaView, RoutingPolicy
 
@@ -23,5 +23,7 @@ class RendezvousPolicy(RoutingPolicy):
     name = "rendezvous"
     deterministic = True
 
-    def select(self, candidates: Sequence[ReplicaView], request_id: str, prompt_len: int) -> str:
+    def select(
+        self, candidates: Sequence[ReplicaView], request_id: str, prompt_len: int, prefix_key: Optional[int] = None
+    ) -> str:
         return max(candidates, key=lambda v: (rendezvous_score(v.replica_id, request_id), v.replica_id)).replica_id

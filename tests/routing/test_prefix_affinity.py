@@ -1,0 +1,122 @@
+"""prefix_affinity: requests with one prompt (a GRPO group) share a replica, within a load bound."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Sequence
+
+import pytest
+
+from rollfleet.config import RolloutConfig, SimEngineConfig
+from rollfleet.plan import VirtualFleet
+from rollfleet.routing import GlobalRequestLoadBalancer, get_policy
+from rollfleet.routing.policies import ReplicaView, RoutingPolicy
+from rollfleet.utils import virtual_time
+
+pytestmark = pytest.mark.unit
+
+
+def balancer(n: int = 4, **policy_kw) -> GlobalRequestLoadBalancer:
+    policy = get_policy("prefix_affinity", seed=0, **policy_kw)
+    return GlobalRequestLoadBalancer({f"s{i}": f"h{i}" for i in range(n)}, policy=policy)
+
+
+def test_siblings_of_one_prompt_share_a_replica_and_groups_spread():
+    lb = balancer(4)
+    homes = {}
+    for g in range(8):
+        prompt = [100 + g, 7, 7, 7]
+        chosen = {lb.acquire_server(f"g{g}-s{i}", len(prompt), prompt)[0] for i in range(8)}
+        assert len(chosen) == 1, (g, chosen)  # every sibling where the first one went
+        homes[g] = chosen.pop()
+    # homes are chosen by load: 8 groups of 8 on 4 replicas, two groups each
+    assert sorted(lb.get_status()["servers"].values()) == [16, 16, 16, 16]
+    assert len(set(homes.values())) == 4
+
+
+def test_a_home_past_the_load_bound_gives_way_to_the_least_loaded_replica():
+    lb = balancer(2, load_factor=1.0, slack=1)
+    prompt = [5, 6, 7]
+    first = [lb.acquire_server(f"s{i}", 3, prompt)[0] for i in range(3)]
+    # bound = mean (counting the new request) + 1: the third sibling would make 3 on its home
+    # against a bound of 1.5 + 1
+    assert first[0] == first[1] and first[2] != first[0]
+    # the replica it spilled to is the prompt's new home
+    assert lb.acquire_server("s3", 3, prompt)[0] == first[2]
+
+
+def test_a_replica_that_leaves_takes_its_homes_with_it():
+    lb = balancer(3)
+    prompt = [9, 9, 9]
+    home, _ = lb.acquire_server("a", 3, prompt)
+    lb.remove_servers([home])
+    assert lb.get_status()["registered_handles"] == 2
+    again, _ = lb.acquire_server("b", 3, prompt)
+    assert again != home
+    lb.add_servers({home: "h-new"})  # it comes back empty: the prompt stays where it went since
+    assert lb.acquire_server("c", 3, prompt)[0] == again
+
+
+def test_without_prompt_ids_the_policy_balances_by_load():
+    lb = balancer(3)
+    chosen = [lb.acquire_server(f"r{i}", 10)[0] for i in range(6)]
+    assert sorted(chosen) == ["s0", "s0", "s1", "s1", "s2", "s2"]
+
+
+def test_a_policy_written_without_prefix_key_still_works():
+    class Oldstyle(RoutingPolicy):
+        name = "oldstyle"
+        seen: list[str] = []
+
+        def select(self, candidates: Sequence[ReplicaView], request_id: str, prompt_len: int) -> str:  # type: ignore[override]
+            self.seen.append(request_id)
+            return candidates[-1].replica_id
+
+    lb = GlobalRequestLoadBalancer({"a": 1, "b": 2}, policy=Oldstyle())
+    assert lb.acquire_server("x", 3, [1, 2, 3])[0] == "b"
+    assert Oldstyle.seen == ["x"]
+
+
+@pytest.mark.parametrize("field, value", [("load_factor", 0.5), ("slack", -1)])
+def test_bad_knobs_are_rejected_by_name(field, value):
+    with pytest.raises(ValueError, match=field):
+        get_policy("prefix_affinity", **{field: value})
+
+
+def grpo_prefill(policy: str, groups: int = 12, samples: int = 8, prompt_len: int = 256) -> tuple[int, int]:
+    """Prompt tokens the engines computed for ``groups`` GRPO groups sent at once on 4 virtual
+    replicas, and the tokens of the distinct prompts."""
+    config = RolloutConfig(
+        name="sim",
+        num_replicas=4,
+        prompt_length=1024,
+        response_length=256,
+        max_model_len=2048,
+        routing={"policy": policy, "seed": 1},
+        sim=SimEngineConfig(vocab_size=1000, max_num_seqs=16, mean_response_tokens=40, cache_on_prefill=True),
+    )
+
+    async def main() -> int:
+        fleet = await VirtualFleet(config).start()
+        try:
+            prompts = [[3 + (g * 31 + k) % 990 for k in range(prompt_len)] for g in range(groups)]
+            await asyncio.gather(
+                *(
+                    fleet.client.generate(f"g{g}-{i}", prompt_ids=prompts[g], sampling_params={"max_tokens": 64})
+                    for g in range(groups)
+                    for i in range(samples)
+                )
+            )
+            return (await fleet.report()).prefill_tokens
+        finally:
+            await fleet.shutdown()
+
+    return virtual_time.run(main()), groups * prompt_len
+
+
+@pytest.mark.timeout(120)
+def test_on_a_virtual_fleet_each_group_prompt_is_prefilled_once_not_on_every_replica():
+    affinity, distinct = grpo_prefill("prefix_affinity")
+    spread, _ = grpo_prefill("least_tokens")
+    assert affinity <= 1.25 * distinct, (affinity, distinct)
+    assert spread >= 2 * distinct, (spread, distinct)  # what load-only routing costs
