@@ -8,8 +8,9 @@ any host and under any load. The engines cache a prompt's blocks once it is pref
 
 Workloads (``--replicas`` replicas, ``--max-num-seqs`` sequences each):
 
-* ``grpo capacity``: 64 groups x 8 samples, a 512-token prompt per group, responses log-normal
-  (mean 200, sigma 1) up to 1,024: far more sequences than batch slots;
+* ``grpo capacity``: 256 groups x 8 samples, a 512-token prompt per group, responses log-normal
+  (mean 150, sigma 0.8) up to 512: 16 times the batch slots, so the work, not the longest sample,
+  decides (the bound is about six times the longest sample alone);
 * ``grpo tail``: 16 groups x 4 samples, responses with a longer tail (mean 300, sigma 1.4) up to
   2,048: fewer sequences than slots, so the longest sample decides;
 * ``sessions``: 128 sessions x 4 turns; every session starts with the same 512-token system
@@ -21,7 +22,11 @@ token at full-batch throughput, every distinct prompt prefilled once, divided by
 busy-time imbalance (busiest replica over the mean), prefix-cache hit rate, prompt tokens
 prefilled, and for GRPO the group prompt's prefill per group in prompt lengths (1.0: once).
 
-Run: ``python benchmarks/routing_quality.py`` (about a minute on 2 cores); ``--json`` writes the
+Each (workload, policy) runs once per seed (``--seeds``, default 0 1 2: the seed draws the
+prompts and response lengths and seeds the policies); the table shows the mean and, for the
+makespan over the bound, the range.
+
+Run: ``python benchmarks/routing_quality.py`` (a few minutes on 2 cores); ``--json`` writes the
 numbers.
 """
 
@@ -31,18 +36,18 @@ import argparse
 import asyncio
 import json
 import random
-import time
 from dataclasses import asdict, dataclass
 from typing import Any, Awaitable, Callable
 
 from rich.console import Console
+from rich.progress import Progress
 from rich.table import Table
 
 from rollfleet.config import RolloutConfig, SimEngineConfig
 from rollfleet.plan import FleetReport, VirtualFleet
 from rollfleet.utils import virtual_time
 
-POLICIES = ("least_inflight", "least_tokens", "power_of_two", "rendezvous")
+POLICIES = ("least_inflight", "least_tokens", "power_of_two", "rendezvous", "prefix_affinity")
 VOCAB = 4000
 SYSTEM_PROMPT = 512  # tokens every session starts with
 
@@ -62,6 +67,7 @@ class Workload:
 class Result:
     workload: str
     policy: str
+    seed: int
     makespan_s: float
     bound_s: float
     busy_imbalance: float
@@ -116,27 +122,27 @@ def sessions(count: int, turns: int, system_len: int, task_len: int, tool_len: i
 
 
 WORKLOADS = {
-    "grpo capacity": Workload("grpo capacity", 200, 1.0, 1024, grpo(64, 8, 512, 1024), 512, 64),
+    "grpo capacity": Workload("grpo capacity", 150, 0.8, 512, grpo(256, 8, 512, 512), 512, 256),
     "grpo tail": Workload("grpo tail", 300, 1.4, 2048, grpo(16, 4, 512, 2048), 512, 16),
     "sessions": Workload("sessions", 120, 1.0, 512, sessions(128, 4, SYSTEM_PROMPT, 64, 48, 512)),
 }
 
 
-def rollout_config(args: argparse.Namespace, workload: Workload, policy: str) -> RolloutConfig:
+def rollout_config(args: argparse.Namespace, workload: Workload, policy: str, seed: int) -> RolloutConfig:
     return RolloutConfig(
         name="sim",
         num_replicas=args.replicas,
         prompt_length=4096,
         response_length=workload.max_tokens,
         max_model_len=8192,
-        routing={"policy": policy, "seed": args.seed},
+        routing={"policy": policy, "seed": seed},
         sim=SimEngineConfig(
             vocab_size=VOCAB,
             max_num_seqs=args.max_num_seqs,
             mean_response_tokens=workload.mean_response,
             response_sigma=workload.sigma,
             cache_on_prefill=True,
-            seed=args.seed,
+            seed=seed,
         ),
     )
 
@@ -153,18 +159,20 @@ def lower_bound(
     return max(longest, spread) / 1000.0
 
 
-async def measure(args: argparse.Namespace, workload: Workload, policy: str) -> tuple[FleetReport, Any, RolloutConfig]:
-    config = rollout_config(args, workload, policy)
+async def measure(
+    args: argparse.Namespace, workload: Workload, policy: str, seed: int
+) -> tuple[FleetReport, Any, RolloutConfig]:
+    config = rollout_config(args, workload, policy, seed)
     fleet = await VirtualFleet(config).start()
     try:
-        trajectories = await workload.run(fleet, args.seed)
+        trajectories = await workload.run(fleet, seed)
         return await fleet.report(), trajectories, config
     finally:
         await fleet.shutdown()
 
 
-def one(args: argparse.Namespace, workload: Workload, policy: str) -> Result:
-    report, trajectories, config = virtual_time.run(measure(args, workload, policy))
+def one(args: argparse.Namespace, workload: Workload, policy: str, seed: int) -> Result:
+    report, trajectories, config = virtual_time.run(measure(args, workload, policy, seed))
     alone = sum(new for t in trajectories for new, _ in t)  # prefilled with nothing shared
     if workload.groups:  # each group's prompt once
         unique = workload.groups * workload.group_prompt
@@ -173,44 +181,77 @@ def one(args: argparse.Namespace, workload: Workload, policy: str) -> Result:
     bound = lower_bound(config.sim, config.num_replicas, trajectories, unique)
     group_prefill = report.prefill_tokens / unique if workload.groups else 0.0
     return Result(
-        workload.name, policy, report.makespan_s, bound, report.busy_imbalance, report.prefix_hit_rate,
+        workload.name, policy, seed, report.makespan_s, bound, report.busy_imbalance, report.prefix_hit_rate,
         report.prefill_tokens, group_prefill, report.preempted,
     )  # fmt: skip
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--max-num-seqs", type=int, default=32)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--workloads", nargs="*", choices=list(WORKLOADS), default=list(WORKLOADS))
     parser.add_argument("--policies", nargs="*", choices=POLICIES, default=list(POLICIES))
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
-    console = Console(width=140)
-    results = []
-    for name in args.workloads:
-        for policy in args.policies:
-            started = time.perf_counter()
-            result = one(args, WORKLOADS[name], policy)
-            console.print(
-                f"{name:>14} {policy:<15} {result.vs_bound:.3f}x bound  ({time.perf_counter() - started:.1f} s)"
-            )
-            results.append(result)
-    table = Table(title=f"routing quality: {args.replicas} sim replicas x {args.max_num_seqs} seqs, virtual time")
-    for col in ("workload", "policy", "makespan s", "bound s", "vs bound", "busy imbalance", "prefix hit",
-                "prefilled tokens", "group prompt prefills", "preempted"):  # fmt: skip
+    console = Console(width=160)
+    results: list[Result] = []
+    runs = [(w, p, seed) for w in args.workloads for p in args.policies for seed in args.seeds]
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("routing quality", total=len(runs))
+        for name, policy, seed in runs:
+            progress.update(task, description=f"{name} / {policy} / seed {seed}")
+            results.append(one(args, WORKLOADS[name], policy, seed))
+            progress.advance(task)
+    table = Table(
+        title=f"routing quality: {args.replicas} sim replicas x {args.max_num_seqs} seqs, virtual time, "
+        f"mean of seeds {' '.join(map(str, args.seeds))}"
+    )
+    for col in ("workload", "policy", "makespan s", "vs bound (range)", "vs least_inflight", "busy imbalance",
+                "prefix hit", "prefilled tokens", "group prompt prefills", "preempted"):  # fmt: skip
         table.add_column(col, justify="left" if col in ("workload", "policy") else "right")
-    for r in results:
-        table.add_row(
-            r.workload, r.policy, f"{r.makespan_s:.2f}", f"{r.bound_s:.2f}", f"{r.vs_bound:.3f}x",
-            f"{r.busy_imbalance:.2f}", f"{r.prefix_hit_rate:.1%}", f"{r.prefill_tokens:,}",
-            f"{r.group_prefill:.2f}x" if r.group_prefill else "-", str(r.preempted),
-        )  # fmt: skip
+    summary = []
+    for name in args.workloads:
+        base = [r.makespan_s for r in results if r.workload == name and r.policy == "least_inflight"]
+        for policy in args.policies:
+            rs = [r for r in results if r.workload == name and r.policy == policy]
+            ratios = [r.vs_bound for r in rs]
+            row = {
+                "workload": name,
+                "policy": policy,
+                "makespan_s": mean([r.makespan_s for r in rs]),
+                "bound_s": mean([r.bound_s for r in rs]),
+                "vs_bound": mean(ratios),
+                "vs_bound_min": min(ratios),
+                "vs_bound_max": max(ratios),
+                # per seed, this policy's makespan over least_inflight's on the same work
+                "vs_least_inflight": mean([r.makespan_s / b for r, b in zip(rs, base)]) if base else None,
+                "busy_imbalance": mean([r.busy_imbalance for r in rs]),
+                "prefix_hit_rate": mean([r.prefix_hit_rate for r in rs]),
+                "prefill_tokens": mean([r.prefill_tokens for r in rs]),
+                "group_prefill": mean([r.group_prefill for r in rs]),
+                "preempted": sum(r.preempted for r in rs),
+            }
+            summary.append(row)
+            vs_li = row["vs_least_inflight"]
+            table.add_row(
+                name, policy, f"{row['makespan_s']:.2f}",
+                f"{row['vs_bound']:.3f}x ({row['vs_bound_min']:.3f}-{row['vs_bound_max']:.3f})",
+                f"{vs_li:.3f}x" if vs_li is not None else "-", f"{row['busy_imbalance']:.2f}",
+                f"{row['prefix_hit_rate']:.1%}", f"{row['prefill_tokens']:,.0f}",
+                f"{row['group_prefill']:.2f}x" if row["group_prefill"] else "-", str(row["preempted"]),
+            )  # fmt: skip
     console.print(table)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([asdict(r) | {"vs_bound": r.vs_bound} for r in results], f, indent=2)
+            json.dump(
+                {"summary": summary, "runs": [asdict(r) | {"vs_bound": r.vs_bound} for r in results]}, f, indent=2
+            )
 
 
 if __name__ == "__main__":

@@ -69,10 +69,11 @@ class RoutingConfig(_Section):
     """The routing policy and the balancer's knobs (no built-in policy has knobs of its own)."""
 
     policy: str = Field(
-        "least_tokens",
-        description="A registered routing policy: least_inflight | least_tokens | power_of_two | rendezvous | "
-        "prefix_affinity, or "
-        "one added with rollfleet.routing.register_policy (checked at construction).",
+        "prefix_affinity",
+        description="A registered routing policy: prefix_affinity (default: requests with one prompt share a "
+        "replica within a load bound, least tokens in flight otherwise) | least_tokens | least_inflight | "
+        "power_of_two | rendezvous, or one added with rollfleet.routing.register_policy (checked at "
+        "construction). benchmarks/routing_quality.py compares them.",
     )
     seed: Optional[int] = Field(
         None,

@@ -1,8 +1,9 @@
 """Routing policies, chosen by name.
 
-Built-ins: ``least_inflight`` (verl's baseline), ``least_tokens`` (default), ``power_of_two``,
-``rendezvous`` (deterministic; used for ``full_determinism``), ``prefix_affinity`` (requests with
-one prompt, e.g. a GRPO group, share a replica within a load bound). They are registered by import path
+Built-ins: ``least_inflight`` (verl's baseline), ``least_tokens``, ``power_of_two``,
+``rendezvous`` (deterministic; used for ``full_determinism``), ``prefix_affinity`` (the config's
+default: requests with one prompt, e.g. a GRPO group, share a replica within a load bound; it won
+``benchmarks/routing_quality.py``). They are registered by import path
 and imported when first used.
 
 To add one: subclass :class:`RoutingPolicy` in a module of its own, implement ``select``, and call
