@@ -155,6 +155,47 @@ async def test_multi_turn_sessions_stick_and_hit_vllm_prefix_cache(fleet):
     assert gained >= 16 * 64  # later turns reuse their session's earlier turns (>= 64 tokens per session)
 
 
+async def test_grpo_siblings_prefill_their_prompt_once_under_prefix_affinity(fleet):
+    """The routing benchmark's GRPO finding, checked on vLLM: a group's 8 samples sent at once under
+    prefix_affinity share one server, whose prefix cache serves the prompt to the siblings (vLLM
+    caches a block when it is scheduled, so siblings in the same step share it); least_tokens
+    spreads them, and each server computes the prompt. Computed prompt tokens are vLLM's own
+    counters: prefix-cache queries minus hits."""
+    await serving(fleet)
+    addresses = [r.address for r in await fleet.get_replicas()]
+
+    async def computed() -> float:
+        queries = [await vllm_metric(a, "vllm:prefix_cache_queries_total") for a in addresses]
+        hits = [await vllm_metric(a, "vllm:prefix_cache_hits_total") for a in addresses]
+        return sum(queries) - sum(hits)
+
+    prompt_len, groups = 1024, 4
+
+    async def rollout(policy: str, salt: int) -> float:
+        routing = fleet.config.routing.model_copy(update={"policy": policy, "seed": 0})
+        client = fleet.get_client(config=fleet.config.model_copy(update={"routing": routing}))
+        prompts = [[(salt * 7919 + g * 131 + j * 17) % 900 + 5 for j in range(prompt_len)] for g in range(groups)]
+        before = await computed()
+        outs = await asyncio.gather(
+            *(
+                client.generate(f"{policy}-g{g}-{i}", prompt_ids=prompts[g], sampling_params={"max_tokens": 8})
+                for g in range(groups)
+                for i in range(8)
+            )
+        )
+        per_group = [{o.extra_fields["replica_id"] for o in outs[g * 8 : (g + 1) * 8]} for g in range(groups)]
+        print(policy, "replicas per group:", [sorted(r) for r in per_group])
+        return (await computed()) - before
+
+    affinity = await rollout("prefix_affinity", 1)
+    spread = await rollout("least_tokens", 2)
+    distinct = groups * prompt_len
+    print(f"computed prompt tokens: prefix_affinity {affinity:.0f}, least_tokens {spread:.0f}, distinct {distinct}")
+    # a sibling whose whole prompt is cached still computes its last block (vLLM recomputes >= 1 token)
+    assert affinity <= 1.25 * distinct, (affinity, distinct)
+    assert spread >= 1.75 * distinct, (spread, distinct)
+
+
 async def test_greedy_outputs_change_only_with_a_weight_update(fleet):
     await serving(fleet)
     client = fleet.get_client()
