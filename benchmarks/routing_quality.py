@@ -44,6 +44,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from rollfleet.config import RolloutConfig, SimEngineConfig
+from rollfleet.engines.sim import StepCost
 from rollfleet.plan import FleetReport, VirtualFleet
 from rollfleet.utils import virtual_time
 
@@ -58,7 +59,8 @@ class Workload:
     mean_response: float
     sigma: float
     max_tokens: int
-    run: Callable[[VirtualFleet, int], Awaitable[list[list[tuple[int, int]]]]]
+    #: each trajectory's turns: (prompt tokens, of which new to the session, response tokens)
+    run: Callable[[VirtualFleet, int], Awaitable[list[list[tuple[int, int, int]]]]]
     group_prompt: int = 0  # tokens of the prompt a GRPO group shares (0: not GRPO)
     groups: int = 0
 
@@ -82,15 +84,15 @@ class Result:
 
 
 def grpo(groups: int, samples: int, prompt_len: int, max_tokens: int):
-    async def run(fleet: VirtualFleet, seed: int) -> list[list[tuple[int, int]]]:
+    async def run(fleet: VirtualFleet, seed: int) -> list[list[tuple[int, int, int]]]:
         rng = random.Random(seed)
         prompts = [[rng.randrange(3, VOCAB) for _ in range(prompt_len)] for _ in range(groups)]
 
-        async def sample(g: int, i: int) -> list[tuple[int, int]]:
+        async def sample(g: int, i: int) -> list[tuple[int, int, int]]:
             out = await fleet.client.generate(
                 f"g{g}-s{i}", prompt_ids=prompts[g], sampling_params={"max_tokens": max_tokens, "seed": g * 1000 + i}
             )
-            return [(prompt_len, len(out.token_ids))]
+            return [(prompt_len, prompt_len, len(out.token_ids))]
 
         return await asyncio.gather(*(sample(g, i) for g in range(groups) for i in range(samples)))
 
@@ -98,11 +100,11 @@ def grpo(groups: int, samples: int, prompt_len: int, max_tokens: int):
 
 
 def sessions(count: int, turns: int, system_len: int, task_len: int, tool_len: int, max_tokens: int):
-    async def run(fleet: VirtualFleet, seed: int) -> list[list[tuple[int, int]]]:
+    async def run(fleet: VirtualFleet, seed: int) -> list[list[tuple[int, int, int]]]:
         rng = random.Random(seed)
         system = [rng.randrange(3, VOCAB) for _ in range(system_len)]
 
-        async def session(s: int) -> list[tuple[int, int]]:
+        async def session(s: int) -> list[tuple[int, int, int]]:
             local = random.Random(seed * 7919 + s)
             prompt = system + [local.randrange(3, VOCAB) for _ in range(task_len)]
             turns_done = []
@@ -111,7 +113,7 @@ def sessions(count: int, turns: int, system_len: int, task_len: int, tool_len: i
                     f"session-{s}", prompt_ids=prompt, sampling_params={"max_tokens": max_tokens, "seed": s * 100 + t}
                 )
                 new = len(prompt) if t == 0 else tool_len  # what the session's own warm cache still prefills
-                turns_done.append((new, len(out.token_ids)))
+                turns_done.append((len(prompt), new, len(out.token_ids)))
                 prompt = prompt + out.token_ids + [local.randrange(3, VOCAB) for _ in range(tool_len)]
             fleet.client.finish_session(f"session-{s}")
             return turns_done
@@ -148,14 +150,14 @@ def rollout_config(args: argparse.Namespace, workload: Workload, policy: str, se
 
 
 def lower_bound(
-    sim: SimEngineConfig, replicas: int, trajectories: list[list[tuple[int, int]]], unique_prompt: int
+    sim: SimEngineConfig, replicas: int, trajectories: list[list[tuple[int, int, int]]], unique_prompt: int
 ) -> float:
-    """max(longest trajectory alone, all work at full-batch throughput over every replica), in s."""
-    alone_step = sim.step_base_ms + sim.step_per_seq_ms
-    longest = max(sum(new * sim.prefill_per_token_ms + out * alone_step for new, out in t) for t in trajectories)
-    full_batch_ms_per_token = (sim.step_base_ms + sim.step_per_seq_ms * sim.max_num_seqs) / sim.max_num_seqs
-    decode = sum(out for t in trajectories for _, out in t)
-    spread = (decode * full_batch_ms_per_token + unique_prompt * sim.prefill_per_token_ms) / replicas
+    """max(longest trajectory alone, all work at full-batch throughput over every replica), in s,
+    priced by the engine's own step-cost model."""
+    cost = StepCost.of(sim)
+    longest = max(sum(cost.prefill_ms(new) + cost.decode_ms(ctx, out) for ctx, new, out in t) for t in trajectories)
+    decode = sum(cost.decode_ms(ctx, out, batch=sim.max_num_seqs) for t in trajectories for ctx, _, out in t)
+    spread = (decode + cost.prefill_ms(unique_prompt)) / replicas
     return max(longest, spread) / 1000.0
 
 
@@ -173,7 +175,7 @@ async def measure(
 
 def one(args: argparse.Namespace, workload: Workload, policy: str, seed: int) -> Result:
     report, trajectories, config = virtual_time.run(measure(args, workload, policy, seed))
-    alone = sum(new for t in trajectories for new, _ in t)  # prefilled with nothing shared
+    alone = sum(new for t in trajectories for _, new, _ in t)  # prefilled with nothing shared
     if workload.groups:  # each group's prompt once
         unique = workload.groups * workload.group_prompt
     else:  # sessions: the system prompt once; each session's task, then each tool reply

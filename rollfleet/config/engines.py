@@ -25,6 +25,13 @@ class SimEngineConfig(_Section):
     step_base_ms: float = Field(7.0, ge=0, description="Fixed cost of one engine step (ms).")
     step_per_seq_ms: float = Field(0.06, ge=0, description="Decode cost per running sequence per step (ms).")
     prefill_per_token_ms: float = Field(0.04, ge=0, description="Cost per uncached prompt token (ms).")
+    step_per_context_token_ms: float = Field(
+        0.0,
+        ge=0,
+        description="Cost per token of context the running sequences hold, per step (ms): reading their KV "
+        "cache. 0 keeps a step's cost independent of context length; ~0.00015 is a 7B model without GQA "
+        "on an H100 (0.5 MB of KV per token read at ~3.3 TB/s).",
+    )
     kv_capacity_tokens: int = Field(110_000, ge=16, description="KV-cache capacity in tokens.")
     block_size: int = Field(16, ge=1, description="Tokens per KV block (unit of prefix caching).")
     prefix_cache_blocks: int = Field(

@@ -9,6 +9,7 @@ import threading
 import pytest
 
 from rollfleet.config import RolloutConfig, SimEngineConfig
+from rollfleet.engines.sim import StepCost
 from rollfleet.plan import FleetReport, VirtualFleet
 from rollfleet.utils import virtual_time
 
@@ -59,9 +60,11 @@ def rollout(**sim) -> RolloutConfig:
     )
 
 
-def test_a_lone_request_takes_exactly_its_modelled_time():
-    """Prefill on the first step, then one token per step of ``step_base + step_per_seq`` ms."""
-    config = rollout()
+@pytest.mark.parametrize("context_ms", [0.0, 0.002])
+def test_a_lone_request_takes_exactly_its_modelled_time(context_ms):
+    """Prefill on the first step, then one token per step of ``step_base + step_per_seq`` ms plus,
+    with a context cost, ``step_per_context_token_ms`` per token the sequence holds at that step."""
+    config = rollout(step_per_context_token_ms=context_ms)
     prompt, budget = list(range(3, 3 + 200)), 300
 
     async def main() -> tuple[FleetReport, int]:
@@ -76,7 +79,13 @@ def test_a_lone_request_takes_exactly_its_modelled_time():
     report, tokens = virtual_time.run(main())
     sim = config.sim
     assert tokens == budget
-    expected_ms = budget * (sim.step_base_ms + sim.step_per_seq_ms) + len(prompt) * sim.prefill_per_token_ms
+    held = sum(len(prompt) + k for k in range(budget))  # context at each step: the prompt, then k tokens
+    expected_ms = (
+        budget * (sim.step_base_ms + sim.step_per_seq_ms) + len(prompt) * sim.prefill_per_token_ms + context_ms * held
+    )
+    assert StepCost.of(sim).decode_ms(len(prompt), budget) + StepCost.of(sim).prefill_ms(len(prompt)) == (
+        pytest.approx(expected_ms)
+    )  # the bound's arithmetic (benchmarks/routing_quality.py) is the engine's
     assert report.makespan_s == pytest.approx(expected_ms / 1000.0, abs=1e-6)
     assert sum(report.busy_s.values()) == pytest.approx(expected_ms / 1000.0, abs=1e-6)
 

@@ -2,10 +2,12 @@
 
 It is a discrete-time model of a continuous-batching engine (vLLM-like), run on asyncio:
 
-* **Step-time model.** One engine step costs ``step_base_ms + step_per_seq_ms * running +
-  prefill_per_token_ms * uncached_prompt_tokens`` of simulated time, divided by ``time_scale``
-  in wall time (on the event loop's clock: on a virtual-time loop, :mod:`rollfleet.plan`, no wall
-  time at all). Every running sequence emits one token per step.
+* **Step-time model** (:class:`~rollfleet.engines.sim.cost.StepCost`). One engine step costs
+  ``step_base_ms + step_per_seq_ms * running + step_per_context_token_ms * context_tokens +
+  prefill_per_token_ms * uncached_prompt_tokens`` of simulated time (``context_tokens``: the
+  prompt and generated tokens the running sequences hold), divided by ``time_scale`` in wall time
+  (on the event loop's clock: on a virtual-time loop, :mod:`rollfleet.plan`, no wall time at all).
+  Every running sequence emits one token per step.
 * **Prefix cache.** A bounded LRU over full KV blocks, keyed by a chained hash of the block's
   tokens (as vLLM's automatic prefix caching does). A request's prefill only pays for the tokens
   after its longest cached prefix, so the cache really decides the cost of the next turn of a
@@ -32,6 +34,7 @@ sequence, and the prefix cache is accounted apart from KV capacity (it models ca
 stay in free memory).
 """
 
+from rollfleet.engines.sim.cost import StepCost
 from rollfleet.engines.sim.engine import ResponseScript, SimEngine
 
-__all__ = ["SimEngine", "ResponseScript"]
+__all__ = ["SimEngine", "ResponseScript", "StepCost"]

@@ -19,6 +19,7 @@ from typing import Any, AsyncIterator, Callable, Optional, Sequence, Union
 from rollfleet.config import RolloutConfig, SimEngineConfig
 from rollfleet.engines.base import CommitMode, Engine, EngineHealth, EngineLimits, EngineLoad
 from rollfleet.engines.sim.batch import BatchModel, _fingerprint, _mix, _Request
+from rollfleet.engines.sim.cost import StepCost
 from rollfleet.errors import EngineDead, NotSupported
 from rollfleet.types import SamplingParams, TokenDelta, TokenOutput
 
@@ -36,6 +37,7 @@ class SimEngine(BatchModel, Engine):
 
     def __init__(self, config: SimEngineConfig, *, max_model_len: Optional[int] = None, replica_index: int = 0):
         self.config = config
+        self._cost = StepCost.of(config)
         self.replica_index = replica_index
         self._max_model_len = max_model_len or config.max_model_len
         self._kv_blocks_total = max(1, config.kv_capacity_tokens // config.block_size)
@@ -355,17 +357,15 @@ class SimEngine(BatchModel, Engine):
                 self._work.clear()
                 await self._work.wait()
                 continue
-            cfg = self.config
-            step_ms = (
-                cfg.step_base_ms + cfg.step_per_seq_ms * len(self._running) + cfg.prefill_per_token_ms * prefill
-            ) * self._slow_factor
+            context = sum(r.context_len for r in self._running)  # KV the step reads
+            step_ms = self._cost.step_ms(len(self._running), context, prefill) * self._slow_factor
             started = time.perf_counter()
             # Pace against an anchor (sub-ms steps would each pay the sleep overhead), on the loop's
             # clock: on a virtual-time loop (rollfleet.utils.virtual_time) steps take no wall time.
             clock = asyncio.get_running_loop().time
             if anchor is None:
                 anchor = (clock(), self._sim_clock)
-            target = anchor[0] + (self._sim_clock + step_ms / 1000.0 - anchor[1]) / cfg.time_scale
+            target = anchor[0] + (self._sim_clock + step_ms / 1000.0 - anchor[1]) / self.config.time_scale
             await asyncio.sleep(max(0.0, target - clock()))
             if self._paused or self._sleeping or self._hung or self._dead is not None:
                 continue  # the step was interrupted; its tokens are not emitted
