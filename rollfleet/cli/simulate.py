@@ -3,7 +3,8 @@
 Runs ``--sessions`` multi-turn sessions (each turn appends the model's answer and a "tool" reply
 to the prompt, so later turns share a growing prefix) through ``FullyAsyncLLMServerClient`` on an
 embedded Ray cluster, fires weight updates while they are in flight, and prints throughput, the
-prefix-cache hit rate, the load balance across replicas and how many requests were resumed.
+prefix-cache hit rate, the load balance across replicas (in requests, and in engine busy time:
+equal request counts can hide unequal work) and how many requests were resumed.
 
 ``--virtual``: the same rollout on a :class:`rollfleet.plan.VirtualFleet` (no Ray; the real
 replica, client and routing code) in virtual time: times are simulated seconds, and a run repeats
@@ -50,6 +51,8 @@ class SimulateResult:
     resumes: int
     cache_hit_rate: float
     per_replica_requests: dict[str, int] = field(default_factory=dict)
+    #: simulated seconds each replica's engine spent in steps (sim engines report it)
+    per_replica_busy_s: dict[str, float] = field(default_factory=dict)
     sticky_kept: float = 0.0
     weight_updates: list[dict[str, Any]] = field(default_factory=list)
     max_version_span: int = 0
@@ -57,8 +60,16 @@ class SimulateResult:
 
     @property
     def imbalance(self) -> float:
-        counts = list(self.per_replica_requests.values())
-        return max(counts) / (sum(counts) / len(counts)) if counts and sum(counts) else 1.0
+        return _max_over_mean(list(self.per_replica_requests.values()))
+
+    @property
+    def busy_imbalance(self) -> float:
+        """The busiest engine's busy time over the mean: what decides when a rollout ends."""
+        return _max_over_mean(list(self.per_replica_busy_s.values()))
+
+
+def _max_over_mean(values: list[float] | list[int]) -> float:
+    return max(values) / (sum(values) / len(values)) if values and sum(values) else 1.0
 
 
 async def _session(
@@ -128,6 +139,11 @@ async def run_simulation(
         wall = clock() - start
         after = await manager.replica_stats()
         per_replica = {rid: after[rid]["requests"] - before.get(rid, {}).get("requests", 0) for rid in after}
+        busy = {
+            rid: float(after[rid]["sim_busy_s"]) - float(before.get(rid, {}).get("sim_busy_s", 0.0))
+            for rid in after
+            if "sim_busy_s" in after[rid]
+        }
         hit = sum(
             after[r]["prefix_cache_hit_tokens"] - before.get(r, {}).get("prefix_cache_hit_tokens", 0) for r in after
         )
@@ -143,6 +159,7 @@ async def run_simulation(
             resumes=sum(d["resumes"] for d in done),
             cache_hit_rate=hit / query if query else 0.0,
             per_replica_requests=per_replica,
+            per_replica_busy_s=busy,
             sticky_kept=kept / len(done) if done else 0.0,
             weight_updates=updates,
             max_version_span=max((v[-1][1] - v[0][0] for v in (d["versions"] for d in done)), default=0),
@@ -166,6 +183,8 @@ def render(result: SimulateResult, console: Console, *, virtual: bool = False) -
     table.add_row("prefix-cache hit rate", f"{result.cache_hit_rate:.1%}")
     table.add_row("sessions kept on one replica", f"{result.sticky_kept:.1%}")
     table.add_row("load balance (max/mean requests)", f"{result.imbalance:.3f}")
+    if result.per_replica_busy_s:
+        table.add_row("engine busy time (max/mean)", f"{result.busy_imbalance:.3f}")
     table.add_row("weight updates during rollout", f"{len(result.weight_updates)}")
     if result.weight_updates:
         pauses = [u["total_s"] * 1000 for u in result.weight_updates]

@@ -21,6 +21,7 @@ def test_the_command_runs_every_session_and_reports_in_simulated_seconds(capsys)
     assert code == 0, out
     assert "virtual time" in out and "simulated time" in out and "output tokens/s (simulated)" in out
     assert re.search(r"trajectories completed\s*│\s*40\s*│", out) and re.search(r"requests \(turns\)\s*│\s*80\s*│", out)
+    assert re.search(r"engine busy time \(max/mean\)\s*│\s*1\.\d{3}\s*│", out)
 
 
 def test_a_virtual_simulation_repeats_exactly():
@@ -33,3 +34,8 @@ def test_a_virtual_simulation_repeats_exactly():
     assert dataclasses.asdict(first) == dataclasses.asdict(second)
     assert first.trajectories == 30 and len(first.weight_updates) == 2 and first.wall_s > 0
     assert first.sticky_kept == 1.0 and 0 < first.cache_hit_rate < 1
+    # busy time, not only request counts: every replica worked, and the report says how unevenly
+    assert set(first.per_replica_busy_s) == set(first.per_replica_requests)
+    assert all(b > 0 for b in first.per_replica_busy_s.values())
+    busy = list(first.per_replica_busy_s.values())
+    assert first.busy_imbalance == max(busy) / (sum(busy) / len(busy)) >= 1.0
