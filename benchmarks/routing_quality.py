@@ -48,7 +48,9 @@ from rollfleet.engines.sim import StepCost
 from rollfleet.plan import FleetReport, VirtualFleet
 from rollfleet.utils import virtual_time
 
-POLICIES = ("least_inflight", "least_tokens", "power_of_two", "rendezvous", "prefix_affinity")
+#: "/late": the same policy with late binding (routing.max_inflight_per_replica = batch slots + LATE_SLACK)
+POLICIES = ("least_inflight", "least_tokens", "power_of_two", "rendezvous", "prefix_affinity", "prefix_affinity/late")
+LATE_SLACK = 8
 VOCAB = 4000
 SYSTEM_PROMPT = 512  # tokens every session starts with
 
@@ -137,7 +139,11 @@ def rollout_config(args: argparse.Namespace, workload: Workload, policy: str, se
         prompt_length=4096,
         response_length=workload.max_tokens,
         max_model_len=8192,
-        routing={"policy": policy, "seed": seed},
+        routing={
+            "policy": policy.removesuffix("/late"),
+            "seed": seed,
+            "max_inflight_per_replica": args.max_num_seqs + LATE_SLACK if policy.endswith("/late") else None,
+        },
         sim=SimEngineConfig(
             vocab_size=VOCAB,
             max_num_seqs=args.max_num_seqs,

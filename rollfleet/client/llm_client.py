@@ -21,6 +21,7 @@ import logging
 import time
 from typing import Any, AsyncIterator, Optional, Union
 
+from rollfleet.client.dispatch import DispatchGate
 from rollfleet.client.fleet_view import FleetView
 from rollfleet.client.retry import RetryPolicy, is_replica_failure, is_retryable, unwrap
 from rollfleet.client.streaming import stream_generate
@@ -92,7 +93,13 @@ class LLMServerClient:
             sticky_overload_slack=routing.sticky_overload_slack,
             sticky_spill_kv_usage=routing.sticky_spill_kv_usage,
             seed=self.config.seed if self.config.full_determinism else routing.seed,
+            max_inflight_per_replica=routing.max_inflight_per_replica,
         )
+        #: Where requests wait while the balancer's dispatch limit holds them back (None: no limit).
+        self._gate: Optional[DispatchGate] = None
+        if self.balancer.dispatch_limit is not None:
+            self._gate = DispatchGate()
+            self.balancer.on_room = self._gate.wake
         health = self.config.health
         self.fleet = FleetView(
             self.balancer,
@@ -246,7 +253,16 @@ class LLMServerClient:
         if self._remote_balancer is not None:
             return await self._remote_balancer.acquire_server.remote(request_id)
         self.fleet.expire_quarantine()
-        return self.balancer.acquire_server(request_id, prompt_len, prompt_ids)
+        if self._gate is None:
+            return self.balancer.acquire_server(request_id, prompt_len, prompt_ids)
+        woken = False
+        while True:
+            acquired = self.balancer.try_acquire_server(request_id, prompt_len, prompt_ids)
+            if acquired is not None:
+                return acquired
+            await self._gate.wait(front=woken)  # a woken waiter that found no room keeps its place
+            woken = True
+            self.fleet.expire_quarantine()
 
     async def _release(self, server_id: str, prompt_len: int) -> None:
         if self._remote_balancer is not None:

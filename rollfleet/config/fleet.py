@@ -95,6 +95,14 @@ class RoutingConfig(_Section):
         description="... and is saturated: its engine has requests waiting, or KV cache usage at or above "
         "this fraction (a replica that runs all it has keeps its sessions and their prefix cache).",
     )
+    max_inflight_per_replica: Optional[int] = Field(
+        None,
+        ge=1,
+        description="Late binding: a request that starts a new placement (not a session's next turn, not a "
+        "sibling of a prompt prefix_affinity has placed) waits in the client until some replica has fewer "
+        "requests in flight than this; it then goes to the replica that freed up. About the engine's batch "
+        "slots (max_num_seqs) plus a few. None: every request is sent at once and engines queue them.",
+    )
     load_refresh_interval_s: float = Field(
         1.0,
         gt=0,

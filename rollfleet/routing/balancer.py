@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import uuid
 from collections import Counter
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 from cachetools import LRUCache
 
@@ -71,6 +71,9 @@ class GlobalRequestLoadBalancer:
             in-flight count exceeds both ``factor * mean`` and ``mean + slack`` over routable ones,
         sticky_spill_kv_usage: ... and it is saturated: its engine reports waiting requests, or KV
             cache usage at or above this fraction.
+        max_inflight_per_replica: :meth:`try_acquire_server` holds back a request that starts a
+            new placement while every replica it may go to has this many requests in flight or
+            more (late binding; see :mod:`rollfleet.client.dispatch`). None: never.
     """
 
     def __init__(
@@ -85,6 +88,7 @@ class GlobalRequestLoadBalancer:
         sticky_overload_slack: int = 8,
         sticky_spill_kv_usage: float = 0.9,
         seed: Optional[int] = None,
+        max_inflight_per_replica: Optional[int] = None,
     ) -> None:
         self.full_determinism = full_determinism
         if full_determinism:
@@ -97,6 +101,11 @@ class GlobalRequestLoadBalancer:
         self._factor = sticky_overload_factor
         self._slack = sticky_overload_slack
         self._spill_kv = sticky_spill_kv_usage
+        self.dispatch_limit = max_inflight_per_replica
+        #: Called when a held-back request may find room: ``on_room(False)`` after one of this
+        #: balancer's requests finished (one slot), ``on_room(True)`` after a load report or a
+        #: membership change (any number).
+        self.on_room: Optional[Callable[[bool], None]] = None
         self._servers: dict[str, _ServerState] = {}
         self._request_id_to_server: LRUCache[str, str] = LRUCache(maxsize=max_cache_size)
         self._preferred: Optional[frozenset[str]] = None  # see set_preferred
@@ -111,6 +120,21 @@ class GlobalRequestLoadBalancer:
     ) -> tuple[str, Any]:
         """Pick a replica for ``request_id``, count the request on it, return ``(id, handle)``.
         ``prompt_ids`` feed a policy that places equal prompts together (``uses_prefix``)."""
+        acquired = self._acquire(request_id, prompt_len, prompt_ids, hold=False)
+        assert acquired is not None  # never held without hold
+        return acquired
+
+    def try_acquire_server(
+        self, request_id: str, prompt_len: int = 0, prompt_ids: Optional[Sequence[int]] = None
+    ) -> Optional[tuple[str, Any]]:
+        """:meth:`acquire_server`, or None while the request is held back by the dispatch limit: it
+        starts a new placement (no sticky replica, no placed sibling) and every replica it may go
+        to has ``max_inflight_per_replica`` requests in flight or more."""
+        return self._acquire(request_id, prompt_len, prompt_ids, hold=self.dispatch_limit is not None)
+
+    def _acquire(
+        self, request_id: str, prompt_len: int, prompt_ids: Optional[Sequence[int]], hold: bool
+    ) -> Optional[tuple[str, Any]]:
         servers = self._servers
         sticky_id = self._request_id_to_server.get(request_id) if self._sticky_enabled else None
         chosen: Optional[str] = None
@@ -139,8 +163,14 @@ class GlobalRequestLoadBalancer:
                 if servers:
                     raise NoServerAvailable(f"none of {len(servers)} replicas is routable (unhealthy or stale weights)")
                 raise NoServerAvailable()
-            if self._policy.uses_prefix and prompt_ids is not None:
-                key = prefix_key(prompt_ids)
+            key = prefix_key(prompt_ids) if self._policy.uses_prefix and prompt_ids is not None else None
+            if hold and not self._policy.has_home(key):
+                limit = self.dispatch_limit
+                assert limit is not None
+                candidates = [c for c in candidates if c.inflight < limit]
+                if not candidates:
+                    return None
+            if key is not None:
                 chosen = self._policy.select(candidates, request_id, prompt_len, prefix_key=key)
             else:
                 chosen = self._policy.select(candidates, request_id, prompt_len)
@@ -161,6 +191,8 @@ class GlobalRequestLoadBalancer:
             state.local -= 1
             state.local_tokens = max(0, state.local_tokens - prompt_len)
         self._policy.on_request_done(server_id)
+        if self.on_room is not None:
+            self.on_room(False)
 
     def _overloaded(self, server_id: str) -> bool:
         load = self._servers[server_id]
@@ -189,12 +221,16 @@ class GlobalRequestLoadBalancer:
             state.others_tokens = max(0, report.inflight_tokens - state.local_tokens)
         state.kv_usage = report.kv_usage
         state.waiting = report.waiting
+        if self.on_room is not None:
+            self.on_room(True)
 
     def set_routable(self, server_id: str, routable: bool) -> None:
         """Include or exclude a replica (dead, suspect, restarting, on stale weights)."""
         state = self._servers.get(server_id)
         if state is not None:
             state.routable = routable
+            if routable and self.on_room is not None:
+                self.on_room(True)
 
     def set_preferred(self, server_ids: Optional[Iterable[str]]) -> None:
         """Replicas that new assignments go to while any of them is routable (None: no preference).
@@ -226,6 +262,8 @@ class GlobalRequestLoadBalancer:
         for server_id, handle in servers.items():
             self._servers[server_id] = _ServerState(handle)
         self._policy.on_servers_changed(list(self._servers))
+        if servers and self.on_room is not None:
+            self.on_room(True)
 
     def remove_servers(self, server_ids: Iterable[str]) -> None:
         """Remove replicas; their sticky sessions are invalidated (lazily, on the next acquire)."""

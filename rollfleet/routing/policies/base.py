@@ -44,6 +44,11 @@ class RoutingPolicy(abc.ABC):
     ) -> str:
         """Return the ``replica_id`` of one of ``candidates`` (never empty)."""
 
+    def has_home(self, prefix_key: Optional[int]) -> bool:
+        """True when a request with this prompt follows a placement the policy already made (a
+        sibling of a placed prompt): the balancer's dispatch limit does not hold it back."""
+        return False
+
     def on_request_done(self, replica_id: str) -> None:
         """Called when a request routed by this policy has finished."""
 

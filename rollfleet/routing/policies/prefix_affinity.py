@@ -63,6 +63,9 @@ class PrefixAffinityPolicy(RoutingPolicy):
             self._homes[prefix_key] = chosen
         return chosen
 
+    def has_home(self, prefix_key: Optional[int]) -> bool:
+        return prefix_key is not None and prefix_key in self._homes
+
     def _bound(self, candidates: Sequence[ReplicaView]) -> float:
         mean = (sum(c.inflight for c in candidates) + 1) / len(candidates)
         return self.load_factor * mean + self.slack

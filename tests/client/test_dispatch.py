@@ -1,0 +1,133 @@
+"""Late binding (routing.max_inflight_per_replica): requests wait in the client until a replica has
+room; sessions and placed siblings are never held; waiting and cancelling leak nothing."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from rollfleet.client.dispatch import DispatchGate
+from rollfleet.config import RolloutConfig, SimEngineConfig
+from rollfleet.plan import VirtualFleet
+from rollfleet.routing import GlobalRequestLoadBalancer
+from rollfleet.types import LoadReport
+from rollfleet.utils import virtual_time
+
+pytestmark = pytest.mark.unit
+
+
+def limited(n: int = 2, limit: int = 2, policy: str = "least_tokens") -> GlobalRequestLoadBalancer:
+    return GlobalRequestLoadBalancer(
+        {f"s{i}": f"h{i}" for i in range(n)}, policy=policy, seed=0, max_inflight_per_replica=limit
+    )
+
+
+def test_a_new_placement_is_held_while_every_replica_is_at_the_limit():
+    lb = limited(2, 2)
+    got = [lb.try_acquire_server(f"r{i}", 4, [i, 1, 2]) for i in range(4)]
+    assert all(g is not None for g in got)
+    assert lb.get_status()["servers"] == {"s0": 2, "s1": 2}
+    assert lb.try_acquire_server("r4", 4, [4, 1, 2]) is None  # held: nothing was counted
+    assert lb.get_total_inflight() == 4
+    assert lb.acquire_server("r5", 4, [5, 1, 2]) is not None  # verl's call never holds
+    lb.release_server("s0", 4)
+    lb.release_server("s0", 4)
+    assert lb.try_acquire_server("r4", 4, [4, 1, 2])[0] == "s0"  # the replica that freed up
+
+
+def test_session_turns_and_placed_siblings_are_never_held():
+    lb = limited(2, 1, policy="prefix_affinity")
+    first, _ = lb.try_acquire_server("session", 3, [1, 2, 3])
+    sibling, _ = lb.try_acquire_server("g-0", 3, [7, 7, 7])
+    assert lb.try_acquire_server("other", 3, [9, 9, 9]) is None  # both replicas at the limit
+    assert lb.try_acquire_server("session", 3, [1, 2, 3, 4])[0] == first  # its next turn goes on
+    assert lb.try_acquire_server("g-1", 3, [7, 7, 7])[0] == sibling  # so does a sibling of a placed prompt
+
+
+def test_a_release_wakes_one_waiter_and_a_load_report_wakes_all():
+    lb = limited(2, 1)
+    calls: list[bool] = []
+    lb.on_room = calls.append
+    sid, _ = lb.acquire_server("a", 1)
+    lb.release_server(sid, 1)
+    lb.report_load(LoadReport(replica_id="s1", inflight=0, inflight_tokens=0, timestamp=1.0))
+    assert calls == [False, True]
+
+
+async def test_the_gate_is_fifo_a_rewoken_waiter_keeps_its_place_and_a_cancelled_one_passes_its_turn():
+    gate = DispatchGate()
+    order: list[str] = []
+
+    async def waiter(name: str, front: bool = False) -> None:
+        await gate.wait(front=front)
+        order.append(name)
+
+    a = asyncio.ensure_future(waiter("a"))
+    b = asyncio.ensure_future(waiter("b"))
+    c = asyncio.ensure_future(waiter("c"))
+    await asyncio.sleep(0)
+    retry = asyncio.ensure_future(waiter("retry", front=True))
+    await asyncio.sleep(0)
+    assert gate.waiting == 4
+    gate.wake(everyone=False)
+    await asyncio.sleep(0)
+    assert order == ["retry"]
+    gate.wake(everyone=False)  # picks a, which is cancelled before it runs: b gets the turn
+    a.cancel()
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert order == ["retry", "b"] and a.cancelled()
+    c.cancel()
+    await asyncio.sleep(0)
+    assert gate.waiting == 0 and b.done() and retry.done()
+
+
+def fleet_config(limit: int) -> RolloutConfig:
+    return RolloutConfig(
+        name="sim",
+        num_replicas=2,
+        prompt_length=512,
+        response_length=128,
+        max_model_len=1024,
+        routing={"policy": "prefix_affinity", "seed": 0, "max_inflight_per_replica": limit},
+        sim=SimEngineConfig(vocab_size=500, max_num_seqs=4, mean_response_tokens=30, cache_on_prefill=True),
+    )
+
+
+@pytest.mark.timeout(120)
+def test_on_a_virtual_fleet_held_requests_all_finish_and_cancelled_ones_leak_nothing():
+    async def main() -> tuple[int, int, int, int]:
+        fleet = await VirtualFleet(fleet_config(limit=3)).start()
+        client = fleet.client
+        peak = 0
+
+        async def watch() -> None:
+            nonlocal peak
+            while True:
+                peak = max(peak, *client.balancer.get_status()["servers"].values())
+                await asyncio.sleep(0.001)
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            tasks = [
+                asyncio.ensure_future(
+                    client.generate(f"r{i}", prompt_ids=[5 + i, 6, 7, 8], sampling_params={"max_tokens": 40})
+                )
+                for i in range(30)
+            ]
+            await asyncio.sleep(0.01)  # simulated: six are running, the rest wait in the client
+            held = client._gate.waiting if client._gate is not None else -1
+            for t in tasks[-5:]:
+                t.cancel()
+            outs = await asyncio.gather(*tasks[:-5])
+            assert all(len(o.token_ids) > 0 for o in outs)
+            return held, peak, client.balancer.get_total_inflight(), client._gate.waiting
+        finally:
+            watcher.cancel()
+            await fleet.shutdown()
+
+    held, peak, inflight, waiting = virtual_time.run(main())
+    assert held == 24  # 30 requests, 2 replicas x 3 in flight
+    assert peak == 3  # never more than the limit on a replica (distinct prompts: no sibling passes)
+    assert inflight == 0 and waiting == 0  # the 25 done, the 5 cancelled while waiting: nothing leaked
