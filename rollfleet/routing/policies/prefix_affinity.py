@@ -18,21 +18,23 @@ find different homes, as they would under any per-client policy.
 
 from __future__ import annotations
 
-import random
 from typing import Optional, Sequence
 
 from cachetools import LRUCache
 
-from rollfleet.routing.policies.base import ReplicaView, RoutingPolicy
+from rollfleet.routing.policies.base import ReplicaView
+from rollfleet.routing.policies.least_tokens import LeastTokensPolicy
 
 
-class PrefixAffinityPolicy(RoutingPolicy):
-    """Args:
-    seed: tie-breaks between equally loaded replicas.
-    load_factor, slack: a home is kept while its in-flight requests (counting this one) are at
-        most ``load_factor * mean + slack``; ``slack`` lets a whole group (n <= slack) share a
-        home on an idle fleet, ``load_factor`` bounds the imbalance once the fleet is busy.
-    max_homes: prompt keys remembered (LRU).
+class PrefixAffinityPolicy(LeastTokensPolicy):
+    """``least_tokens`` for a request with a new prompt; its prompt's home for the next ones.
+
+    Args:
+        seed: tie-breaks between equally loaded replicas.
+        load_factor, slack: a home is kept while its in-flight requests (counting this one) are
+            at most ``load_factor * mean + slack``; ``slack`` lets a whole group (n <= slack)
+            share a home on an idle fleet, ``load_factor`` bounds the imbalance once it is busy.
+        max_homes: prompt keys remembered (LRU).
     """
 
     name = "prefix_affinity"
@@ -45,7 +47,7 @@ class PrefixAffinityPolicy(RoutingPolicy):
             raise ValueError(f"load_factor must be >= 1 (the mean itself), got {load_factor}")
         if slack < 0:
             raise ValueError(f"slack must be >= 0, got {slack}")
-        self._rng = random.Random(seed)
+        super().__init__(seed)
         self.load_factor = load_factor
         self.slack = slack
         self._homes: LRUCache[int, str] = LRUCache(maxsize=max_homes)
@@ -58,7 +60,7 @@ class PrefixAffinityPolicy(RoutingPolicy):
             view = next((c for c in candidates if c.replica_id == home), None)
             if view is not None and view.inflight + 1 <= self._bound(candidates):
                 return home
-        chosen = self._least_loaded(candidates)
+        chosen = super().select(candidates, request_id, prompt_len)  # least_tokens
         if prefix_key is not None:
             self._homes[prefix_key] = chosen
         return chosen
@@ -69,17 +71,6 @@ class PrefixAffinityPolicy(RoutingPolicy):
     def _bound(self, candidates: Sequence[ReplicaView]) -> float:
         mean = (sum(c.inflight for c in candidates) + 1) / len(candidates)
         return self.load_factor * mean + self.slack
-
-    def _least_loaded(self, candidates: Sequence[ReplicaView]) -> str:
-        best_key = None
-        best: list[str] = []
-        for view in candidates:
-            key = (view.inflight_tokens, view.inflight)
-            if best_key is None or key < best_key:
-                best_key, best = key, [view.replica_id]
-            elif key == best_key:
-                best.append(view.replica_id)
-        return best[0] if len(best) == 1 else self._rng.choice(best)
 
     def on_servers_changed(self, replica_ids: Sequence[str]) -> None:
         """Forget homes on replicas that left (a restarted replica's cache is empty anyway)."""
