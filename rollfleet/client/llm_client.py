@@ -94,6 +94,7 @@ class LLMServerClient:
             sticky_spill_kv_usage=routing.sticky_spill_kv_usage,
             seed=self.config.seed if self.config.full_determinism else routing.seed,
             max_inflight_per_replica=routing.max_inflight_per_replica,
+            policy_options=routing.policy_options(),
         )
         #: Where requests wait while the balancer's dispatch limit holds them back (None: no limit).
         self._gate: Optional[DispatchGate] = None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
@@ -65,8 +65,22 @@ class PlacementConfig(_Section):
         return self
 
 
+class PrefixAffinityConfig(_Section):
+    """Knobs of the ``prefix_affinity`` policy (see :mod:`rollfleet.routing.policies.prefix_affinity`)."""
+
+    load_factor: float = Field(
+        1.25, ge=1.0, description="A prompt's home keeps its requests while its in-flight count is at most "
+        "load_factor x the fleet's mean + slack ..."
+    )  # fmt: skip
+    slack: float = Field(
+        16, ge=0, description="... (slack: room for a whole GRPO group on an idle fleet; at least the group size n)."
+    )
+    max_homes: int = Field(65536, ge=1, description="Prompts whose home a client remembers (LRU).")
+
+
 class RoutingConfig(_Section):
-    """The routing policy and the balancer's knobs (no built-in policy has knobs of its own)."""
+    """The routing policy, the balancer's knobs, and a section per policy with knobs of its own
+    (named after the policy: ``prefix_affinity``)."""
 
     policy: str = Field(
         "prefix_affinity",
@@ -103,6 +117,9 @@ class RoutingConfig(_Section):
         "requests in flight than this; it then goes to the replica that freed up. About the engine's batch "
         "slots (max_num_seqs) plus a few. None: every request is sent at once and engines queue them.",
     )
+    prefix_affinity: PrefixAffinityConfig = Field(
+        default_factory=PrefixAffinityConfig, description="Used when policy is prefix_affinity."
+    )
     load_refresh_interval_s: float = Field(
         1.0,
         gt=0,
@@ -110,6 +127,11 @@ class RoutingConfig(_Section):
         "and weight versions reach clients at once (they watch the controller); loads are polled at "
         "health.probe_interval_s, so a shorter value buys little.",
     )
+
+    def policy_options(self) -> dict[str, Any]:
+        """The chosen policy's own section, as its constructor's keywords ({} if it has none)."""
+        section = getattr(self, self.policy, None)
+        return section.model_dump() if isinstance(section, _Section) else {}
 
     @field_validator("policy")
     @classmethod

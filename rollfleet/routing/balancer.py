@@ -67,6 +67,7 @@ class GlobalRequestLoadBalancer:
             the same replica in every process and every run.
         policy: a policy name (see :mod:`rollfleet.routing.policies`) or instance. verl's default,
             ``least_inflight``, when not given.
+        policy_options: keywords for the named policy's constructor (its config section).
         sticky_overload_factor, sticky_overload_slack: a sticky replica gives way when its
             in-flight count exceeds both ``factor * mean`` and ``mean + slack`` over routable ones,
         sticky_spill_kv_usage: ... and it is saturated: its engine reports waiting requests, or KV
@@ -89,13 +90,17 @@ class GlobalRequestLoadBalancer:
         sticky_spill_kv_usage: float = 0.9,
         seed: Optional[int] = None,
         max_inflight_per_replica: Optional[int] = None,
+        policy_options: Optional[dict[str, Any]] = None,
     ) -> None:
         self.full_determinism = full_determinism
         if full_determinism:
-            policy = "rendezvous"
+            policy, policy_options = "rendezvous", None  # the configured policy's knobs are not its
         if policy is None:
             policy = "least_inflight"
-        self._policy: RoutingPolicy = get_policy(policy, seed=seed) if isinstance(policy, str) else policy
+        if isinstance(policy, str):
+            self._policy: RoutingPolicy = get_policy(policy, seed=seed, **(policy_options or {}))
+        else:
+            self._policy = policy
         self._sticky_enabled = sticky
         self._spill_allowed = not (full_determinism or self._policy.deterministic)
         self._factor = sticky_overload_factor

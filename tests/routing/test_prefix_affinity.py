@@ -120,3 +120,26 @@ def test_on_a_virtual_fleet_each_group_prompt_is_prefilled_once_not_on_every_rep
     spread, _ = grpo_prefill("least_tokens")
     assert affinity <= 1.25 * distinct, (affinity, distinct)
     assert spread >= 2 * distinct, (spread, distinct)  # what load-only routing costs
+
+
+def siblings_spread(routing: dict, full_determinism: bool = False) -> int:
+    """How many replicas 8 samples of one prompt land on, through a client built from the config."""
+    from rollfleet.client import LLMServerClient
+
+    config = RolloutConfig(name="sim", num_replicas=4, routing=routing, full_determinism=full_determinism)
+    client = LLMServerClient(config, servers={f"s{i}": f"h{i}" for i in range(4)})
+    prompt = [11, 12, 13]
+    return len({client.balancer.acquire_server(f"g-{i}", 3, prompt)[0] for i in range(8)})
+
+
+def test_the_policys_config_section_reaches_it():
+    assert siblings_spread({}) == 1  # the default: prefix_affinity, a group of 8 within the slack
+    # no slack, no headroom over the mean: the home gives way as soon as it holds more than the mean
+    assert siblings_spread({"prefix_affinity": {"load_factor": 1.0, "slack": 0}}) == 4
+    # full_determinism routes by rendezvous hashing on the request id, whatever the section says
+    assert siblings_spread({"prefix_affinity": {"slack": 0}}, full_determinism=True) > 1
+
+
+def test_a_bad_knob_in_the_config_names_its_field():
+    with pytest.raises(ValueError, match="prefix_affinity.load_factor"):
+        RolloutConfig(name="sim", routing={"prefix_affinity": {"load_factor": 0.5}})

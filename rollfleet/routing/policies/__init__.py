@@ -10,7 +10,8 @@ To add one: subclass :class:`RoutingPolicy` in a module of its own, implement ``
 ``register_policy("name", cls)`` (or ``register_policy("name", "pkg.module:Class")``); the config's
 ``routing.policy`` can then name it (checked when the config is built). Every policy is built as
 ``cls(seed=seed)``: a policy without randomness simply ignores the seed (the base class accepts it).
-No built-in policy has knobs of its own today, so ``routing`` has no per-policy sections.
+A policy with knobs of its own gets a config section named after it (``routing.prefix_affinity``),
+whose fields reach its constructor as keywords (``RoutingConfig.policy_options``).
 """
 
 from __future__ import annotations
