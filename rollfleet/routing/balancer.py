@@ -217,6 +217,7 @@ class GlobalRequestLoadBalancer:
         if state is None or report.timestamp < state.reported_at:
             return
         state.reported_at = report.timestamp
+        others_before = state.others
         mine = report.by_client.get(self.client_id, (0, 0)) if report.by_client is not None else None
         if mine is not None:  # exact: our share as the replica counted it
             state.others = max(0, report.inflight - mine[0])
@@ -226,8 +227,8 @@ class GlobalRequestLoadBalancer:
             state.others_tokens = max(0, report.inflight_tokens - state.local_tokens)
         state.kv_usage = report.kv_usage
         state.waiting = report.waiting
-        if self.on_room is not None:
-            self.on_room(True)
+        if state.others < others_before and self.on_room is not None:
+            self.on_room(True)  # other clients' requests finished there: room for any number
 
     def set_routable(self, server_id: str, routable: bool) -> None:
         """Include or exclude a replica (dead, suspect, restarting, on stale weights)."""

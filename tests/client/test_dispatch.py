@@ -45,13 +45,16 @@ def test_session_turns_and_placed_siblings_are_never_held():
     assert lb.try_acquire_server("g-1", 3, [7, 7, 7])[0] == sibling  # so does a sibling of a placed prompt
 
 
-def test_a_release_wakes_one_waiter_and_a_load_report_wakes_all():
+def test_a_release_wakes_one_waiter_and_a_report_of_others_finishing_wakes_all():
     lb = limited(2, 1)
     calls: list[bool] = []
     lb.on_room = calls.append
     sid, _ = lb.acquire_server("a", 1)
     lb.release_server(sid, 1)
-    lb.report_load(LoadReport(replica_id="s1", inflight=0, inflight_tokens=0, timestamp=1.0))
+    assert calls == [False]
+    lb.report_load(LoadReport(replica_id="s1", inflight=3, inflight_tokens=3, timestamp=1.0))
+    assert calls == [False]  # others' load went up: nothing to wake
+    lb.report_load(LoadReport(replica_id="s1", inflight=1, inflight_tokens=1, timestamp=2.0))
     assert calls == [False, True]
 
 
