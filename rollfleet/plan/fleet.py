@@ -59,6 +59,7 @@ class VirtualFleet:
         self.rollout = rollout
         self.replicas = {f"replica-{i}": Replica(f"replica-{i}", rollout, i) for i in range(rollout.num_replicas)}
         self.client = client_cls(rollout, servers={rid: LocalHandle(r) for rid, r in self.replicas.items()})
+        self._clients: list[LLMServerClient] = []
         self.version = 0
         self._started_at: Optional[float] = None
 
@@ -72,28 +73,53 @@ class VirtualFleet:
         self._started_at = asyncio.get_running_loop().time()
         return self
 
-    def get_client(self, cls: Optional[type[LLMServerClient]] = None) -> LLMServerClient:
-        """The fleet's client (one per fleet; ``cls`` must be its class or a base of it)."""
-        if cls is not None and not isinstance(self.client, cls):
-            raise TypeError(f"this fleet's client is a {type(self.client).__name__}, not a {cls.__name__}")
-        return self.client
+    def get_client(self, client_cls: Optional[type[LLMServerClient]] = None, **kwargs: Any) -> LLMServerClient:
+        """A client of this fleet, as ``LLMServerManager.get_client`` hands one out: the fleet's
+        own when it is already a ``client_cls`` and no settings are given, else a new one of
+        ``client_cls`` (constructor arguments in ``kwargs``) on the same replicas, closed with the
+        fleet."""
+        if client_cls is None or (isinstance(self.client, client_cls) and not kwargs):
+            return self.client
+        if not (isinstance(client_cls, type) and issubclass(client_cls, LLMServerClient)):
+            raise TypeError(f"client_cls must be a subclass of LLMServerClient, got {client_cls!r}")
+        client = client_cls(self.rollout, servers={rid: LocalHandle(r) for rid, r in self.replicas.items()}, **kwargs)
+        self._clients.append(client)
+        return client
+
+    async def learner_placement(self) -> None:
+        """A virtual fleet reserves no devices: the learner is wherever the caller runs it."""
+        return None
+
+    async def pause(self) -> None:
+        await asyncio.gather(*(r.pause() for r in self.replicas.values()))
+
+    async def resume(self) -> None:
+        await asyncio.gather(*(r.resume() for r in self.replicas.values()))
+
+    async def sleep(self) -> None:
+        await asyncio.gather(*(r.sleep() for r in self.replicas.values()))
+
+    async def wake_up(self) -> None:
+        await asyncio.gather(*(r.wake_up() for r in self.replicas.values()))
 
     async def update_weights(
         self, weights: Any = None, version: Optional[int] = None, mode: Optional[CommitMode] = None
     ) -> dict[str, Any]:
         """Stage ``version`` (default: the next one) on every replica while they serve, then commit
         it everywhere (``mode``: ``rollout.weight_sync.mode`` by default; ``rolling`` commits like
-        ``keep``, every replica at once). Returns
-        the version and how long it took in simulated seconds, as the manager's result does."""
+        ``keep``, every replica at once). Returns the version, how long it took and when the
+        fleet was committing (``paused``: ``[start, end]``), in simulated seconds, as the
+        manager's result does."""
         clock = asyncio.get_running_loop().time
         started = clock()
         version = self.version + 1 if version is None else version
         mode = mode or ("abort" if self.rollout.weight_sync.mode == "abort" else "keep")
         payload = {"version": version} if weights is None else weights
         await asyncio.gather(*(r.stage_weights(payload, version) for r in self.replicas.values()))
+        committing = clock()
         await asyncio.gather(*(r.commit_weights(version, mode) for r in self.replicas.values()))
         self.version = version
-        return {"version": version, "mode": mode, "total_s": clock() - started}
+        return {"version": version, "mode": mode, "total_s": clock() - started, "paused": [[committing, clock()]]}
 
     async def replica_stats(self) -> dict[str, dict[str, Any]]:
         return {rid: await r.stats() for rid, r in self.replicas.items()}
@@ -111,7 +137,7 @@ class VirtualFleet:
         return out
 
     async def shutdown(self) -> None:
-        await self.client.close()
+        await asyncio.gather(*(c.close() for c in [self.client, *self._clients]))
         await asyncio.gather(*(r.shutdown() for r in self.replicas.values()))
 
 

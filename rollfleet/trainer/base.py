@@ -28,7 +28,6 @@ import logging
 import math
 import os
 import statistics
-import time
 from pathlib import Path
 from typing import Any, ClassVar, Optional
 
@@ -38,6 +37,7 @@ from rollfleet.config import RollfleetConfig
 from rollfleet.manager import LLMServerManager
 from rollfleet.trainer.config import TrainConfig
 from rollfleet.trainer.remote_learner import LearnerSpec, RemoteLearner
+from rollfleet.trainer.runtime import RayRuntime, TrainerRuntime
 from rollfleet.trainer.staleness import Group
 from rollfleet.trainer.tasks import make_task
 from rollfleet.trainer.tracking import RunTracker
@@ -54,7 +54,11 @@ class Trainer(abc.ABC):
     #: Whether the learner shares the replicas' devices unless ``trainer.colocate`` says otherwise.
     colocated_by_default: ClassVar[bool] = True
 
-    def __init__(self, config: RollfleetConfig, *, progress: Any = None) -> None:
+    def __init__(
+        self, config: RollfleetConfig, *, progress: Any = None, runtime: Optional[TrainerRuntime] = None
+    ) -> None:
+        #: Where the fleet, learner and workers run and which clock times the steps (Ray, wall time).
+        self.runtime = runtime or RayRuntime()
         self.train = TrainConfig.model_validate(config.trainer.model_dump())
         self.config = self._with_colocation(config)
         self.run_dir = Path(self.train.output_dir) / self.train.run_name
@@ -109,17 +113,11 @@ class Trainer(abc.ABC):
         return LearnerSpec("torch", learner_cfg, model)
 
     async def init(self) -> None:
-        self.tracker = RunTracker(self.run_dir, resume=self.train.resume)
+        self.tracker = RunTracker(self.run_dir, resume=self.train.resume, clock=self.runtime.clock)
         # The fleet first: it starts Ray and says where the learner goes.
-        self.manager = await LLMServerManager.create(self.config)
-        self.learner = await RemoteLearner.create(self.build_learner(), await self.manager.learner_placement())
-        # As in verl: the workers get the trainer's client (each actor rebuilds it on the same
-        # fleet with the same class and settings); the manager closes this one on shutdown.
-        self.agent_manager = await FullyAsyncAgentLoopManager.create(
-            self.config,
-            llm_client=self.get_llm_client(),
-            server_manager=self.manager,
-        )
+        self.manager = await self.runtime.create_fleet(self.config)
+        self.learner = await self.runtime.create_learner(self.build_learner(), self.manager)
+        self.agent_manager = await self.runtime.create_agent_manager(self.config, self.get_llm_client(), self.manager)
         if self.train.resume:
             await self._resume()
 
@@ -167,16 +165,16 @@ class Trainer(abc.ABC):
 
     async def fit(self) -> dict[str, Any]:
         assert self.manager is not None and self.tracker is not None
-        t_start = time.perf_counter()
+        t_start = self.runtime.clock()
         self._last_step_end = t_start
         await self.on_train_begin()
         try:
             while self.step < self.train.total_steps:
                 self.step += 1
                 await self.on_step_begin()
-                t0 = time.time()
+                t0 = self.runtime.clock()
                 groups, info = await self.sample()
-                t1 = time.time()
+                t1 = self.runtime.clock()
                 self.tracker.span_event("trainer", "wait", t0, t1, step=self.step)
                 await self.on_sample_end()
                 metrics = await self._train_on(groups)
@@ -190,7 +188,7 @@ class Trainer(abc.ABC):
                     await self.save_checkpoint()
         finally:
             await self.on_train_end()
-        self.wall_s = time.perf_counter() - t_start
+        self.wall_s = self.runtime.clock() - t_start
         await self.save_checkpoint()
         return self.summary()
 
@@ -226,15 +224,15 @@ class Trainer(abc.ABC):
         return out
 
     def fleet_paused(self, at: Optional[float] = None) -> None:
-        """Record that the fleet stopped generating (for the timeline), now or ``at`` (wall time)."""
-        now = time.time() if at is None else at
+        """Record that the fleet stopped generating (for the timeline), now or ``at`` (runtime clock)."""
+        now = self.runtime.clock() if at is None else at
         if self._fleet_active_since is not None and self.tracker is not None:
             self.tracker.span_event("fleet", "generating", self._fleet_active_since, now)
         self._fleet_active_since = None
         self._fleet_paused_since = now
 
     def fleet_resumed(self, at: Optional[float] = None) -> None:
-        now = time.time() if at is None else at
+        now = self.runtime.clock() if at is None else at
         if self._fleet_paused_since is not None and self.tracker is not None:
             self.tracker.span_event("fleet", "paused", self._fleet_paused_since, now)
         self._fleet_paused_since = None
@@ -267,7 +265,7 @@ class Trainer(abc.ABC):
         self, groups: list[Group], info: dict[str, Any], metrics: dict[str, Any], *, wait_s: float, synced: bool
     ) -> None:
         assert self.tracker is not None
-        now = time.perf_counter()
+        now = self.runtime.clock()
         step_s = now - self._last_step_end
         self._last_step_end = now
         tokens = sum(int(sum(o.response_mask)) for g in groups for o in g.outputs)

@@ -24,12 +24,18 @@ class SimulatedLearner:
         self.trained_tokens = 0
 
     def update(self, batch: Any) -> dict[str, float]:
+        seconds, metrics = self.step(batch)
+        time.sleep(seconds)
+        return metrics
+
+    def step(self, batch: Any) -> tuple[float, dict[str, float]]:
+        """Count a step on ``batch`` and say how long it takes, without taking it (a caller on a
+        virtual clock sleeps there instead of in wall time)."""
         tokens = int(batch.response_mask.sum().item()) if hasattr(batch, "response_mask") else 0
         seconds = tokens * self.config.seconds_per_token / self.config.resource_share
-        time.sleep(seconds)
         self.global_step += 1
         self.trained_tokens += tokens
-        return {"actor/global_step": float(self.global_step), "actor/train_s": seconds}
+        return seconds, {"actor/global_step": float(self.global_step), "actor/train_s": seconds}
 
     def state_dict_for_inference(self) -> dict[str, Any]:
         return {"sim_step": self.global_step}

@@ -7,11 +7,15 @@ import json
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 
 class RunTracker:
-    def __init__(self, run_dir: Path, resume: bool = False) -> None:
+    """Writes a run's metrics and timeline; times are seconds since it was made, on ``clock``
+    (wall time by default; a virtual clock when the run is simulated)."""
+
+    def __init__(self, run_dir: Path, resume: bool = False, clock: Callable[[], float] = time.time) -> None:
+        self.clock = clock
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / "metrics.jsonl"
@@ -19,12 +23,12 @@ class RunTracker:
         if not resume:
             for p in (self.metrics_path, self.timeline_path):
                 p.unlink(missing_ok=True)
-        self.t0 = time.time()
+        self.t0 = clock()
         self.history: list[dict[str, Any]] = []
 
     def log(self, metrics: dict[str, Any]) -> None:
         row = {k: _jsonable(v) for k, v in metrics.items()}
-        row.setdefault("time", time.time() - self.t0)
+        row.setdefault("time", self.clock() - self.t0)
         self.history.append(row)
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(row) + "\n")
@@ -37,11 +41,11 @@ class RunTracker:
 
     @contextmanager
     def span(self, lane: str, kind: str, **info: Any) -> Iterator[None]:
-        start = time.time()
+        start = self.clock()
         try:
             yield
         finally:
-            self.span_event(lane, kind, start, time.time(), **info)
+            self.span_event(lane, kind, start, self.clock(), **info)
 
 
 def _jsonable(v: Any) -> Any:
