@@ -1,4 +1,4 @@
-"""The ``rollfleet`` command line: ``rollfleet simulate`` (more subcommands arrive with their layers)."""
+"""The ``rollfleet`` command line: ``simulate``, ``plan``, ``serve``, ``train``."""
 
 from __future__ import annotations
 
@@ -62,6 +62,32 @@ def _simulate(args: argparse.Namespace) -> int:
     render(result, console, virtual=args.virtual)
     ok = result.trajectories == opts.sessions
     return 0 if ok else 1
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """Every trainer mode on a simulated cluster in virtual time (see rollfleet.cli.plan)."""
+    from rollfleet.cli.plan import render, run, spec_from_args, write_outputs
+    from rollfleet.models.vocab import fit_sim_to_model
+
+    overrides: dict = {"rollout.name": "sim"}
+    if args.steps is not None:
+        overrides["trainer.total_steps"] = args.steps
+    config = fit_sim_to_model(_load(args.config, overrides))
+    try:
+        spec = spec_from_args(args, config)
+    except ValueError as exc:
+        print(f"rollfleet plan: {exc}", file=sys.stderr)
+        return 2
+    console = Console(width=None if sys.stdout.isatty() else 160)  # the table is wide
+    console.print(
+        f"[bold]rollfleet plan[/]: {', '.join(spec.modes)} on {spec.gpus} accelerators (tp {spec.tp}), "
+        f"{spec.train.total_steps} steps x {len(spec.seeds)} seeds, in virtual time"
+    )
+    result = run(spec, console)
+    render(result, console)
+    for path in write_outputs(result, args.out):
+        console.print(f"  wrote {path}")
+    return 0
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -146,6 +172,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         "--virtual", action="store_true", help="in-process fleet in virtual time: simulated seconds, same on any host"
     )
     sim.set_defaults(func=_simulate)
+
+    pln = sub.add_parser("plan", help="trainer modes side by side on a simulated cluster, in virtual time")
+    from rollfleet.cli.plan import add_arguments
+
+    add_arguments(pln)
+    pln.set_defaults(func=_plan)
 
     srv = sub.add_parser("serve", help="start Ray, the fleet and the OpenAI-compatible gateway; Ctrl-C stops all")
     srv.add_argument("--config", default=None, help="YAML config (defaults if omitted)")

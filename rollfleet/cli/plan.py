@@ -1,0 +1,124 @@
+"""``rollfleet plan``: every trainer mode on a simulated cluster, in virtual time, side by side.
+
+The config gives the workload (``rollout.n``, ``prompt_length``, ``response_length``, the sim
+engine's response-length distribution and step costs), the trainer's batch, staleness and sync
+settings and the learner's cost; the command line gives the cluster. Outputs: a table (step time,
+speed-up over ``sync``, trainer / fleet / cluster idle, staleness, dropped groups), ``plan.json``,
+``plan.png`` and one timeline PNG per mode, under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from rollfleet.config import RollfleetConfig
+from rollfleet.plan.planner import MODES, ModeRun, PlanResult, PlanSpec, learner_seconds_per_token, run_plan, write_plan
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, help="YAML config (defaults if omitted)")
+    p.add_argument("--gpus", type=int, required=True, help="accelerators in the cluster")
+    p.add_argument("--tp", type=int, default=1, help="accelerators per replica (tensor parallelism)")
+    p.add_argument(
+        "--rollout-share", type=float, default=0.5, help="separate_async: share of the accelerators that generate"
+    )
+    p.add_argument("--modes", default=",".join(MODES), help="trainer modes, comma-separated")
+    p.add_argument("--seeds", default="0,1,2", help="one run per seed per mode, comma-separated")
+    p.add_argument("--steps", type=int, default=None, help="overrides trainer.total_steps")
+    p.add_argument("--warmup-steps", type=int, default=1, help="first steps left out of the step time")
+    p.add_argument("--model-params-b", type=float, default=None, help="learner cost from the model size (billions)")
+    p.add_argument("--tflops-per-gpu", type=float, default=989.0, help="peak dense TFLOPS per accelerator (H100 bf16)")
+    p.add_argument("--mfu", type=float, default=0.35, help="model FLOPs utilisation of the learner")
+    p.add_argument(
+        "--flops-per-param-token", type=float, default=6.0, help="6: forward + backward; +2 per extra forward pass"
+    )
+    p.add_argument("--out", default="runs/plan", help="where plan.json, plan.png and the runs go")
+
+
+def spec_from_args(args: argparse.Namespace, config: RollfleetConfig) -> PlanSpec:
+    if args.model_params_b is not None:
+        per_token = learner_seconds_per_token(
+            args.model_params_b, args.gpus, args.tflops_per_gpu, args.mfu, args.flops_per_param_token
+        )
+        doc = config.model_dump()
+        doc["trainer"]["sim_learner"] = {**doc["trainer"].get("sim_learner", {}), "seconds_per_token": per_token}
+        config = RollfleetConfig.model_validate(doc)
+    return PlanSpec(
+        config,
+        gpus=args.gpus,
+        tp=args.tp,
+        rollout_share=args.rollout_share,
+        modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
+        seeds=tuple(int(s) for s in args.seeds.split(",") if s.strip()),
+        warmup_steps=args.warmup_steps,
+        output_dir=str(Path(args.out) / "runs"),
+    )
+
+
+def run(spec: PlanSpec, console: Console) -> PlanResult:
+    total = len(spec.modes) * len(spec.seeds)
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("planning", total=total)
+
+        def done(r: ModeRun) -> None:
+            progress.update(task, advance=1, description=f"{r.mode} seed {r.seed}: {r.step_s:.2f} s/step")
+
+        return run_plan(spec, on_run=done)
+
+
+def render(result: PlanResult, console: Console) -> None:
+    spec = result.spec
+    table = Table(
+        title=f"plan: {spec.gpus} accelerators, tp {spec.tp}, seeds {','.join(map(str, spec.seeds))} "
+        "(simulated seconds; means over seeds)"
+    )
+    for col in (
+        "mode",
+        "replicas",
+        "s / step (range)",
+        "speed-up vs sync",
+        "trainer idle",
+        "fleet idle",
+        "cluster idle",
+        "staleness mean / max",
+        "dropped groups",
+        "gen tokens/s",
+    ):
+        table.add_column(col, justify="left" if col == "mode" else "right")
+    for r in result.summary():
+        lo, hi = r["step_s_range"]
+        speedup: Any = r["speedup_vs_sync"]
+        table.add_row(
+            r["mode"],
+            str(r["replicas"]),
+            f"{r['step_s']:.2f} ({lo:.2f}-{hi:.2f})",
+            "-" if speedup is None else f"{speedup:.2f}x",
+            f"{r['trainer_idle']:.0%}",
+            f"{r['fleet_idle']:.0%}",
+            f"{r['cluster_idle']:.0%}",
+            f"{r['staleness_mean']:.2f} / {r['staleness_max']}",
+            str(r["dropped_groups"]),
+            f"{r['tokens_per_s']:,.0f}",
+        )
+    console.print(table)
+
+
+def write_outputs(result: PlanResult, out: str) -> list[Path]:
+    from rollfleet.trainer.plots import plot_run
+
+    written = write_plan(result, out)
+    first: dict[str, ModeRun] = {}
+    for r in result.runs:
+        first.setdefault(r.mode, r)
+    for r in first.values():  # one timeline per mode (its first seed)
+        written += [p for p in plot_run(r.run_dir) if p.name == "timeline.png"]
+    return written
+
+
+__all__ = ["add_arguments", "spec_from_args", "run", "render", "write_outputs"]

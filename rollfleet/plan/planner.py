@@ -1,0 +1,269 @@
+"""A training plan: every trainer mode run on the same simulated cluster, in virtual time.
+
+Inputs (:class:`PlanSpec`): a rollfleet config (the sim engine's step costs, the workload, the
+trainer's batch, staleness and sync settings) and the cluster: ``gpus`` accelerators, ``tp`` per
+replica, and the share that ``separate_async`` gives to rollout. Each mode runs the real trainer
+code (:class:`~rollfleet.plan.runtime.VirtualRuntime`) on its share of the cluster:
+
+* ``sync`` and ``colocate_async`` take turns on all of it: ``gpus // tp`` replicas generate, then
+  the learner trains on every accelerator (the fleet paused meanwhile);
+* ``separate_async`` splits it: ``rollout_share`` of the accelerators generate while the learner
+  trains on the rest, so its steps take longer by the inverse of its share.
+
+The learner's cost is ``trainer.sim_learner.seconds_per_token`` on the whole cluster, or derived
+from the model size (:func:`learner_seconds_per_token`). Each mode runs once per seed (the seed
+draws the prompts and response lengths and seeds the routing policy); results are means with
+their range. The same spec gives the same numbers on any host: nothing here reads a wall clock.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from rollfleet.config import RollfleetConfig
+from rollfleet.plan.runtime import VirtualRuntime
+from rollfleet.trainer import get_trainer_cls
+from rollfleet.trainer.config import TrainConfig
+from rollfleet.utils import virtual_time
+
+MODES = ("sync", "colocate_async", "separate_async")
+
+
+def learner_seconds_per_token(
+    params_b: float, gpus: int, tflops_per_gpu: float, mfu: float, flops_per_param_token: float = 6.0
+) -> float:
+    """Seconds of training per trained token on ``gpus`` accelerators for a model of ``params_b``
+    billion parameters: ``flops_per_param_token`` (6: forward and backward, the usual estimate;
+    add 2 per extra forward pass such as old log-probs or a reference model) x parameters, over
+    the cluster's ``tflops_per_gpu`` peak at ``mfu`` utilisation."""
+    if min(params_b, tflops_per_gpu, mfu) <= 0 or gpus < 1:
+        raise ValueError("params_b, tflops_per_gpu and mfu must be > 0 and gpus >= 1")
+    return flops_per_param_token * params_b * 1e9 / (gpus * tflops_per_gpu * 1e12 * mfu)
+
+
+@dataclass(frozen=True)
+class PlanSpec:
+    """What to plan: a config and the cluster it runs on."""
+
+    config: RollfleetConfig
+    gpus: int
+    tp: int = 1
+    rollout_share: float = 0.5  # of the accelerators, for separate_async
+    modes: tuple[str, ...] = MODES
+    seeds: tuple[int, ...] = (0, 1, 2)
+    warmup_steps: int = 1  # excluded from the step time: the first step fills an empty pipeline
+    output_dir: str = "runs/plan"
+
+    def __post_init__(self) -> None:
+        if self.tp < 1 or self.gpus < self.tp:
+            raise ValueError(f"gpus ({self.gpus}) must hold at least one replica of tp={self.tp}")
+        if not 0 < self.rollout_share < 1:
+            raise ValueError(f"rollout_share must be in (0, 1), got {self.rollout_share}")
+        if "separate_async" in self.modes and int(self.gpus * self.rollout_share) < self.tp:
+            raise ValueError(
+                f"separate_async: rollout_share x gpus = {self.gpus * self.rollout_share:g} holds no tp={self.tp} replica"
+            )
+        if self.warmup_steps >= self.train.total_steps:
+            raise ValueError(
+                f"trainer.total_steps ({self.train.total_steps}) must exceed warmup_steps ({self.warmup_steps})"
+            )
+        if not self.modes or not self.seeds:
+            raise ValueError("modes and seeds must not be empty")
+        for mode in self.modes:
+            get_trainer_cls(mode)  # UnknownName (a ValueError) lists the registered modes
+
+    @property
+    def train(self) -> TrainConfig:
+        """The config's trainer section, validated (a bad one fails here, its fields named)."""
+        return TrainConfig.model_validate(self.config.trainer.model_dump())
+
+    def share_of(self, mode: str) -> tuple[int, float]:
+        """Replicas and the learner's share of the accelerators in ``mode``."""
+        if mode == "separate_async":
+            rollout_gpus = int(self.gpus * self.rollout_share) // self.tp * self.tp
+            return rollout_gpus // self.tp, (self.gpus - rollout_gpus) / self.gpus
+        return self.gpus // self.tp, 1.0
+
+    def config_for(self, mode: str, seed: int) -> RollfleetConfig:
+        replicas, share = self.share_of(mode)
+        doc = self.config.model_dump()
+        trainer = doc["trainer"]
+        trainer.update(trainer_mode=mode, seed=seed, output_dir=self.output_dir, run_name=f"{mode}-seed{seed}")
+        trainer["sim_learner"] = {**trainer.get("sim_learner", {}), "enabled": True, "resource_share": share}
+        rollout = doc["rollout"]
+        rollout.update(name="sim", num_replicas=replicas)
+        rollout["routing"]["seed"] = seed
+        rollout["sim"].update(seed=seed, time_scale=1.0)
+        config = RollfleetConfig.model_validate(doc)
+        TrainConfig.model_validate(config.trainer.model_dump())  # a bad trainer section fails here, named
+        return config
+
+
+@dataclass
+class ModeRun:
+    """One mode on one seed, in simulated seconds."""
+
+    mode: str
+    seed: int
+    replicas: int
+    step_s: float  # mean, after warm-up
+    trainer_idle: float  # share of the trainer's time spent waiting for samples (after warm-up)
+    fleet_idle: float  # share of the replicas' time with nothing to run (whole run)
+    cluster_idle: float  # share of accelerator time spent neither generating nor training (whole run)
+    staleness_mean: float
+    staleness_max: int
+    dropped_groups: int
+    tokens_per_s: float
+    run_dir: str
+
+
+@dataclass
+class PlanResult:
+    spec: PlanSpec
+    runs: list[ModeRun] = field(default_factory=list)
+
+    def by_mode(self) -> dict[str, list[ModeRun]]:
+        out: dict[str, list[ModeRun]] = {}
+        for r in self.runs:
+            out.setdefault(r.mode, []).append(r)
+        return out
+
+    def summary(self) -> list[dict[str, Any]]:
+        """Per mode: means over seeds (and the step time's range); speed-up over ``sync`` is the
+        mean of the per-seed ratios (same seed, same prompts)."""
+        modes = self.by_mode()
+        sync = {r.seed: r.step_s for r in modes.get("sync", [])}
+        rows = []
+        for mode, runs in modes.items():
+            speedups = [sync[r.seed] / r.step_s for r in runs if r.seed in sync and r.step_s > 0]
+            rows.append(
+                {
+                    "mode": mode,
+                    "replicas": runs[0].replicas,
+                    "step_s": statistics.fmean(r.step_s for r in runs),
+                    "step_s_range": [min(r.step_s for r in runs), max(r.step_s for r in runs)],
+                    "speedup_vs_sync": statistics.fmean(speedups) if speedups else None,
+                    "trainer_idle": statistics.fmean(r.trainer_idle for r in runs),
+                    "fleet_idle": statistics.fmean(r.fleet_idle for r in runs),
+                    "cluster_idle": statistics.fmean(r.cluster_idle for r in runs),
+                    "staleness_mean": statistics.fmean(r.staleness_mean for r in runs),
+                    "staleness_max": max(r.staleness_max for r in runs),
+                    "dropped_groups": sum(r.dropped_groups for r in runs),
+                    "tokens_per_s": statistics.fmean(r.tokens_per_s for r in runs),
+                }
+            )
+        return rows
+
+
+async def run_mode(spec: PlanSpec, mode: str, seed: int) -> ModeRun:
+    """One mode on one seed; call on a virtual-time loop (:func:`rollfleet.utils.virtual_time.run`)."""
+    runtime = VirtualRuntime()
+    trainer = get_trainer_cls(mode)(spec.config_for(mode, seed), runtime=runtime)
+    try:
+        await trainer.init()
+        await trainer.fit()
+        assert runtime.fleet is not None and runtime.learner is not None and trainer.tracker is not None
+        report = await runtime.fleet.report()
+        learner_busy = runtime.learner.busy_s
+    finally:
+        await trainer.close()
+    rows = trainer.tracker.history[spec.warmup_steps :]
+    steps_s = sum(r["step_s"] for r in rows)
+    busy = sum(report.busy_s.values())
+    replicas = len(report.busy_s)
+    # Accelerator-seconds used: each replica's busy time on its tp devices, the learner's on its
+    # share (colocated modes share the devices, but the fleet is paused while the learner trains).
+    _, learner_share = spec.share_of(mode)
+    used = busy * spec.tp + learner_busy * learner_share * spec.gpus
+    span = spec.gpus * report.makespan_s
+    return ModeRun(
+        mode=mode,
+        seed=seed,
+        replicas=replicas,
+        step_s=steps_s / len(rows),
+        trainer_idle=sum(r["wait_s"] for r in rows) / steps_s if steps_s else 0.0,
+        fleet_idle=1.0 - busy / (replicas * report.makespan_s) if report.makespan_s else 0.0,
+        cluster_idle=max(0.0, 1.0 - used / span) if span else 0.0,
+        staleness_mean=statistics.fmean(r["staleness/mean"] for r in rows),
+        staleness_max=int(max(r["staleness/max"] for r in rows)),
+        dropped_groups=int(sum(r.get("staleness/dropped", 0) for r in trainer.tracker.history)),
+        tokens_per_s=sum(r["perf/tokens_per_s"] * r["step_s"] for r in rows) / steps_s if steps_s else 0.0,
+        run_dir=str(trainer.run_dir),
+    )
+
+
+def run_plan(spec: PlanSpec, on_run: Optional[Callable[[ModeRun], None]] = None) -> PlanResult:
+    """Every mode on every seed, each on a fresh virtual-time loop (blocking)."""
+    result = PlanResult(spec)
+    for mode in spec.modes:
+        for seed in spec.seeds:
+            run = virtual_time.run(run_mode(spec, mode, seed))
+            result.runs.append(run)
+            if on_run is not None:
+                on_run(run)
+    return result
+
+
+def write_plan(result: PlanResult, out: str | Path) -> list[Path]:
+    """``plan.json`` (the summary and every run) and ``plan.png`` (step time and idle fractions
+    per mode) under ``out``; each run's own timeline PNG is in its run folder."""
+    import json
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    spec = result.spec
+    doc = {
+        "gpus": spec.gpus,
+        "tp": spec.tp,
+        "rollout_share": spec.rollout_share,
+        "seeds": list(spec.seeds),
+        "summary": result.summary(),
+        "runs": [vars(r) for r in result.runs],
+    }
+    json_path = out / "plan.json"
+    json_path.write_text(json.dumps(doc, indent=2) + "\n")
+    return [json_path, _plot_summary(result, out / "plan.png")]
+
+
+def _plot_summary(result: PlanResult, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result.summary()
+    names = [r["mode"] for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    errs = [[r["step_s"] - r["step_s_range"][0] for r in rows], [r["step_s_range"][1] - r["step_s"] for r in rows]]
+    ax1.bar(names, [r["step_s"] for r in rows], yerr=errs, color="#4c72b0", capsize=4)
+    ax1.set_ylabel("simulated seconds per step")
+    ax1.set_title(f"step time ({result.spec.gpus} accelerators, tp {result.spec.tp})")
+    x = range(len(rows))
+    ax2.bar([i - 0.2 for i in x], [r["trainer_idle"] for r in rows], width=0.4, label="trainer idle", color="#d9d9d9")
+    ax2.bar([i + 0.2 for i in x], [r["fleet_idle"] for r in rows], width=0.4, label="fleet idle", color="#c44e52")
+    ax2.set_xticks(list(x), names)
+    ax2.set_ylim(0, 1)
+    ax2.set_title("idle fractions")
+    ax2.legend()
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+__all__ = [
+    "PlanSpec",
+    "PlanResult",
+    "ModeRun",
+    "MODES",
+    "learner_seconds_per_token",
+    "run_plan",
+    "run_mode",
+    "write_plan",
+]

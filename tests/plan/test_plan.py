@@ -1,0 +1,166 @@
+"""``rollfleet plan``: the real trainer modes on a virtual cluster, end to end, and repeatable."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rollfleet.cli.main import main
+from rollfleet.config import RollfleetConfig, load_config
+from rollfleet.models.vocab import fit_sim_to_model
+from rollfleet.plan import VirtualRuntime
+from rollfleet.plan.planner import PlanSpec, learner_seconds_per_token, run_mode, run_plan
+from rollfleet.trainer.config import TrainConfig
+from rollfleet.trainer.sim_learner import SimulatedLearner
+from rollfleet.utils import virtual_time
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(300)]
+
+WORKLOAD = {
+    "rollout": {
+        "n": 4,
+        "prompt_length": 64,
+        "response_length": 512,
+        "max_model_len": 600,
+        "sim": {"mean_response_tokens": 120, "response_sigma": 1.2},
+    },
+    "agent": {"num_workers": 2},
+    "trainer": {
+        "total_steps": 4,
+        "train_batch_size": 4,
+        "max_off_policy_steps": 1,
+        "sim_learner": {"seconds_per_token": 2e-4},
+    },
+}
+
+
+def workload_config() -> RollfleetConfig:
+    overrides = {f"{section}.{key}": value for section, keys in WORKLOAD.items() for key, value in _flat(keys).items()}
+    return fit_sim_to_model(load_config(None, {"rollout.name": "sim", **overrides}))
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out: dict = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def test_every_mode_runs_on_its_share_of_the_cluster_and_a_plan_repeats_exactly(tmp_path):
+    spec = PlanSpec(workload_config(), gpus=4, seeds=(0, 1), output_dir=str(tmp_path / "a"))
+    first = run_plan(spec)
+    second = run_plan(dataclasses.replace(spec, output_dir=str(tmp_path / "b")))
+    strip = [{k: v for k, v in vars(r).items() if k != "run_dir"} for r in first.runs]
+    assert strip == [{k: v for k, v in vars(r).items() if k != "run_dir"} for r in second.runs]
+
+    rows = {r["mode"]: r for r in first.summary()}
+    assert set(rows) == {"sync", "colocate_async", "separate_async"}
+    assert rows["sync"]["replicas"] == 4 and rows["colocate_async"]["replicas"] == 4
+    assert rows["separate_async"]["replicas"] == 2  # half the accelerators generate, half train
+    sync = rows["sync"]
+    assert sync["speedup_vs_sync"] == pytest.approx(1.0) and sync["staleness_max"] == 0
+    assert sync["dropped_groups"] == 0
+    for mode in ("colocate_async", "separate_async"):
+        r = rows[mode]
+        assert r["staleness_max"] <= 1  # trainer.max_off_policy_steps
+        assert 0.0 <= r["trainer_idle"] <= 1.0 and 0.0 <= r["fleet_idle"] <= 1.0 and 0.0 <= r["cluster_idle"] <= 1.0
+        # a long tail stalls every sync step; the async modes generate through it
+        assert r["speedup_vs_sync"] > 1.2, rows
+    # sync's learner waits for every trajectory of its batch: it idles more than either async mode
+    assert sync["trainer_idle"] > max(rows["colocate_async"]["trainer_idle"], rows["separate_async"]["trainer_idle"])
+
+
+def test_a_plan_gives_the_same_numbers_on_a_loaded_host(tmp_path):
+    spec = PlanSpec(workload_config(), gpus=2, modes=("separate_async",), seeds=(3,), output_dir=str(tmp_path))
+    quiet = virtual_time.run(run_mode(spec, "separate_async", 3))
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        loaded = virtual_time.run(run_mode(spec, "separate_async", 3))
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+    assert vars(quiet) == vars(loaded)
+    assert quiet.step_s > 0 and quiet.replicas == 1
+
+
+def test_the_learner_pays_for_its_share_of_the_cluster(tmp_path):
+    """separate_async trains on half the accelerators: the same tokens take twice as long."""
+    spec = PlanSpec(workload_config(), gpus=4, output_dir=str(tmp_path))
+    assert spec.share_of("sync") == (4, 1.0)
+    assert spec.share_of("separate_async") == (2, 0.5)
+    batch = SimpleNamespace(response_mask=torch.ones(4, 100))  # 400 trained tokens
+    seconds = {}
+    for mode in ("sync", "separate_async"):
+        train = TrainConfig.model_validate(spec.config_for(mode, 0).trainer.model_dump())
+        seconds[mode], _ = SimulatedLearner(train.sim_learner).step(batch)
+    assert seconds["sync"] == pytest.approx(400 * 2e-4)
+    assert seconds["separate_async"] == pytest.approx(2 * seconds["sync"])
+    assert PlanSpec(workload_config(), gpus=8, tp=2, rollout_share=0.75).share_of("separate_async") == (3, 0.25)
+
+
+def test_learner_cost_from_model_size():
+    # 7B, 6 FLOPs per parameter and token, 64 accelerators at 989 TFLOPS and 35% MFU
+    assert learner_seconds_per_token(7, 64, 989, 0.35) == pytest.approx(6 * 7e9 / (64 * 989e12 * 0.35))
+    assert learner_seconds_per_token(7, 128, 989, 0.35) == pytest.approx(
+        learner_seconds_per_token(7, 64, 989, 0.35) / 2
+    )
+    with pytest.raises(ValueError, match="mfu"):
+        learner_seconds_per_token(7, 8, 989, 0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"gpus": 2, "tp": 4}, r"gpus \(2\) must hold at least one replica of tp=4"),
+        ({"gpus": 4, "rollout_share": 1.0}, "rollout_share must be in"),
+        ({"gpus": 4, "warmup_steps": 4}, r"trainer.total_steps \(4\) must exceed warmup_steps \(4\)"),
+        ({"gpus": 4, "seeds": ()}, "must not be empty"),
+        ({"gpus": 4, "modes": ("sync", "asynk")}, r"unknown trainer 'asynk'; valid names: \['colocate_async'"),
+    ],
+)
+def test_a_bad_plan_is_refused_naming_the_field(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        PlanSpec(workload_config(), **kwargs)
+
+
+def test_a_virtual_run_refuses_a_torch_learner():
+    async def main_() -> None:
+        runtime = VirtualRuntime()
+        from rollfleet.trainer.remote_learner import LearnerSpec
+
+        await runtime.create_learner(LearnerSpec("torch", None, "tiny"), None)
+
+    with pytest.raises(ValueError, match="trainer.sim_learner.enabled"):
+        virtual_time.run(main_())
+
+
+def test_the_command_writes_the_table_the_json_and_the_pngs(tmp_path, capsys):
+    config = tmp_path / "plan.yaml"
+    config.write_text(json.dumps(WORKLOAD))  # JSON is YAML
+    out = tmp_path / "out"
+    code = main(["plan", "--config", str(config), "--gpus", "4", "--seeds", "0", "--steps", "3", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert "speed-up vs sync" in printed and "separate_async" in printed
+    doc = json.loads((out / "plan.json").read_text())
+    assert [r["mode"] for r in doc["summary"]] == ["sync", "colocate_async", "separate_async"]
+    assert doc["gpus"] == 4 and len(doc["runs"]) == 3
+    pngs = [out / "plan.png"] + [out / "runs" / f"{m}-seed0" / "timeline.png" for m in ("sync", "separate_async")]
+    for png in pngs:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+
+
+def test_the_command_refuses_a_cluster_too_small_for_one_replica(capsys):
+    code = main(["plan", "--gpus", "2", "--tp", "4", "--seeds", "0"])
+    assert code == 2
+    assert "must hold at least one replica of tp=4" in capsys.readouterr().err
