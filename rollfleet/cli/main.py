@@ -1,4 +1,4 @@
-"""The ``rollfleet`` command line: ``simulate``, ``plan``, ``serve``, ``train``."""
+"""The ``rollfleet`` command line: ``simulate``, ``plan``, ``calibrate``, ``serve``, ``train``."""
 
 from __future__ import annotations
 
@@ -72,6 +72,14 @@ def _plan(args: argparse.Namespace) -> int:
     overrides: dict = {"rollout.name": "sim"}
     if args.steps is not None:
         overrides["trainer.total_steps"] = args.steps
+    if args.profile is not None:
+        from rollfleet.plan.profiles import load_profile
+
+        try:
+            overrides.update({f"rollout.sim.{k}": v for k, v in load_profile(args.profile).items()})
+        except ValueError as exc:
+            print(f"rollfleet plan: --profile: {exc}", file=sys.stderr)
+            return 2
     config = fit_sim_to_model(_load(args.config, overrides))
     try:
         spec = spec_from_args(args, config)
@@ -88,6 +96,20 @@ def _plan(args: argparse.Namespace) -> int:
     for path in write_outputs(result, args.out):
         console.print(f"  wrote {path}")
     return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    """Measure an engine's step costs; write them as a profile (see rollfleet.cli.calibrate)."""
+    from rollfleet.cli.calibrate import run
+
+    config = _load(args.config, {"rollout.name": args.engine} if args.engine else {})
+    console = Console()
+    console.print(f"[bold]rollfleet calibrate[/]: '{config.rollout.name}' engine, model '{config.rollout.model}'")
+    try:
+        return run(args, config, console)
+    except ValueError as exc:
+        print(f"rollfleet calibrate: {exc}", file=sys.stderr)
+        return 2
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -178,6 +200,12 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     add_arguments(pln)
     pln.set_defaults(func=_plan)
+
+    cal = sub.add_parser("calibrate", help="measure an engine's step costs and write them as a plan profile")
+    from rollfleet.cli import calibrate as calibrate_cli
+
+    calibrate_cli.add_arguments(cal)
+    cal.set_defaults(func=_calibrate)
 
     srv = sub.add_parser("serve", help="start Ray, the fleet and the OpenAI-compatible gateway; Ctrl-C stops all")
     srv.add_argument("--config", default=None, help="YAML config (defaults if omitted)")

@@ -24,6 +24,11 @@ from rollfleet.plan.planner import MODES, ModeRun, PlanResult, PlanSpec, learner
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="YAML config (defaults if omitted)")
     p.add_argument("--gpus", type=int, required=True, help="accelerators in the cluster")
+    p.add_argument(
+        "--profile",
+        default=None,
+        help="engine costs: a shipped profile name (h100-7b, ...) or a YAML file from calibrate",
+    )
     p.add_argument("--tp", type=int, default=1, help="accelerators per replica (tensor parallelism)")
     p.add_argument(
         "--rollout-share", type=float, default=0.5, help="separate_async: share of the accelerators that generate"

@@ -1,0 +1,145 @@
+"""Measure an engine's step costs and fit the sim engine's cost model to them: a named profile.
+
+What a plan predicts is only as good as the four constants of :class:`~rollfleet.engines.sim.cost.
+StepCost` (a step's fixed cost, its cost per running sequence and per token of context, the cost
+of an uncached prompt token). This module measures them on a real engine through rollfleet's own
+engine interface (any registered engine: vLLM, SGLang), so a profile comes from the engine and
+hardware it describes instead of a guess.
+
+How: batches of ``B`` identical-length requests (prompt ``P`` tokens, exactly ``T`` output tokens,
+``ignore_eos``) are started together and timed to the last answer. Under the cost model such a
+batch takes (one prefill of ``B*P`` tokens, then ``T`` steps over ``B`` sequences whose context
+grows by one token a step)::
+
+    latency = T*base + T*B*per_seq + B*(T*P + T*(T-1)/2)*per_context + B*P*per_prefill + overhead
+
+which is linear in the five unknowns: a least-squares fit over a grid of ``(B, P, T)`` gives them
+(non-negative: a term that would come out negative is dropped and the rest refitted). Each probe
+runs ``repeats`` times and the fastest run counts: on a shared machine noise only adds time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+
+from rollfleet.engines.base import Engine
+
+TERMS = ("step_base_ms", "step_per_seq_ms", "step_per_context_token_ms", "prefill_per_token_ms", "overhead_ms")
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A batch of ``batch`` requests, ``prompt_tokens`` in and exactly ``output_tokens`` out."""
+
+    batch: int
+    prompt_tokens: int
+    output_tokens: int
+
+    def features(self) -> list[float]:
+        b, p, t = self.batch, self.prompt_tokens, self.output_tokens
+        return [t, t * b, b * (t * p + t * (t - 1) / 2), b * p, 1.0]
+
+
+@dataclass
+class Measurement:
+    probe: Probe
+    seconds: float  # the fastest of the repeats
+
+
+@dataclass
+class Profile:
+    """Fitted constants (ms) and how well they explain the measurements."""
+
+    constants: dict[str, float]
+    measurements: list[Measurement] = field(default_factory=list)
+
+    def predict_s(self, probe: Probe) -> float:
+        return sum(c * x for c, x in zip((self.constants[k] for k in TERMS), probe.features())) / 1000.0
+
+    def errors(self) -> list[float]:
+        """Relative error of the prediction per measurement (predicted / measured - 1)."""
+        return [self.predict_s(m.probe) / m.seconds - 1.0 for m in self.measurements]
+
+    def sim_section(self) -> dict[str, float]:
+        """The ``rollout.sim`` keys this profile sets (the per-request overhead is the client's
+        and the HTTP hop's, not the engine's: reported, not simulated)."""
+        return {k: round(self.constants[k], 6) for k in TERMS if k != "overhead_ms"}
+
+
+def default_grid() -> list[Probe]:
+    return [Probe(b, p, t) for b, p, t in itertools.product((1, 4, 16, 32), (32, 512), (16, 96))]
+
+
+def fit(measurements: Sequence[Measurement]) -> Profile:
+    """Non-negative least squares by elimination: fit, drop the most negative term, refit."""
+    if len(measurements) < len(TERMS):
+        raise ValueError(f"need at least {len(TERMS)} measurements to fit {len(TERMS)} terms, got {len(measurements)}")
+    x = np.array([m.probe.features() for m in measurements], dtype=float)
+    y = np.array([m.seconds * 1000.0 for m in measurements], dtype=float)
+    # Relative errors matter (a 10 ms probe and a 3 s probe alike): weight each row by 1/y.
+    w = 1.0 / np.maximum(y, 1e-6)
+    active = list(range(len(TERMS)))
+    while True:
+        coef, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
+        if coef.min() >= 0 or len(active) == 1:
+            break
+        active.pop(int(np.argmin(coef)))
+    constants = dict.fromkeys(TERMS, 0.0)
+    for i, c in zip(active, coef):
+        constants[TERMS[i]] = max(0.0, float(c))
+    return Profile(constants, list(measurements))
+
+
+def probe_prompt(probe: Probe, index: int, salt: int) -> list[int]:
+    """Distinct prompts (no prefix-cache hits between requests or repeats), ids in [10, 400)."""
+    return [10 + (salt * 131 + index * 17 + j * 7) % 390 for j in range(probe.prompt_tokens)]
+
+
+async def measure(
+    engine: Engine,
+    grid: Sequence[Probe],
+    *,
+    repeats: int = 2,
+    on_probe: Optional[Callable[[Measurement], None]] = None,
+) -> list[Measurement]:
+    """Time every probe ``repeats`` times on a started ``engine`` (fastest run kept), on the
+    running loop's clock (wall time; simulated seconds on a virtual-time loop)."""
+    clock = asyncio.get_running_loop().time
+    out = []
+    salt = 0
+    for probe in grid:
+        best = float("inf")
+        for _ in range(repeats):
+            salt += 1
+            params: dict[str, Any] = {
+                "max_tokens": probe.output_tokens,
+                "min_tokens": probe.output_tokens,
+                "ignore_eos": True,
+                "temperature": 1.0,
+            }
+            started = clock()
+            outputs = await asyncio.gather(
+                *(
+                    engine.generate(f"calibrate-{salt}-{i}", probe_prompt(probe, i, salt), dict(params))
+                    for i in range(probe.batch)
+                )
+            )
+            elapsed = clock() - started
+            short = [len(o.token_ids) for o in outputs if len(o.token_ids) != probe.output_tokens]
+            if short:
+                raise RuntimeError(f"{probe}: the engine returned {short[0]} tokens, not {probe.output_tokens}")
+            best = min(best, elapsed)
+        m = Measurement(probe, best)
+        out.append(m)
+        if on_probe is not None:
+            on_probe(m)
+    return out
+
+
+__all__ = ["Probe", "Measurement", "Profile", "TERMS", "default_grid", "fit", "measure", "probe_prompt"]

@@ -1,0 +1,42 @@
+"""Named engine-cost profiles: ``rollout.sim`` sections as YAML files, shipped with the package
+(published numbers) or written by ``rollfleet calibrate`` (measured). ``rollfleet plan --profile
+NAME`` (or a path) lays one over the config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+HERE = Path(__file__).parent
+
+
+def names() -> list[str]:
+    return sorted(p.stem for p in HERE.glob("*.yaml"))
+
+
+def load_profile(name_or_path: str) -> dict[str, Any]:
+    """The profile's ``rollout.sim`` keys, from a shipped name or a YAML file."""
+    path = Path(name_or_path)
+    if not path.is_file():
+        path = HERE / f"{name_or_path}.yaml"
+        if not path.is_file():
+            raise ValueError(f"unknown profile {name_or_path!r}: not a file, and not one of {names()}")
+    doc = yaml.safe_load(path.read_text()) or {}
+    sim = (doc.get("rollout") or {}).get("sim")
+    if not isinstance(sim, dict) or not sim:
+        raise ValueError(f"profile {path} has no rollout.sim section")
+    return sim
+
+
+def write_profile(path: str | Path, sim: dict[str, Any], header: str) -> Path:
+    """A profile file: ``header`` as comment lines, then ``rollout.sim``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    comment = "".join(f"# {line}\n" if line else "#\n" for line in header.splitlines())
+    path.write_text(comment + yaml.safe_dump({"rollout": {"sim": sim}}, sort_keys=False))
+    return path
+
+
+__all__ = ["load_profile", "names", "write_profile"]

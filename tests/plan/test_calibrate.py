@@ -1,0 +1,106 @@
+"""The calibration's fit, on synthetic data and on the sim engine itself (whose costs are known)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from rollfleet.cli.main import main
+from rollfleet.config import RolloutConfig
+from rollfleet.engines import build_engine
+from rollfleet.plan.calibrate import Measurement, Probe, default_grid, fit, measure
+from rollfleet.plan.profiles import load_profile, names, write_profile
+from rollfleet.utils import virtual_time
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(300)]
+
+TRUE = {
+    "step_base_ms": 7.0,
+    "step_per_seq_ms": 0.06,
+    "step_per_context_token_ms": 0.00015,
+    "prefill_per_token_ms": 0.04,
+    "overhead_ms": 2.0,
+}
+
+
+def synthetic(constants: dict, noise: float = 0.0, seed: int = 0) -> list[Measurement]:
+    rng = random.Random(seed)
+    out = []
+    for probe in default_grid():
+        ms = sum(constants[k] * x for k, x in zip(constants, probe.features()))
+        out.append(Measurement(probe, ms / 1000 * (1 + rng.uniform(0, noise))))
+    return out
+
+
+def test_the_fit_recovers_the_constants_that_made_the_data():
+    profile = fit(synthetic(TRUE))
+    for key, value in TRUE.items():
+        assert profile.constants[key] == pytest.approx(value, rel=1e-6), key
+    assert max(abs(e) for e in profile.errors()) < 1e-9
+
+
+def test_with_noise_the_fit_stays_close_and_never_goes_negative():
+    profile = fit(synthetic(TRUE, noise=0.05, seed=3))
+    assert all(v >= 0 for v in profile.constants.values())
+    assert profile.constants["step_base_ms"] == pytest.approx(7.0, rel=0.1)
+    assert max(abs(e) for e in profile.errors()) < 0.06
+    # a term the data does not need comes out zero rather than negative
+    no_context = dict(TRUE, step_per_context_token_ms=0.0, overhead_ms=0.0)
+    profile = fit(synthetic(no_context, noise=0.02, seed=1))
+    assert profile.constants["step_per_context_token_ms"] >= 0 and profile.constants["overhead_ms"] >= 0
+
+
+def test_too_few_measurements_are_refused():
+    with pytest.raises(ValueError, match="need at least 5 measurements"):
+        fit(synthetic(TRUE)[:3])
+
+
+def test_calibrating_the_sim_engine_finds_its_own_costs():
+    """The probe model matches how the sim engine schedules: measured through the engine
+    interface in virtual time, the fit returns the constants the engine was given."""
+    sim = {"step_base_ms": 5.0, "step_per_seq_ms": 0.1, "prefill_per_token_ms": 0.03, "step_per_context_token_ms": 0.0002}
+    rollout = RolloutConfig.model_validate({"name": "sim", "max_model_len": 2048, "sim": {"time_scale": 1.0, **sim}})
+
+    async def run() -> list[Measurement]:
+        engine = build_engine(rollout, replica_index=0)
+        await engine.start()
+        try:
+            return await measure(engine, default_grid(), repeats=1)
+        finally:
+            await engine.shutdown()
+
+    profile = fit(virtual_time.run(run()))
+    for key, value in sim.items():
+        assert profile.constants[key] == pytest.approx(value, rel=0.05, abs=1e-6), (key, profile.constants)
+    assert max(abs(e) for e in profile.errors()) < 0.02
+
+
+def test_profiles_ship_and_round_trip(tmp_path):
+    assert "h100-7b" in names()
+    assert load_profile("h100-7b")["step_base_ms"] == 7.0
+    path = write_profile(tmp_path / "p.yaml", {"step_base_ms": 1.5}, "measured\nhere")
+    assert path.read_text().startswith("# measured\n# here\n")
+    assert load_profile(str(path)) == {"step_base_ms": 1.5}
+    with pytest.raises(ValueError, match="unknown profile 'nope'"):
+        load_profile("nope")
+
+
+def test_plan_takes_a_profile_and_refuses_an_unknown_one(tmp_path, capsys):
+    config = tmp_path / "small.yaml"
+    config.write_text("rollout: {n: 2, response_length: 128}\ntrainer: {train_batch_size: 2}\n")
+    args = ["plan", "--config", str(config), "--gpus", "2", "--modes", "sync", "--seeds", "0", "--steps", "2"]
+    args += ["--out", str(tmp_path)]
+    assert main([*args, "--profile", "nope"]) == 2
+    assert "unknown profile 'nope'" in capsys.readouterr().err
+    slow = write_profile(tmp_path / "slow.yaml", {"step_base_ms": 70.0}, "10x the default step")
+    assert main([*args, "--profile", "h100-7b"]) == 0
+    fast = _step_s(tmp_path)
+    assert main([*args, "--profile", str(slow)]) == 0
+    assert _step_s(tmp_path) > 3 * fast  # the profile's costs are what the plan ran on
+
+
+def _step_s(out) -> float:
+    import json
+
+    return json.loads((out / "plan.json").read_text())["summary"][0]["step_s"]
