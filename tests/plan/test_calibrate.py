@@ -9,7 +9,7 @@ import pytest
 from rollfleet.cli.main import main
 from rollfleet.config import RolloutConfig
 from rollfleet.engines import build_engine
-from rollfleet.plan.calibrate import Measurement, Probe, default_grid, fit, measure
+from rollfleet.plan.calibrate import Measurement, default_grid, fit, measure
 from rollfleet.plan.profiles import load_profile, names, write_profile
 from rollfleet.utils import virtual_time
 
@@ -59,7 +59,12 @@ def test_too_few_measurements_are_refused():
 def test_calibrating_the_sim_engine_finds_its_own_costs():
     """The probe model matches how the sim engine schedules: measured through the engine
     interface in virtual time, the fit returns the constants the engine was given."""
-    sim = {"step_base_ms": 5.0, "step_per_seq_ms": 0.1, "prefill_per_token_ms": 0.03, "step_per_context_token_ms": 0.0002}
+    sim = {
+        "step_base_ms": 5.0,
+        "step_per_seq_ms": 0.1,
+        "prefill_per_token_ms": 0.03,
+        "step_per_context_token_ms": 0.0002,
+    }
     rollout = RolloutConfig.model_validate({"name": "sim", "max_model_len": 2048, "sim": {"time_scale": 1.0, **sim}})
 
     async def run() -> list[Measurement]:
