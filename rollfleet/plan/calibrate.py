@@ -101,40 +101,53 @@ def probe_prompt(probe: Probe, index: int, salt: int) -> list[int]:
     return [10 + (salt * 131 + index * 17 + j * 7) % 390 for j in range(probe.prompt_tokens)]
 
 
+async def _run_batch(engine: Engine, probe: Probe, salt: int) -> float:
+    """Start ``probe.batch`` requests together; seconds until the last answer."""
+    clock = asyncio.get_running_loop().time
+    params: dict[str, Any] = {
+        "max_tokens": probe.output_tokens,
+        "min_tokens": probe.output_tokens,
+        "ignore_eos": True,
+        "temperature": 1.0,
+    }
+    started = clock()
+    outputs = await asyncio.gather(
+        *(
+            engine.generate(f"calibrate-{salt}-{i}", probe_prompt(probe, i, salt), dict(params))
+            for i in range(probe.batch)
+        )
+    )
+    elapsed = clock() - started
+    short = [len(o.token_ids) for o in outputs if len(o.token_ids) != probe.output_tokens]
+    if short:
+        raise RuntimeError(f"{probe}: the engine returned {short[0]} tokens, not {probe.output_tokens}")
+    return elapsed
+
+
 async def measure(
     engine: Engine,
     grid: Sequence[Probe],
     *,
     repeats: int = 2,
+    warmup: bool = True,
     on_probe: Optional[Callable[[Measurement], None]] = None,
 ) -> list[Measurement]:
     """Time every probe ``repeats`` times on a started ``engine`` (fastest run kept), on the
-    running loop's clock (wall time; simulated seconds on a virtual-time loop)."""
-    clock = asyncio.get_running_loop().time
-    out = []
+    running loop's clock (wall time; simulated seconds on a virtual-time loop). ``warmup`` runs
+    the whole grid once untimed first: an engine's first batches of a new shape pay one-off
+    costs (kernel selection, allocations; on vLLM's CPU build up to 10x the step) that are not
+    what a long run pays."""
     salt = 0
+    if warmup:
+        for probe in grid:
+            salt += 1
+            await _run_batch(engine, probe, salt)
+    out = []
     for probe in grid:
         best = float("inf")
         for _ in range(repeats):
             salt += 1
-            params: dict[str, Any] = {
-                "max_tokens": probe.output_tokens,
-                "min_tokens": probe.output_tokens,
-                "ignore_eos": True,
-                "temperature": 1.0,
-            }
-            started = clock()
-            outputs = await asyncio.gather(
-                *(
-                    engine.generate(f"calibrate-{salt}-{i}", probe_prompt(probe, i, salt), dict(params))
-                    for i in range(probe.batch)
-                )
-            )
-            elapsed = clock() - started
-            short = [len(o.token_ids) for o in outputs if len(o.token_ids) != probe.output_tokens]
-            if short:
-                raise RuntimeError(f"{probe}: the engine returned {short[0]} tokens, not {probe.output_tokens}")
-            best = min(best, elapsed)
+            best = min(best, await _run_batch(engine, probe, salt))
         m = Measurement(probe, best)
         out.append(m)
         if on_probe is not None:
