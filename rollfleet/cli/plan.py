@@ -10,6 +10,7 @@ speed-up over ``sync``, trainer / fleet / cluster idle, staleness, dropped group
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--flops-per-param-token", type=float, default=6.0, help="6: forward + backward; +2 per extra forward pass"
     )
+    p.add_argument(
+        "--response-lengths",
+        default=None,
+        help="file of response lengths (integers, whitespace- or comma-separated, or a JSON list) to draw from "
+        "instead of the config's log-normal",
+    )
     p.add_argument("--out", default="runs/plan", help="where plan.json, plan.png and the runs go")
+
+
+def read_lengths(path: str) -> list[int]:
+    """Response lengths from a file: a JSON list, or integers separated by commas or whitespace."""
+    text = Path(path).read_text()
+    try:
+        values = json.loads(text) if text.lstrip().startswith("[") else text.replace(",", " ").split()
+        lengths = [int(v) for v in values]
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"--response-lengths {path}: not a list of integers ({exc})") from None
+    if not lengths or min(lengths) < 1:
+        raise ValueError(f"--response-lengths {path}: needs at least one length, each >= 1")
+    return lengths
 
 
 def spec_from_args(args: argparse.Namespace, config: RollfleetConfig) -> PlanSpec:
@@ -53,6 +73,10 @@ def spec_from_args(args: argparse.Namespace, config: RollfleetConfig) -> PlanSpe
         )
         doc = config.model_dump()
         doc["trainer"]["sim_learner"] = {**doc["trainer"].get("sim_learner", {}), "seconds_per_token": per_token}
+        config = RollfleetConfig.model_validate(doc)
+    if args.response_lengths is not None:
+        doc = config.model_dump()
+        doc["rollout"]["sim"]["response_lengths"] = read_lengths(args.response_lengths)
         config = RollfleetConfig.model_validate(doc)
     return PlanSpec(
         config,

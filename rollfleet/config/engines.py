@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
 
 from pydantic import Field
 
@@ -49,6 +49,12 @@ class SimEngineConfig(_Section):
     )
     response_sigma: float = Field(
         1.0, ge=0, description="Sigma of the log-normal response length; larger = longer tail."
+    )
+    response_lengths: Optional[list[Annotated[int, Field(ge=1)]]] = Field(
+        None,
+        min_length=1,
+        description="Natural response lengths to draw from (e.g. those of a real run) instead of the log-normal "
+        "above: each response takes one of them, chosen by its prompt and sample seed.",
     )
     time_scale: float = Field(
         1.0, gt=0, description="Simulated seconds per wall second (60 = a GPU minute in a second)."

@@ -97,7 +97,7 @@ class PlanSpec:
         rollout = doc["rollout"]
         rollout.update(name="sim", num_replicas=replicas)
         rollout["routing"]["seed"] = seed
-        rollout["sim"].update(seed=seed, time_scale=1.0)
+        rollout["sim"].update(seed=seed, time_scale=1.0, tensor_parallel_size=self.tp)
         config = RollfleetConfig.model_validate(doc)
         TrainConfig.model_validate(config.trainer.model_dump())  # a bad trainer section fails here, named
         return config

@@ -219,3 +219,15 @@ async def test_empty_script_gives_an_empty_stopped_response():
     out = await eng.generate("e", [1, 2], {"max_tokens": 5})
     assert out.token_ids == [] and out.stop_reason == "stop"
     await eng.shutdown()
+
+
+async def test_response_lengths_are_drawn_from_the_given_samples():
+    eng = await started(response_lengths=[7, 300])
+    lengths = []
+    for i in range(40):
+        out = await eng.generate(f"r{i}", [1 + i % 9, 2, 3], {"max_tokens": 1000})
+        lengths.append(len(out.token_ids))
+    await eng.shutdown()
+    assert set(lengths) == {7, 300}  # only the given lengths, and both of them
+    with pytest.raises(ValueError, match="response_lengths"):
+        cfg(response_lengths=[5, 0])

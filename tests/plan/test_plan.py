@@ -160,6 +160,21 @@ def test_the_command_writes_the_table_the_json_and_the_pngs(tmp_path, capsys):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
 
 
+def test_response_lengths_from_a_file_replace_the_log_normal(tmp_path, capsys):
+    config = tmp_path / "plan.yaml"
+    config.write_text(json.dumps(WORKLOAD))
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("40, 40\n40")
+    args = ["plan", "--config", str(config), "--gpus", "2", "--modes", "sync", "--seeds", "0", "--steps", "2"]
+    assert main([*args, "--response-lengths", str(lengths), "--out", str(tmp_path / "a")]) == 0
+    run_dir = json.loads((tmp_path / "a" / "plan.json").read_text())["runs"][0]["run_dir"]
+    rows = [json.loads(line) for line in open(f"{run_dir}/metrics.jsonl")]
+    assert [r["response_length/mean"] for r in rows] == [40.0, 40.0]  # every response drew 40
+    lengths.write_text("40 forty")
+    assert main([*args, "--response-lengths", str(lengths), "--out", str(tmp_path / "b")]) == 2
+    assert "not a list of integers" in capsys.readouterr().err
+
+
 def test_the_command_refuses_a_cluster_too_small_for_one_replica(capsys):
     code = main(["plan", "--gpus", "2", "--tp", "4", "--seeds", "0"])
     assert code == 2

@@ -141,8 +141,11 @@ class BatchModel:
         return prompt_key, salt
 
     def _natural_length(self, prompt_key: int, salt: int) -> int:
-        """Long-tailed response length: prompt difficulty x per-sample noise (log-normal)."""
+        """Long-tailed response length: prompt difficulty x per-sample noise (log-normal), or a draw
+        from ``response_lengths`` where given."""
         cfg = self.config
+        if cfg.response_lengths:
+            return cfg.response_lengths[random.Random(_mix(prompt_key, salt, 5)).randrange(len(cfg.response_lengths))]
         sigma = cfg.response_sigma
         mu = math.log(cfg.mean_response_tokens) - sigma * sigma / 2
         r_prompt = random.Random(_mix(prompt_key, cfg.seed, 3))
