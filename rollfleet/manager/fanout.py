@@ -179,7 +179,8 @@ class ControlFanOut:
         """Stage ``weights`` on every live replica, then commit ``version`` (``mode``: the
         configured ``rollout.weight_sync.mode`` unless given). Returns what happened and when:
         ``pause_s`` (the longest a replica generated nothing), ``paused`` (``[start, end]`` wall
-        times of each commit wave), ``stage_s``, ``commit_s``, ``total_s``, ``modes`` used."""
+        times of each commit wave), ``stage_s``, ``commit_s`` (``verify_s`` of it: the checksum
+        round after the commits), ``total_s``, ``modes`` used."""
         if isinstance(weights, WeightsRef):
             weights = weights.ref
         sync = self.config.weight_sync
@@ -234,7 +235,9 @@ class ControlFanOut:
                             longest = max(longest, res["pause_s"])
                     if mode == "rolling":
                         self._notify()  # clients route new trajectories to this wave at once
+                verify_start = time.monotonic()
                 checksum = await self._verify([r for r in ready if r.replica_id not in fenced], fenced, version)
+                verify_s = time.monotonic() - verify_start
             finally:
                 self._rolling_version = None
             if records and len(fenced) == len(records):
@@ -262,6 +265,7 @@ class ControlFanOut:
                 "checksum": checksum,
                 "stage_s": stage_done - started,
                 "commit_s": done - stage_done,
+                "verify_s": verify_s,
                 "total_s": done - started,
             }
 

@@ -295,7 +295,9 @@ class Trainer(abc.ABC):
             **metrics,
         }
         if synced and getattr(self, "_last_sync", None):
-            row["sync/total_s"] = self._last_sync.get("total_s", 0.0)
+            for key in ("total_s", "stage_s", "commit_s", "verify_s", "pause_s"):  # where a sync's time went
+                if key in self._last_sync:
+                    row[f"sync/{key}"] = self._last_sync[key]
         self.tracker.log(row)
         if self.progress is not None:
             self.progress(row)
