@@ -66,20 +66,14 @@ def _simulate(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     """Every trainer mode on a simulated cluster in virtual time (see rollfleet.cli.plan)."""
-    from rollfleet.cli.plan import render, run, spec_from_args, write_outputs
+    from rollfleet.cli.plan import overrides_from_args, render, run, spec_from_args, write_outputs
     from rollfleet.models.vocab import fit_sim_to_model
 
-    overrides: dict = {"rollout.name": "sim"}
-    if args.steps is not None:
-        overrides["trainer.total_steps"] = args.steps
-    if args.profile is not None:
-        from rollfleet.plan.profiles import load_profile
-
-        try:
-            overrides.update({f"rollout.sim.{k}": v for k, v in load_profile(args.profile).items()})
-        except ValueError as exc:
-            print(f"rollfleet plan: --profile: {exc}", file=sys.stderr)
-            return 2
+    try:
+        overrides = overrides_from_args(args)
+    except ValueError as exc:
+        print(f"rollfleet plan: {exc}", file=sys.stderr)
+        return 2
     config = fit_sim_to_model(_load(args.config, overrides))
     try:
         spec = spec_from_args(args, config)

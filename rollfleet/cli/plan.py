@@ -66,18 +66,26 @@ def read_lengths(path: str) -> list[int]:
     return lengths
 
 
-def spec_from_args(args: argparse.Namespace, config: RollfleetConfig) -> PlanSpec:
+def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """Config overrides (dotted keys) the command line sets: applied to the YAML before it is
+    validated, so what the config leaves unset stays unset (the plan fills in its own defaults)."""
+    out: dict[str, Any] = {"rollout.name": "sim"}
+    if args.steps is not None:
+        out["trainer.total_steps"] = args.steps
+    if args.profile is not None:
+        from rollfleet.plan.profiles import load_profile
+
+        out.update({f"rollout.sim.{k}": v for k, v in load_profile(args.profile).items()})
     if args.model_params_b is not None:
-        per_token = learner_seconds_per_token(
+        out["trainer.sim_learner.seconds_per_token"] = learner_seconds_per_token(
             args.model_params_b, args.gpus, args.tflops_per_gpu, args.mfu, args.flops_per_param_token
         )
-        doc = config.model_dump()
-        doc["trainer"]["sim_learner"] = {**doc["trainer"].get("sim_learner", {}), "seconds_per_token": per_token}
-        config = RollfleetConfig.model_validate(doc)
     if args.response_lengths is not None:
-        doc = config.model_dump()
-        doc["rollout"]["sim"]["response_lengths"] = read_lengths(args.response_lengths)
-        config = RollfleetConfig.model_validate(doc)
+        out["rollout.sim.response_lengths"] = read_lengths(args.response_lengths)
+    return out
+
+
+def spec_from_args(args: argparse.Namespace, config: RollfleetConfig) -> PlanSpec:
     return PlanSpec(
         config,
         gpus=args.gpus,
@@ -150,4 +158,4 @@ def write_outputs(result: PlanResult, out: str) -> list[Path]:
     return written
 
 
-__all__ = ["add_arguments", "spec_from_args", "run", "render", "write_outputs"]
+__all__ = ["add_arguments", "overrides_from_args", "spec_from_args", "run", "render", "write_outputs"]

@@ -97,8 +97,11 @@ def fit(measurements: Sequence[Measurement]) -> Profile:
 
 
 def probe_prompt(probe: Probe, index: int, salt: int) -> list[int]:
-    """Distinct prompts (no prefix-cache hits between requests or repeats), ids in [10, 400)."""
-    return [10 + (salt * 131 + index * 17 + j * 7) % 390 for j in range(probe.prompt_tokens)]
+    """A prompt no other request of the calibration shares a prefix with (its first tokens spell
+    ``salt`` and ``index``; prefix caches match from the first block), ids in [10, 400)."""
+    head = [10 + salt % 390, 10 + salt // 390 % 390, 10 + index % 390, 10 + index // 390 % 390]
+    body = [10 + (index * 17 + j * 7) % 390 for j in range(max(0, probe.prompt_tokens - len(head)))]
+    return (head + body)[: probe.prompt_tokens]
 
 
 async def _run_batch(engine: Engine, probe: Probe, salt: int) -> float:

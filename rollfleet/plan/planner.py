@@ -10,6 +10,8 @@ code (:class:`~rollfleet.plan.runtime.VirtualRuntime`) on its share of the clust
 * ``separate_async`` splits it: ``rollout_share`` of the accelerators generate while the learner
   trains on the rest, so its steps take longer by the inverse of its share.
 
+Replicas cache a prompt's blocks once it is prefilled, as vLLM does (``rollout.sim.cache_on_prefill``
+unless the config sets it), so the siblings of a GRPO group that start together share its prompt.
 The learner's cost is ``trainer.sim_learner.seconds_per_token`` on the whole cluster, or derived
 from the model size (:func:`learner_seconds_per_token`). Each mode runs once per seed (the seed
 draws the prompts and response lengths and seeds the routing policy); results are means with
@@ -98,6 +100,8 @@ class PlanSpec:
         rollout.update(name="sim", num_replicas=replicas)
         rollout["routing"]["seed"] = seed
         rollout["sim"].update(seed=seed, time_scale=1.0, tensor_parallel_size=self.tp)
+        if "cache_on_prefill" not in self.config.rollout.sim.model_fields_set:
+            rollout["sim"]["cache_on_prefill"] = True  # as vLLM: siblings that start together share a prompt
         config = RollfleetConfig.model_validate(doc)
         TrainConfig.model_validate(config.trainer.model_dump())  # a bad trainer section fails here, named
         return config
