@@ -14,7 +14,10 @@ fully-async client for the async modes, which make weight updates invisible to i
 trajectories. Weight sync pushes the learner's weights with ``manager.update_weights(weights,
 version)``: pause -> load -> clear prefix caches -> stamp version -> resume on every replica.
 
-The learner runs in a Ray actor of its own (:mod:`rollfleet.trainer.remote_learner`), placed where
+Where the fleet, the learner and the agent-loop workers run, and which clock times the steps, is
+the trainer's runtime (:mod:`rollfleet.trainer.runtime`): Ray and wall time for a training run,
+one process and a virtual clock for a plan (:class:`rollfleet.plan.VirtualRuntime`). On Ray, the
+learner runs in a Ray actor of its own (:mod:`rollfleet.trainer.remote_learner`), placed where
 the fleet says (``manager.learner_placement()``), so the fleet comes up first. Whether it shares
 the replicas' devices is the mode's ``colocated_by_default`` unless ``trainer.colocate`` says
 otherwise; the trainer writes the answer into ``rollout.placement.colocate`` of its copy of the

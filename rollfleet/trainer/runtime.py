@@ -12,29 +12,34 @@ on a virtual clock, to plan a cluster on a laptop.
 
 from __future__ import annotations
 
+import abc
 import time
 from typing import Any
 
 from rollfleet.config import RollfleetConfig
 
 
-class TrainerRuntime:
+class TrainerRuntime(abc.ABC):
     """Builds a trainer's fleet, learner and agent-loop manager, and tells the time."""
 
     def clock(self) -> float:
         """Seconds on this runtime's clock (epoch seconds here: the timeline is wall time)."""
         return time.time()
 
+    @abc.abstractmethod
     async def create_fleet(self, config: RollfleetConfig) -> Any:
-        raise NotImplementedError
+        """A started fleet with ``LLMServerManager``'s surface (``get_client``, ``update_weights``,
+        ``pause`` / ``resume`` / ``sleep`` / ``wake_up``, ``learner_placement``, ``shutdown``)."""
 
+    @abc.abstractmethod
     async def create_learner(self, factory: Any, fleet: Any) -> Any:
         """A learner built by ``factory`` (a picklable zero-argument callable, see
         ``Trainer.build_learner``), with ``RemoteLearner``'s awaitable methods."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     async def create_agent_manager(self, config: RollfleetConfig, llm_client: Any, fleet: Any) -> Any:
-        raise NotImplementedError
+        """Agent-loop workers routing through ``llm_client`` (``expand``, ``generate_sequences_single``,
+        ``collate``, ``shutdown``)."""
 
 
 class RayRuntime(TrainerRuntime):
