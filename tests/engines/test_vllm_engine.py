@@ -173,6 +173,7 @@ def test_launch_adds_the_rl_flags_and_keeps_our_plugin_allowed(monkeypatch):
     cmd = eng._command()
     assert "--enable-scale-out" in cmd
     assert json.loads(cmd[cmd.index("--weight-transfer-config") + 1]) == {"backend": "rollfleet_tmpfs"}
+    assert cmd[cmd.index("--middleware") + 1] == "rollfleet.vllm_plugin.commit.commit_route"
     assert eng.rl_routes and eng.update_modes == {"abort", "keep"}
     own = VLLMEngine(
         "tiny", max_model_len=64, device="cpu", extra_args=["--weight-transfer-config={}", "--tokens-only"]
@@ -598,6 +599,8 @@ async def _commit(engine: VLLMEngine, weights, mode: str = "keep") -> int:
     stage = engine.last_stage
     await engine.commit_weights(version, mode)
     commit = engine.last_commit
+    if mode == "keep":  # in one call to the server's commit route (rollfleet.vllm_plugin.commit)
+        assert commit["commit"] == "route", commit
     print(f"v{version}: staged {stage['bytes']} B in {stage['seconds'] * 1000:.1f} ms (wrote {stage['written']} B); "
           f"{mode} commit: pause window {commit.get('pause_s', 0) * 1000:.1f} ms "
           f"(pause {commit.get('pause_call_s', 0) * 1000:.1f}, load {commit['load_s'] * 1000:.1f}, "

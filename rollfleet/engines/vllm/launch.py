@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from rollfleet.vllm_plugin import BACKEND
+from rollfleet.vllm_plugin.commit import MIDDLEWARE as COMMIT_MIDDLEWARE
 
 #: The entry-point name of rollfleet's vLLM plugin (``pyproject.toml``).
 PLUGIN_NAME = "rollfleet"
@@ -169,6 +170,8 @@ class VLLMLaunch:
             cmd.append("--enable-scale-out")
         if not _has_flag(self.extra_args, "--weight-transfer-config"):
             cmd += ["--weight-transfer-config", json.dumps({"backend": BACKEND})]
+        if COMMIT_MIDDLEWARE not in self.extra_args:  # keep commits in one call (rollfleet.vllm_plugin.commit)
+            cmd += ["--middleware", COMMIT_MIDDLEWARE]
         cmd += self.extra_args
         return cmd
 

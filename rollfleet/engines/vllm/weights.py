@@ -48,6 +48,7 @@ from rollfleet.engines.http.inflight import InflightTable
 from rollfleet.engines.http.link import ServerLink
 from rollfleet.engines.vllm.staging import Staged, StageDir, weight_files, write_safetensors
 from rollfleet.errors import EngineDead, NotSupported, ReplicaUnavailable
+from rollfleet.vllm_plugin.commit import ROUTE as COMMIT_ROUTE
 
 if TYPE_CHECKING:
     import httpx
@@ -77,6 +78,8 @@ class VLLMWeights:
     _link: ServerLink
     last_stage: dict[str, Any]
     last_commit: dict[str, Any]
+    #: Whether to try the server's one-call commit route (off once the server says it has none).
+    _commit_route: bool = True
 
     if TYPE_CHECKING:
 
@@ -149,27 +152,86 @@ class VLLMWeights:
             await asyncio.to_thread(self.stage.release_older, version)
 
     async def _commit_keep(self, files: list[Path], version: int) -> None:
-        """Pause (keep, KV kept), load, label, resume; new calls wait at the gate meanwhile."""
+        """Pause (keep, KV kept), load, label, resume; new calls wait at the gate meanwhile: in one
+        call to the server's commit route where it has one (:mod:`rollfleet.vllm_plugin.commit`),
+        else through the RL routes step by step."""
         self._table.hold("commit")
         try:
             started, paused_at = time.monotonic(), time.time()
-            try:
-                await self._control("POST", "/pause", op="commit_weights",
-                                    params={"mode": "keep", "clear_cache": "false"})  # fmt: skip
-            except ReplicaUnavailable:
-                await self._resume_quietly()  # nothing was started: resuming is safe
-                raise
-            paused = time.monotonic()
-            await self._load(files, str(version))
-            loaded = time.monotonic()
-            await self._resume_loaded()
+            steps = await self._commit_in_server(files, version) if self._commit_route else None
+            if steps is None:
+                steps = await self._commit_by_steps(files, version)
             resumed, resumed_at = time.monotonic(), time.time()
         finally:
             self._table.release("commit")
-        self.last_commit = {
-            "version": version, "mode": "keep", "pause_s": resumed - started, "pause_call_s": paused - started,
-            "load_s": loaded - paused, "resume_call_s": resumed - loaded, "window": (paused_at, resumed_at),
-        }  # fmt: skip
+        self.last_commit = {"version": version, "mode": "keep", "pause_s": resumed - started,
+                            **steps, "window": (paused_at, resumed_at)}  # fmt: skip
+
+    async def _commit_in_server(self, files: list[Path], version: int) -> Optional[dict[str, Any]]:
+        """One ``POST /rollfleet/commit``; the server's timings, or None when nothing was loaded
+        and the step-by-step path must do it (no such route: remembered; or the pause failed, and
+        the server resumed). A load that failed in the server is retried step by step (the engine
+        is paused and must not resume half-loaded)."""
+        body = {"paths": [str(f) for f in files], "weight_version": str(version)}
+        timeout = max(self.control_timeout_s, 2 * SLOW_CONTROL_S)
+        try:
+            resp = await self._control("POST", COMMIT_ROUTE, op="commit_weights", ok=False, json=body,
+                                       timeout=timeout, headers=FRESH_CONNECTION)  # fmt: skip
+        except ReplicaUnavailable as e:  # no answer: how far did it get?
+            logger.warning(
+                "%s: commit call for %s got no answer (%s); checking the server", self.replica_label, version, e
+            )
+            if await self._is_paused():
+                return await self._finish_in_steps(files, version)
+            if await self._server_label() == str(version):
+                self._label = str(version)
+                return {"load_s": float("nan"), "commit": "route"}  # it loaded; when is unknown
+            return None
+        if resp.status_code == 200:
+            self._label = str(version)
+            return {**resp.json(), "commit": "route"}
+        if resp.status_code == 404:
+            self._commit_route = False
+            return None
+        stage = (resp.json() if resp.headers.get("content-type", "").startswith("application/json") else {}).get(
+            "stage"
+        )
+        logger.warning(
+            "%s: commit route failed (HTTP %d, %s): %s", self.replica_label, resp.status_code, stage, resp.text[:300]
+        )
+        return await self._finish_in_steps(files, version) if stage == "load" else None
+
+    async def _finish_in_steps(self, files: list[Path], version: int) -> dict[str, Any]:
+        """The server is paused with the load perhaps half done: load again, then resume."""
+        started = time.monotonic()
+        await self._load(files, str(version))
+        loaded = time.monotonic()
+        await self._resume_loaded()
+        return {"load_s": loaded - started, "resume_call_s": time.monotonic() - loaded, "commit": "route, then steps"}
+
+    async def _commit_by_steps(self, files: list[Path], version: int) -> dict[str, Any]:
+        started = time.monotonic()
+        try:
+            await self._control("POST", "/pause", op="commit_weights",
+                                params={"mode": "keep", "clear_cache": "false"})  # fmt: skip
+        except ReplicaUnavailable:
+            await self._resume_quietly()  # nothing was started: resuming is safe
+            raise
+        paused = time.monotonic()
+        await self._load(files, str(version))
+        loaded = time.monotonic()
+        await self._resume_loaded()
+        return {"pause_call_s": paused - started, "load_s": loaded - paused,
+                "resume_call_s": time.monotonic() - loaded, "commit": "steps"}  # fmt: skip
+
+    async def _is_paused(self) -> bool:
+        resp = await self._control("GET", "/is_paused", op="commit_weights", headers=FRESH_CONNECTION)
+        return bool(resp.json().get("is_paused"))
+
+    async def _server_label(self) -> Optional[str]:
+        resp = await self._control("GET", "/weight_info", op="commit_weights", headers=FRESH_CONNECTION)
+        label = resp.json().get("weight_version")
+        return None if label is None else str(label)
 
     async def _load(self, files: list[Path], label: str) -> None:
         """start, update per file, finish (labelling ``label``); once more as a whole if a step
