@@ -15,7 +15,9 @@ rollfleet's ``rollfleet_tmpfs`` backend, see :mod:`.launch`), and the engine use
 * two-phase weight updates (``update_modes``: ``abort`` and ``keep``): staged to a node-local tmpfs
   file while the engine generates, committed through ``/start_weight_update``,
   ``/update_weights``, ``/finish_weight_update``, in ``keep`` mode between ``/pause?mode=keep`` and
-  ``/resume`` so that the requests in flight continue on the new weights (:mod:`.weights`);
+  ``/resume`` so that the requests in flight continue on the new weights; a keep commit is one
+  ``POST /rollfleet/commit`` making those calls inside the server (:mod:`rollfleet.vllm_plugin.commit`,
+  installed with ``--middleware``), the routes one by one where a server lacks it (:mod:`.weights`);
 * ``POST /collective_rpc`` ``reload_weights`` for one-phase updates (:meth:`update_weights`) and
   for servers without the RL routes (:mod:`.weights`);
 * ``/reset_prefix_cache`` after an update in ``abort`` mode (cached KV was computed with the old weights);

@@ -10,7 +10,9 @@
   ``rollfleet_tmpfs`` backend reads it with safetensors, straight into vLLM's layerwise reload), then
   ``POST /finish_weight_update {"weight_version": "<version>"}``, which labels every token sampled
   from then on. ``keep`` brackets that with ``POST /pause?mode=keep&clear_cache=false`` and ``POST
-  /resume``: in-flight requests are frozen with their KV cache (``clear_cache=true`` would preempt
+  /resume`` (all of it one ``POST /rollfleet/commit`` where the server has rollfleet's commit
+  route, :mod:`rollfleet.vllm_plugin.commit`: no HTTP round trip and no fixed sleep between the
+  steps while the engine generates nothing): in-flight requests are frozen with their KV cache (``clear_cache=true`` would preempt
   them and recompute it) and continue on the new weights; new calls wait at the engine's own gate
   meanwhile, so that they go out salted with the new label. ``abort``: the caller has paused
   (``mode=abort``) and resumes; the prefix cache is reset after the load.
