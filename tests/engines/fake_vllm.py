@@ -44,7 +44,8 @@ Knobs for fault tests: ``register_delay_s`` (a request stays unknown to the serv
 it arrived: still on the wire, so an abort misses it), ``health_delay_s`` (a starved server),
 ``fail_status`` (completions answer that HTTP status), ``drop_finish_reason`` /
 ``finish_reason`` (what ``finish_reason`` says), ``fail_updates`` (that many next
-``/update_weights`` fail), ``update_delay_s`` (each ``/update_weights`` takes that long).
+``/update_weights`` fail), ``update_delay_s`` (each ``/update_weights`` takes that long),
+``commit_route`` (answer rollfleet's ``/rollfleet/commit``, else 404 as a plain vLLM does).
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ except ImportError:  # tests/ is not a package: pytest put this folder on sys.pa
 
 _SETTINGS = dict(token_delay_s=0.0, eos_token_id=None, register_delay_s=0.0, health_delay_s=0.0, fail_status=None,
                  drop_finish_reason=False, finish_reason=None, profiler=True, fail_updates=0,
-                 update_delay_s=0.0)  # fmt: skip
+                 update_delay_s=0.0, commit_route=False)  # fmt: skip
 
 
 def spans(labels: list[str]) -> list[dict[str, Any]]:
@@ -289,19 +290,43 @@ class FakeVLLMServer(FakeServer):
                 return dead()
             if not fake.updating:
                 return worker_error("finish_weight_update called without a matching start_weight_update.")
+            finish_session(body.get("weight_version") or fake.weight_version)
+            return {"message": "Weight update finished"}
+
+        def finish_session(label: str) -> None:
             from safetensors import safe_open
 
             names: list[str] = []
             for path in fake.session:
                 with safe_open(path, "pt") as f:
                     names += sorted(f.keys())
-            label = body.get("weight_version") or fake.weight_version
             if fake.session:
                 fake.salt = salt_for("|".join(os.path.realpath(p) for p in fake.session))
             fake.weight_version, fake.updating = label, False
             fake.updates.append((label, names))
             fake.log.append(f"finish {label}")
-            return {"message": "Weight update finished"}
+
+        @app.post("/rollfleet/commit")
+        async def rollfleet_commit(request: Request) -> Any:
+            """rollfleet.vllm_plugin.commit's route (``commit_route`` on): the keep commit in one call."""
+            body = await fake.record(request) or {}
+            if not fake.commit_route:
+                return JSONResponse({"detail": "Not Found"}, 404)
+            if fake.crashed:
+                return dead()
+            fake.log.append("commit route")
+            fake.paused = fake.frozen = True
+            fake.updating, fake.session = True, []
+            for path in body["paths"]:
+                await asyncio.sleep(fake.update_delay_s)
+                if fake.fail_updates or not os.path.isfile(path):
+                    fake.fail_updates = max(0, fake.fail_updates - 1)
+                    fake.updating = False  # paused, half-loaded: the route does not resume
+                    return JSONResponse({"error": f"load failed: {path}", "stage": "load"}, 500)
+                fake.session.append(path)
+            finish_session(str(body["weight_version"]))
+            fake.paused = fake.frozen = False
+            return {"pause_call_s": 0.0, "load_s": 0.001, "resume_call_s": 0.0}
 
         @app.post("/update_weight_version")
         async def update_weight_version(request: Request) -> Any:

@@ -546,6 +546,41 @@ async def test_keep_commit_loads_between_pause_and_resume_and_a_request_lives_th
 
 
 @pytest.mark.asyncio
+async def test_a_keep_commit_is_one_call_where_the_server_has_the_commit_route(fake, rl):
+    fake.reset(commit_route=True, token_delay_s=0.005)
+    running = long_request(rl, "R", n=200)
+    await wait_until(running_with_tokens(fake, 1, 5))
+    await stage_and_commit(rl, 1)
+    link = rl.last_stage["files"][0]
+    assert fake.log == ["commit route", "finish 1"]  # no /pause, /start, /update, /resume calls
+    assert fake.bodies("/rollfleet/commit") == [{"paths": [link], "weight_version": "1"}]
+    assert rl.last_commit["commit"] == "route" and rl.weight_label == "1"
+    out = await asyncio.wait_for(running, 10)
+    assert out.stop_reason == "length" and len(out.token_ids) == 200  # kept, not aborted
+    assert 1 in out.token_versions and out.token_versions[-1] == 1
+
+
+@pytest.mark.asyncio
+async def test_a_load_that_fails_in_the_commit_route_is_done_again_step_by_step_then_resumed(fake, rl):
+    fake.reset(commit_route=True, fail_updates=1)
+    await stage_and_commit(rl, 1)
+    link = rl.last_stage["files"][0]
+    # the route left the server paused and half-loaded: load again, only then resume
+    assert fake.log == ["commit route", "start", f"update {link}", "finish 1", "resume"]
+    assert rl.last_commit["commit"] == "route, then steps" and rl.weight_label == "1"
+    out = await rl.generate("after", PROMPT, {"max_tokens": 3})
+    assert out.token_versions == [1, 1, 1]
+
+
+@pytest.mark.asyncio
+async def test_a_server_without_the_commit_route_is_asked_once(fake, rl):
+    await stage_and_commit(rl, 1)
+    await stage_and_commit(rl, 2)
+    assert len(fake.bodies("/rollfleet/commit")) == 1  # the 404 is remembered
+    assert fake.log.count("pause mode=keep clear_cache=false") == 2 and rl.last_commit["commit"] == "steps"
+
+
+@pytest.mark.asyncio
 async def test_a_request_that_arrives_during_a_keep_commit_waits_and_goes_out_with_the_new_salt(fake, rl):
     fake.update_delay_s = 0.3
     await rl.stage_weights(state_dict(3), 3)
