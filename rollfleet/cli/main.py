@@ -70,14 +70,8 @@ def _plan(args: argparse.Namespace) -> int:
     from rollfleet.models.vocab import fit_sim_to_model
 
     try:
-        overrides = overrides_from_args(args)
-    except ValueError as exc:
-        print(f"rollfleet plan: {exc}", file=sys.stderr)
-        return 2
-    config = fit_sim_to_model(_load(args.config, overrides))
-    try:
-        spec = spec_from_args(args, config)
-    except ValueError as exc:
+        spec = spec_from_args(args, fit_sim_to_model(_load(args.config, overrides_from_args(args))))
+    except ValueError as exc:  # a bad flag or plan; a bad config is reported by _load
         print(f"rollfleet plan: {exc}", file=sys.stderr)
         return 2
     console = Console(width=None if sys.stdout.isatty() else 160)  # the table is wide

@@ -58,7 +58,7 @@ class VirtualFleet:
             raise ValueError(f"rollout.name must be 'sim' for a virtual fleet, got {rollout.name!r}")
         self.rollout = rollout
         self.replicas = {f"replica-{i}": Replica(f"replica-{i}", rollout, i) for i in range(rollout.num_replicas)}
-        self.client = client_cls(rollout, servers={rid: LocalHandle(r) for rid, r in self.replicas.items()})
+        self.client = client_cls(rollout, servers=self._handles())
         self._clients: list[LLMServerClient] = []
         self.version = 0
         self._started_at: Optional[float] = None
@@ -82,9 +82,13 @@ class VirtualFleet:
             return self.client
         if not (isinstance(client_cls, type) and issubclass(client_cls, LLMServerClient)):
             raise TypeError(f"client_cls must be a subclass of LLMServerClient, got {client_cls!r}")
-        client = client_cls(self.rollout, servers={rid: LocalHandle(r) for rid, r in self.replicas.items()}, **kwargs)
+        client = client_cls(self.rollout, servers=self._handles(), **kwargs)
         self._clients.append(client)
         return client
+
+    def _handles(self) -> dict[str, LocalHandle]:
+        """What a client routes to: each replica, called in this process."""
+        return {rid: LocalHandle(r) for rid, r in self.replicas.items()}
 
     async def learner_placement(self) -> None:
         """A virtual fleet reserves no devices: the learner is wherever the caller runs it."""

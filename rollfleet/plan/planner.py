@@ -102,9 +102,7 @@ class PlanSpec:
         rollout["sim"].update(seed=seed, time_scale=1.0, tensor_parallel_size=self.tp)
         if "cache_on_prefill" not in self.config.rollout.sim.model_fields_set:
             rollout["sim"]["cache_on_prefill"] = True  # as vLLM: siblings that start together share a prompt
-        config = RollfleetConfig.model_validate(doc)
-        TrainConfig.model_validate(config.trainer.model_dump())  # a bad trainer section fails here, named
-        return config
+        return RollfleetConfig.model_validate(doc)
 
 
 @dataclass

@@ -12,8 +12,8 @@
   from then on. ``keep`` brackets that with ``POST /pause?mode=keep&clear_cache=false`` and ``POST
   /resume`` (all of it one ``POST /rollfleet/commit`` where the server has rollfleet's commit
   route, :mod:`rollfleet.vllm_plugin.commit`: no HTTP round trip and no fixed sleep between the
-  steps while the engine generates nothing): in-flight requests are frozen with their KV cache (``clear_cache=true`` would preempt
-  them and recompute it) and continue on the new weights; new calls wait at the engine's own gate
+  steps while the engine generates nothing): in-flight requests are frozen with their KV cache
+  (``clear_cache=true`` would preempt them and recompute it) and continue on the new weights; new calls wait at the engine's own gate
   meanwhile, so that they go out salted with the new label. ``abort``: the caller has paused
   (``mode=abort``) and resumes; the prefix cache is reset after the load.
 
@@ -205,11 +205,7 @@ class VLLMWeights:
 
     async def _finish_in_steps(self, files: list[Path], version: int) -> dict[str, Any]:
         """The server is paused with the load perhaps half done: load again, then resume."""
-        started = time.monotonic()
-        await self._load(files, str(version))
-        loaded = time.monotonic()
-        await self._resume_loaded()
-        return {"load_s": loaded - started, "resume_call_s": time.monotonic() - loaded, "commit": "route, then steps"}
+        return {**await self._load_and_resume(files, version), "commit": "route, then steps"}
 
     async def _commit_by_steps(self, files: list[Path], version: int) -> dict[str, Any]:
         started = time.monotonic()
@@ -219,12 +215,16 @@ class VLLMWeights:
         except ReplicaUnavailable:
             await self._resume_quietly()  # nothing was started: resuming is safe
             raise
-        paused = time.monotonic()
+        paused_s = time.monotonic() - started
+        return {"pause_call_s": paused_s, **await self._load_and_resume(files, version), "commit": "steps"}
+
+    async def _load_and_resume(self, files: list[Path], version: int) -> dict[str, float]:
+        """On a paused server: load ``version`` (see :meth:`_load`), then resume; what each took."""
+        started = time.monotonic()
         await self._load(files, str(version))
         loaded = time.monotonic()
         await self._resume_loaded()
-        return {"pause_call_s": paused - started, "load_s": loaded - paused,
-                "resume_call_s": time.monotonic() - loaded, "commit": "steps"}  # fmt: skip
+        return {"load_s": loaded - started, "resume_call_s": time.monotonic() - loaded}
 
     async def _is_paused(self) -> bool:
         resp = await self._control("GET", "/is_paused", op="commit_weights", headers=FRESH_CONNECTION)
