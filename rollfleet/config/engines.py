@@ -66,6 +66,13 @@ class SimEngineConfig(_Section):
     weight_load_ms: float = Field(
         0.0, ge=0, description="Simulated time a weight commit takes (ms): the engine generates nothing meanwhile."
     )
+    max_steps_per_wake: int = Field(
+        1,
+        ge=1,
+        description="Steps the engine may take at one wake of its loop when none of them can change the batch "
+        "(a fast-forward: the same steps, settled at once; streamed requests still step one at a time). "
+        "1 wakes every step; rollfleet plan uses a large value.",
+    )
 
 
 class VLLMEngineConfig(_Section):

@@ -100,6 +100,8 @@ class PlanSpec:
         rollout.update(name="sim", num_replicas=replicas)
         rollout["routing"]["seed"] = seed
         rollout["sim"].update(seed=seed, time_scale=1.0, tensor_parallel_size=self.tp)
+        if "max_steps_per_wake" not in self.config.rollout.sim.model_fields_set:
+            rollout["sim"]["max_steps_per_wake"] = 1_000_000  # fast-forward: the same steps, far fewer wakes
         if "cache_on_prefill" not in self.config.rollout.sim.model_fields_set:
             rollout["sim"]["cache_on_prefill"] = True  # as vLLM: siblings that start together share a prompt
         return RollfleetConfig.model_validate(doc)

@@ -16,6 +16,8 @@ from array import array
 from collections import OrderedDict, deque
 from typing import Any, Optional, Sequence
 
+import numpy as np
+
 from rollfleet.config import SimEngineConfig
 from rollfleet.types import StopReason, TokenOutput
 
@@ -75,6 +77,8 @@ class _Request:
         "versions",
         "sample_key",
         "progress",
+        "pending",
+        "finish_in",
     )
 
     def __init__(self, request_id: str, prompt_ids: list[int], max_tokens: int) -> None:
@@ -96,10 +100,14 @@ class _Request:
         self.versions: list[Optional[int]] = []  # the weight version label of each generated token
         self.sample_key = (0, 0)  # (prompt key, sampling salt): the token seed under any weights
         self.progress: Optional[asyncio.Event] = None  # set on every new token when streamed
+        # Tokens a fast-forward (:mod:`.steps`) counted but has not produced yet: produced, all at
+        # once, when the request leaves the batch or the weights change.
+        self.pending = 0
+        self.finish_in = 0  # steps to the end the current fast-forward planned for it
 
     @property
     def context_len(self) -> int:
-        return len(self.prompt_ids) + len(self.generated)
+        return len(self.prompt_ids) + len(self.generated) + self.pending
 
 
 def _int_bytes(ids: Sequence[int]) -> bytes:
@@ -171,6 +179,7 @@ class BatchModel:
     def _finish(self, req: _Request, reason: StopReason) -> None:
         if self._requests.pop(req.request_id, None) is None:
             return
+        self._materialize(req)
         if req in self._running:
             self._running.remove(req)
         else:
@@ -270,6 +279,7 @@ class BatchModel:
         if not self._running:
             return False
         victim = max(self._running, key=lambda r: r.admitted_seq)
+        self._materialize(victim)
         self._running.remove(victim)
         self._release(victim)
         victim.num_preempted += 1
@@ -292,11 +302,42 @@ class BatchModel:
         logprob = -((_mix(req.token_seed, pos, 7) % 10_000) / 2_000.0)  # in (-5, 0]
         return tok, logprob
 
+    def _materialize(self, req: _Request) -> None:
+        """Produce the tokens a fast-forward counted for ``req`` (all of them at once, vectorised:
+        the same ids and logprobs :meth:`_next_token` gives one by one, under the weights and
+        version label of now, which is why every weight change materializes first)."""
+        if not req.pending:
+            return
+        start, count = len(req.generated), req.pending
+        req.pending = 0
+        ids, logprobs = _tokens(req, start, count, self.config.vocab_size, self.config.eos_token_id)
+        req.generated.extend(ids)
+        req.log_probs.extend(logprobs)
+        req.versions.extend([self._version_label] * count)
+
+    def _stop_reason(self, req: _Request) -> Optional[StopReason]:
+        """Why ``req`` ends after its last token (produced: call :meth:`_materialize` first), or
+        None while it goes on; the checks and their order are those of one step's."""
+        n = len(req.generated) + req.pending
+        if req.scripted is not None and n >= len(req.scripted):
+            return "stop"
+        if n >= req.max_tokens:
+            return "length"
+        if not req.ignore_eos and req.generated:
+            tok = req.generated[-1]
+            if tok == self.config.eos_token_id or tok in req.stop_ids:
+                return "stop"
+        if req.context_len >= self._max_model_len:
+            return "length"
+        return None
+
     def _emit(self) -> None:
-        cfg = self.config
+        """One step: every running sequence samples one token (allocating a KV block, or
+        preempting for one, when it needs one)."""
         for req in list(self._running):
             if req not in self._running:
                 continue  # preempted by an earlier sequence in this step
+            self._materialize(req)
             if self._blocks_for(req.context_len + 1) > req.blocks:
                 while self._kv_blocks_free == 0:
                     if not self._preempt_one():
@@ -314,15 +355,40 @@ class BatchModel:
             if req.progress is not None:
                 req.progress.set()
             self._stats["generation_tokens"] += 1
-            n = len(req.generated)
-            if req.scripted is not None and n >= len(req.scripted):
-                self._finish(req, "stop")
-            elif n >= req.max_tokens:
-                self._finish(req, "length")
-            elif not req.ignore_eos and (tok == cfg.eos_token_id or tok in req.stop_ids):
-                self._finish(req, "stop")
-            elif req.context_len >= self._max_model_len:
-                self._finish(req, "length")
+            reason = self._stop_reason(req)
+            if reason is not None:
+                self._finish(req, reason)
+
+
+_C = np.uint64(0xBF58476D1CE4E5B9)
+_S31 = np.uint64(31)
+
+
+def _mix_round(state: Any, values: Any) -> Any:
+    """One more value into :func:`_mix`'s state, elementwise over numpy uint64 arrays:
+    ``_mix(*prefix, v) == _mix_round(_mix(*prefix), v)`` (the products wrap modulo 2**64)."""
+    x = (state ^ values) * _C
+    return x ^ (x >> _S31)
+
+
+def _tokens(req: _Request, start: int, count: int, vocab_size: int, eos: int) -> tuple[list[int], list[float]]:
+    """``count`` tokens of ``req`` from position ``start``: what :meth:`BatchModel._next_token`
+    gives for each, computed for all of them at once."""
+    pos = np.arange(start, start + count, dtype=np.uint64)
+    h = _mix_round(np.uint64(_mix(req.token_seed)), pos)
+    logprobs = -((_mix_round(h, np.uint64(7)) % np.uint64(10_000)) / 2_000.0)
+    if req.scripted is not None:
+        return req.scripted[start : start + count], logprobs.tolist()
+    ids = (h % np.uint64(vocab_size)).astype(np.int64)
+    avoid = np.fromiter({eos, *req.stop_ids}, dtype=np.int64)
+    hit = np.isin(ids, avoid)  # an id to avoid becomes the next one, twice at most (as one at a time)
+    if hit.any():
+        ids[hit] = (ids[hit] + 1) % vocab_size
+        again = hit & np.isin(ids, avoid)
+        ids[again] = (ids[again] + 1) % vocab_size
+    if not req.ignore_eos:
+        ids[pos + np.uint64(1) >= np.uint64(req.target_len)] = eos
+    return ids.tolist(), logprobs.tolist()
 
 
 __all__ = ["BatchModel", "_Request", "_mix", "_fingerprint", "_int_bytes"]

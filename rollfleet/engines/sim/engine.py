@@ -18,8 +18,9 @@ from typing import Any, AsyncIterator, Callable, Optional, Sequence, Union
 
 from rollfleet.config import RolloutConfig, SimEngineConfig
 from rollfleet.engines.base import CommitMode, Engine, EngineHealth, EngineLimits, EngineLoad
-from rollfleet.engines.sim.batch import BatchModel, _fingerprint, _mix, _Request
+from rollfleet.engines.sim.batch import _fingerprint, _mix, _Request
 from rollfleet.engines.sim.cost import StepCost
+from rollfleet.engines.sim.steps import StepLoop, _Run
 from rollfleet.errors import EngineDead, NotSupported
 from rollfleet.types import SamplingParams, TokenDelta, TokenOutput
 
@@ -28,7 +29,7 @@ from rollfleet.types import SamplingParams, TokenDelta, TokenOutput
 ResponseScript = Callable[[str, list[int], SamplingParams], Sequence[int]]
 
 
-class SimEngine(BatchModel, Engine):
+class SimEngine(StepLoop, Engine):
     """Simulated continuous-batching engine; see the package docstring for the model."""
 
     name = "sim"
@@ -65,6 +66,8 @@ class SimEngine(BatchModel, Engine):
         self._profile: Optional[list[dict[str, Any]]] = None
         self._profile_dir: Optional[str] = None
         self._sim_clock = 0.0
+        self._run_now: Optional[_Run] = None  # the steps the loop sleeps through
+        self._wake_at: Optional[tuple[asyncio.Future[None], asyncio.TimerHandle]] = None
         self._stats = {
             "prefix_cache_query_tokens": 0,
             "prefix_cache_hit_tokens": 0,
@@ -74,6 +77,7 @@ class SimEngine(BatchModel, Engine):
             "num_aborted": 0,
             "num_finished": 0,
             "num_steps": 0,
+            "num_wakes": 0,  # of the step loop: fewer than steps where it fast-forwards
             "sim_busy_s": 0.0,
         }
 
@@ -120,6 +124,7 @@ class SimEngine(BatchModel, Engine):
             out = await asyncio.shield(req.future)
         except asyncio.CancelledError:
             # The caller gave up: free the engine's resources, never leak a running sequence.
+            self._catch_up()
             self._finish(req, "aborted")
             raise
         return self._with_extras(out, kwargs)
@@ -142,6 +147,7 @@ class SimEngine(BatchModel, Engine):
                     yield TokenDelta(req.generated[sent:n], req.log_probs[sent:n], req.versions[sent:n])
                     sent = n
         except BaseException:  # cancelled, or the consumer closed the stream: stop generating
+            self._catch_up()
             self._finish(req, "aborted")
             raise
         out = req.future.result()
@@ -172,6 +178,7 @@ class SimEngine(BatchModel, Engine):
             req.target_len = self._natural_length(prompt_key, salt)
         if streamed:
             req.progress = asyncio.Event()
+        self._catch_up()  # it joins the batch at the next step's start
         self._requests[request_id] = req
         self._waiting.append(req)
         assert self._work is not None
@@ -188,15 +195,18 @@ class SimEngine(BatchModel, Engine):
     async def abort(self, request_id: str) -> None:
         req = self._requests.get(request_id)
         if req is not None:
+            self._catch_up()
             self._finish(req, "aborted")
 
     async def abort_all(self) -> int:
+        self._catch_up()
         reqs = list(self._requests.values())
         for req in reqs:
             self._finish(req, "aborted")
         return len(reqs)
 
     async def pause(self) -> None:
+        self._catch_up()
         self._paused = True
         await self.abort_all()
 
@@ -206,6 +216,7 @@ class SimEngine(BatchModel, Engine):
             self._work.set()
 
     async def sleep(self) -> None:
+        self._catch_up()
         self._sleeping = True
         await self.abort_all()
         self._prefix_cache.clear()
@@ -217,6 +228,8 @@ class SimEngine(BatchModel, Engine):
 
     async def update_weights(self, weights: Any) -> None:
         self._check_alive()
+        self._catch_up()
+        self._materialize_all()  # the tokens counted so far came from the weights before these
         self._num_updates += 1
         self._weights_fp = _fingerprint(weights)
         if self._corrupt_next_load:
@@ -235,6 +248,8 @@ class SimEngine(BatchModel, Engine):
         staged = self.__dict__.get("_staged_weights", {})
         if version not in staged:
             raise KeyError(f"no weights staged under version {version} (staged: {sorted(staged)})")
+        self._catch_up()
+        self._materialize_all()
         was_paused = self._paused
         self._paused = True  # the step loop emits nothing until the load is done
         try:
@@ -283,6 +298,7 @@ class SimEngine(BatchModel, Engine):
         if self._hung:
             await asyncio.Event().wait()
         self._check_alive()
+        self._catch_up(interrupt=False)
         return EngineLoad(
             running=len(self._running),
             waiting=len(self._waiting),
@@ -291,6 +307,7 @@ class SimEngine(BatchModel, Engine):
         )
 
     def stats(self) -> dict[str, float]:
+        self._catch_up(interrupt=False)
         out = dict(self._stats)
         q = out["prefix_cache_query_tokens"]
         out["prefix_cache_hit_rate"] = out["prefix_cache_hit_tokens"] / q if q else 0.0
@@ -307,6 +324,8 @@ class SimEngine(BatchModel, Engine):
         stepping and stops answering probes; ``slow``: steps take ``factor`` times longer;
         ``corrupt_load``: the next weight load silently loads something else (a bad transfer);
         ``none``: clear hang/slow."""
+        if self._started:
+            self._catch_up()
         if kind == "corrupt_load":
             self._corrupt_next_load = True
         elif kind == "crash":
@@ -328,65 +347,6 @@ class SimEngine(BatchModel, Engine):
     def _check_alive(self) -> None:
         if self._dead is not None:
             raise EngineDead(f"sim-{self.replica_index}", self._dead)
-
-    async def _run(self) -> None:
-        """The step loop; should it ever crash, the engine is dead and every request hears so
-        (rather than waiting forever on a loop that is gone)."""
-        try:
-            await self._steps()
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            self._dead = f"engine loop crashed: {exc!r}"
-            self._fail_all(EngineDead(f"sim-{self.replica_index}", self._dead))
-
-    async def _steps(self) -> None:
-        assert self._work is not None
-        anchor: Optional[tuple[float, float]] = None  # (wall, simulated) time when busy began
-        while True:
-            if self._dead is not None:
-                return
-            if self._paused or self._sleeping or self._hung or not self._requests:
-                anchor = None
-                self._work.clear()
-                await self._work.wait()
-                continue
-            prefill = self._admit()
-            if not self._running:
-                anchor = None
-                self._work.clear()
-                await self._work.wait()
-                continue
-            context = sum(r.context_len for r in self._running)  # KV the step reads
-            step_ms = self._cost.step_ms(len(self._running), context, prefill) * self._slow_factor
-            started = time.perf_counter()
-            # Pace against an anchor (sub-ms steps would each pay the sleep overhead), on the loop's
-            # clock: on a virtual-time loop (rollfleet.utils.virtual_time) steps take no wall time.
-            clock = asyncio.get_running_loop().time
-            if anchor is None:
-                anchor = (clock(), self._sim_clock)
-            target = anchor[0] + (self._sim_clock + step_ms / 1000.0 - anchor[1]) / self.config.time_scale
-            await asyncio.sleep(max(0.0, target - clock()))
-            if self._paused or self._sleeping or self._hung or self._dead is not None:
-                continue  # the step was interrupted; its tokens are not emitted
-            if self._slow_factor != 1.0:
-                anchor = None
-            self._emit()
-            self._sim_clock += step_ms / 1000.0
-            self._stats["num_steps"] += 1
-            self._stats["sim_busy_s"] += step_ms / 1000.0
-            if self._profile is not None:
-                self._profile.append(
-                    {
-                        "name": "step",
-                        "ph": "X",
-                        "ts": started * 1e6,
-                        "dur": (time.perf_counter() - started) * 1e6,
-                        "pid": self.replica_index,
-                        "tid": 0,
-                        "args": {"running": len(self._running), "prefill_tokens": prefill, "sim_ms": step_ms},
-                    }
-                )
 
 
 def _has_loop() -> bool:

@@ -1,0 +1,260 @@
+"""The sim engine's step loop: engine steps paced on the event loop's clock, one at a time or,
+where nothing can change for many steps, many at once (a fast-forward).
+
+Why fast-forward: a plan of a large cluster runs billions of sequence-steps; a timer per step per
+replica and Python work per token make that minutes of wall time per plan. Between two events that
+change the batch (a sequence ending, a request arriving or aborted, a pause, a weight commit, a KV
+block that cannot be had without preempting), every step is known in advance: the batch is fixed,
+its context grows by one token per sequence per step, so each step's cost follows, and its tokens
+are a function of the weights, the request and the position. So the loop plans the steps up to the
+next such event (at most ``max_steps_per_wake``), sleeps once until the last ends, and only counts
+the tokens; they are produced, vectorised, when a request leaves the batch or the weights change
+(:meth:`BatchModel._materialize`).
+
+An event that arrives mid-way (:meth:`StepLoop._catch_up`) first settles the steps that ended by
+then; the step in progress still ends when it was planned to, as a real engine step does, and the
+loop plans again from there. So the engine does what it does one step at a time (its step ends are
+the same, to the rounding of sums), except that a streamed request always steps one at a time (its
+caller sees every token as it comes) and a fast-forward's tokens reach ``profile`` as one event.
+``max_steps_per_wake: 1`` (the default) is the step-at-a-time loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from bisect import bisect_right
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from rollfleet.engines.sim.batch import BatchModel, _Request
+from rollfleet.engines.sim.cost import StepCost
+from rollfleet.errors import EngineDead
+
+
+@dataclass
+class _Run:
+    """The steps planned at one wake: when each ends (loop clock), what each costs (ms)."""
+
+    ends: list[float]
+    costs_ms: list[float]
+    prefill: int
+    done: int = 0  # steps settled so far
+    started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def planned(self) -> int:
+        return len(self.ends)
+
+
+def _wake(fut: "asyncio.Future[None]") -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+class StepLoop(BatchModel):
+    """The step loop half of :class:`~rollfleet.engines.sim.SimEngine` (its state is the engine's)."""
+
+    _cost: StepCost
+    _paused: bool
+    _sleeping: bool
+    _hung: bool
+    _dead: Optional[str]
+    _slow_factor: float
+    _sim_clock: float
+    _work: Optional[asyncio.Event]
+    _profile: Optional[list[dict[str, Any]]]
+    _run_now: Optional[_Run]
+    _wake_at: Optional[tuple["asyncio.Future[None]", asyncio.TimerHandle]]
+
+    async def _run(self) -> None:
+        """The step loop; should it ever crash, the engine is dead and every request hears so
+        (rather than waiting forever on a loop that is gone)."""
+        try:
+            await self._steps()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._dead = f"engine loop crashed: {exc!r}"
+            self._fail_all(EngineDead(f"sim-{self.replica_index}", self._dead))
+
+    def _stopped(self) -> bool:
+        return self._paused or self._sleeping or self._hung or self._dead is not None
+
+    async def _steps(self) -> None:
+        assert self._work is not None
+        anchor: Optional[tuple[float, float]] = None  # (loop clock, simulated) time when busy began
+        loop = asyncio.get_running_loop()
+        while True:
+            if self._dead is not None:
+                return
+            if self._stopped() or not self._requests:
+                anchor = None
+                self._work.clear()
+                await self._work.wait()
+                continue
+            prefill = self._admit()
+            if not self._running:
+                anchor = None
+                self._work.clear()
+                await self._work.wait()
+                continue
+            # Pace against an anchor (sub-ms steps would each pay the sleep overhead), on the loop's
+            # clock: on a virtual-time loop (rollfleet.utils.virtual_time) steps take no wall time.
+            if anchor is None:
+                anchor = (loop.time(), self._sim_clock)
+            run = self._plan(prefill, anchor)
+            self._run_now = run
+            if run.planned == 1:
+                await asyncio.sleep(max(0.0, run.ends[0] - loop.time()))
+            else:
+                await self._sleep_until(run.ends[-1])
+            self._run_now = None
+            if self._stopped():
+                continue  # the step in progress was interrupted; its tokens are not emitted
+            if self._slow_factor != 1.0:
+                anchor = None
+            self._settle(run, run.planned)
+
+    def _plan(self, prefill: int, anchor: tuple[float, float]) -> _Run:
+        """The steps to take at this wake: up to the first that may change the batch."""
+        steps = self._steps_ahead()
+        running = len(self._running)
+        context = sum(r.context_len for r in self._running)  # KV the first step reads
+        ends: list[float] = []
+        costs: list[float] = []
+        sim = self._sim_clock
+        scale = self.config.time_scale
+        for i in range(steps):
+            ms = self._cost.step_ms(running, context + i * running, prefill if i == 0 else 0) * self._slow_factor
+            sim += ms / 1000.0
+            costs.append(ms)
+            ends.append(anchor[0] + (sim - anchor[1]) / scale)
+        self._stats["num_wakes"] += 1
+        return _Run(ends, costs, prefill)
+
+    def _steps_ahead(self) -> int:
+        """How many steps can run before one may change the batch: none of them ends a sequence
+        (but the last), none needs a KV block that is not free, no sequence streams."""
+        limit = self.config.max_steps_per_wake
+        if limit == 1:
+            return 1
+        for req in self._running:
+            if req.progress is not None:
+                return 1
+            req.finish_in = self._steps_to_end(req)
+            limit = min(limit, req.finish_in)
+        while limit > 1 and self._blocks_needed(limit) > self._kv_blocks_free:
+            limit //= 2  # rare (a nearly full cache): settle for fewer steps
+        return limit
+
+    def _steps_to_end(self, req: _Request) -> int:
+        """Steps until ``req`` ends at the latest (the step that ends it included)."""
+        n = len(req.generated) + req.pending
+        steps = min(req.max_tokens - n, self._max_model_len - req.context_len)
+        if req.scripted is not None:
+            steps = min(steps, len(req.scripted) - n)
+            if not req.ignore_eos:
+                stops = req.stop_ids | {self.config.eos_token_id}
+                for i, tok in enumerate(req.scripted[n : n + max(steps, 0)]):
+                    if tok in stops:
+                        return max(1, i + 1)
+        elif not req.ignore_eos:
+            steps = min(steps, req.target_len - n)
+            if self._may_sample_a_stop(req):
+                return 1
+        return max(1, steps)
+
+    def _may_sample_a_stop(self, req: _Request) -> bool:
+        """Whether a sampled id can still be a stop id: only when three ids in a row are (one
+        that is becomes the next id, twice at most)."""
+        stops = req.stop_ids | {self.config.eos_token_id}
+        vocab = self.config.vocab_size
+        return any((s + 1) % vocab in stops and (s + 2) % vocab in stops for s in stops)
+
+    def _blocks_needed(self, steps: int) -> int:
+        return sum(max(0, self._blocks_for(r.context_len + steps) - r.blocks) for r in self._running)
+
+    def _settle(self, run: _Run, upto: int) -> None:
+        """Account for the steps of ``run`` that have ended, up to ``upto``."""
+        steps = upto - run.done
+        if steps <= 0:
+            return
+        if run.planned == 1:
+            self._emit()
+        else:
+            self._advance(steps)
+        ms = sum(run.costs_ms[run.done : upto])
+        run.done = upto
+        self._sim_clock += ms / 1000.0
+        self._stats["num_steps"] += steps
+        self._stats["sim_busy_s"] += ms / 1000.0
+        if self._profile is not None:
+            self._profile.append(
+                {
+                    "name": "step" if steps == 1 else f"{steps} steps",
+                    "ph": "X",
+                    "ts": run.started * 1e6,
+                    "dur": (time.perf_counter() - run.started) * 1e6,
+                    "pid": self.replica_index,
+                    "tid": 0,
+                    "args": {"running": len(self._running), "prefill_tokens": run.prefill, "sim_ms": ms},
+                }
+            )
+
+    def _advance(self, steps: int) -> None:
+        """``steps`` steps of a fast-forward: every running sequence counts its tokens and takes
+        the KV blocks they fill (free: checked when planned); a sequence ends at its planned end."""
+        running = list(self._running)
+        self._stats["generation_tokens"] += steps * len(running)
+        for req in running:
+            req.pending += steps
+            req.finish_in -= steps
+            need = self._blocks_for(req.context_len)
+            if need > req.blocks:
+                self._kv_blocks_free -= need - req.blocks
+                req.blocks = need
+            if req.finish_in <= 0:
+                self._materialize(req)
+                reason = self._stop_reason(req)
+                if reason is not None:
+                    self._finish(req, reason)
+
+    def _catch_up(self, interrupt: bool = True) -> None:
+        """Settle the steps of a fast-forward that ended by now, before something reads or changes
+        the batch. ``interrupt``: the batch changes, so the fast-forward stops at the end of the
+        step in progress (the loop then plans again)."""
+        run = self._run_now
+        if run is None or run.planned == 1:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # read from outside the loop (a test, a report): nothing has ended yet
+            return
+        ended = bisect_right(run.ends, loop.time(), run.done, run.planned)
+        self._settle(run, ended)
+        if interrupt and ended < run.planned:
+            del run.ends[ended + 1 :]
+            del run.costs_ms[ended + 1 :]
+            if self._wake_at is not None:
+                fut, handle = self._wake_at
+                handle.cancel()
+                self._wake_at = (fut, loop.call_at(run.ends[-1], _wake, fut))
+
+    def _materialize_all(self) -> None:
+        for req in self._running:
+            self._materialize(req)
+
+    async def _sleep_until(self, when: float) -> None:
+        """Sleep until ``when`` on the loop's clock; :meth:`_catch_up` may bring the wake forward."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        self._wake_at = (fut, loop.call_at(when, _wake, fut))
+        try:
+            await fut
+        finally:
+            self._wake_at[1].cancel()
+            self._wake_at = None
+
+
+__all__ = ["StepLoop"]

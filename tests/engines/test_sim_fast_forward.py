@@ -1,0 +1,124 @@
+"""The sim engine's fast-forward (``max_steps_per_wake`` > 1) must be the same engine, faster: the
+same tokens, logprobs, versions, stop reasons, preemptions and step ends as one step at a time,
+whatever arrives, aborts, pauses or commits mid-way."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from rollfleet.config import SimEngineConfig
+from rollfleet.engines.sim import SimEngine
+from rollfleet.engines.sim.batch import _Request, _tokens
+from rollfleet.utils import virtual_time
+
+pytestmark = pytest.mark.unit
+
+
+async def _request(prompt, max_tokens, *, stop_ids=(), ignore_eos=False, target_len=50, scripted=None):
+    req = _Request("r", list(prompt), max_tokens)
+    req.stop_ids = frozenset(stop_ids)
+    req.ignore_eos = ignore_eos
+    req.target_len = target_len
+    req.token_seed = random.Random(len(prompt) * 7 + max_tokens).getrandbits(64)
+    req.scripted = scripted
+    return req
+
+
+@pytest.mark.parametrize(
+    "stop_ids, ignore_eos, scripted",
+    [((), False, None), ((3, 4, 7), False, None), ((3, 4), True, None), ((), False, [5, 9, 2, 11] * 30)],
+)
+def test_tokens_made_at_once_equal_tokens_made_one_by_one(stop_ids, ignore_eos, scripted):
+    # A tiny vocabulary makes the ids to avoid (eos 2, the stop ids) come up often.
+    engine = SimEngine(SimEngineConfig(vocab_size=16, eos_token_id=2))
+
+    async def check():
+        req = await _request([1, 2, 3], 120, stop_ids=stop_ids, ignore_eos=ignore_eos, target_len=90, scripted=scripted)
+        ids, logprobs = _tokens(req, 0, 100, 16, 2)
+        one_by_one = []
+        for _ in range(100):
+            tok, lp = engine._next_token(req)
+            req.generated.append(tok)
+            one_by_one.append((tok, lp))
+        assert list(zip(ids, logprobs)) == one_by_one
+
+    virtual_time.run(check())
+
+
+async def _workload(max_steps_per_wake: int, seed: int) -> dict:
+    """Arrivals, aborts, a pause, keep and abort commits and a full KV cache, on one engine."""
+    cfg = SimEngineConfig(
+        vocab_size=500,
+        mean_response_tokens=120,
+        response_sigma=1.0,
+        max_num_seqs=24,
+        kv_capacity_tokens=3_000,  # too small for everything at once: preemptions happen
+        block_size=16,
+        step_per_context_token_ms=0.0002,
+        weight_load_ms=30.0,
+        cache_on_prefill=True,
+        max_steps_per_wake=max_steps_per_wake,
+        seed=seed,
+    )
+    engine = SimEngine(cfg)
+    await engine.start()
+    rng = random.Random(seed)
+    loop = asyncio.get_running_loop()
+    results: dict[str, tuple] = {}
+
+    async def one(i: int, delay: float) -> None:
+        await asyncio.sleep(delay)
+        prompt = [1 + (i % 5)] * 64 + [rng.randrange(3, 500) for _ in range(rng.randrange(8, 200))]
+        params = {"max_tokens": rng.choice([40, 300, 900]), "seed": i, "stop_token_ids": [7]}
+        out = await engine.generate(f"r{i}", prompt, params)
+        results[f"r{i}"] = (
+            out.token_ids,
+            out.log_probs,
+            out.token_versions,
+            out.stop_reason,
+            out.num_preempted,
+            round(loop.time(), 9),
+        )
+
+    async def control() -> None:
+        await asyncio.sleep(0.35)
+        await engine.abort("r3")
+        await engine.abort("r17")
+        await asyncio.sleep(0.2)
+        await engine.stage_weights({"w": 1}, 1)
+        await engine.commit_weights(1, mode="keep")
+        await asyncio.sleep(0.4)
+        await engine.load()  # a reader settles what ended, changes nothing
+        await engine.stage_weights({"w": 2}, 2)
+        await engine.commit_weights(2, mode="keep")
+        await asyncio.sleep(2.0)
+        await engine.pause()
+        await asyncio.sleep(0.05)
+        await engine.resume()
+
+    tasks = [asyncio.ensure_future(one(i, rng.random() * 3.0)) for i in range(60)]
+    await control()
+    await asyncio.gather(*tasks)
+    stats = engine.stats()
+    await engine.shutdown()
+    return {"results": results, "stats": stats}
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_fast_forward_is_the_same_engine_as_one_step_at_a_time(seed):
+    stepped = virtual_time.run(_workload(1, seed))
+    fast = virtual_time.run(_workload(10_000, seed))
+    assert stepped["stats"]["num_preemptions"] > 0 and stepped["stats"]["num_aborted"] > 0
+    assert {r[3] for r in stepped["results"].values()} >= {"stop", "length", "aborted"}
+    assert fast["results"].keys() == stepped["results"].keys()
+    for rid, want in stepped["results"].items():
+        got = fast["results"][rid]
+        assert got[:5] == want[:5], rid
+        assert got[5] == pytest.approx(want[5], abs=1e-6), rid
+    for key in ("generation_tokens", "num_steps", "num_preemptions", "prefix_cache_hit_tokens", "num_finished"):
+        assert fast["stats"][key] == stepped["stats"][key], key
+    assert fast["stats"]["num_wakes"] * 2 < stepped["stats"]["num_wakes"]
+    assert fast["stats"]["sim_busy_s"] == pytest.approx(stepped["stats"]["sim_busy_s"], rel=1e-9)
