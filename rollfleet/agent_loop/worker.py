@@ -173,6 +173,9 @@ class AgentLoopWorker:
             spec = {"ground_truth": sample["ground_truth"]}
         if not spec:
             return
+        if set(spec) == {"score"}:  # a reward given outright (plans, load tests): nothing to decode
+            output.reward_score = float(spec["score"])
+            return
         start = time.perf_counter()
         result = compute_reward(model_text(output, self.tokenizer), spec, self.config.agent.default_reward)
         output.metrics.compute_score = time.perf_counter() - start

@@ -95,6 +95,8 @@ class PlanSpec:
         doc = self.config.model_dump()
         trainer = doc["trainer"]
         trainer.update(trainer_mode=mode, seed=seed, output_dir=self.output_dir, run_name=f"{mode}-seed{seed}")
+        if "task" not in self.config.trainer.model_fields_set:
+            trainer["task"] = "synthetic"  # prompts of rollout.prompt_length tokens, nothing to score
         trainer["sim_learner"] = {**trainer.get("sim_learner", {}), "enabled": True, "resource_share": share}
         rollout = doc["rollout"]
         rollout.update(name="sim", num_replicas=replicas)

@@ -69,7 +69,7 @@ class Trainer(abc.ABC):
         self.agent_manager: Optional[FullyAsyncAgentLoopManager] = None
         self.learner: Optional[RemoteLearner] = None
         self.tracker: Optional[RunTracker] = None
-        self.stream = make_task(self.train.task, self.train.seed)
+        self.stream = make_task(self.train.task, self.train.seed, prompt_tokens=self.config.rollout.prompt_length)
         self.step = 0
         self.version = 0
         self.syncs = 0

@@ -40,7 +40,11 @@ class TrainConfig(BaseModel):
     trainer_mode: str = Field("sync", description="Registered trainer: sync | colocate_async | separate_async.")
     run_name: str = Field("rollfleet", description="Outputs go to <output_dir>/<run_name>/.")
     output_dir: str = "runs"
-    task: str = Field("count", description="Built-in task (see rollfleet.trainer.tasks).")
+    task: str = Field(
+        "count",
+        description="Built-in task (see rollfleet.trainer.tasks): count (learnable from scratch), or synthetic "
+        "(prompts of rollout.prompt_length token ids, no reward to compute: what rollfleet plan runs).",
+    )
     total_steps: int = Field(20, ge=1, description="Learner steps to run.")
     train_batch_size: int = Field(8, ge=1, description="Prompts (GRPO groups) per learner step.")
     parameter_sync_step: int = Field(1, ge=1, description="Learner steps between weight syncs to the fleet.")

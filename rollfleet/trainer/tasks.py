@@ -41,6 +41,7 @@ class TaskStream:
     name: str
     seed: int = 0
     position: int = 0
+    prompt_tokens: int = 128  # ``synthetic``: the length of every prompt
 
     def sample_at(self, index: int) -> dict[str, Any]:
         rng = random.Random(f"{self.name}:{self.seed}:{index}")
@@ -54,7 +55,12 @@ class TaskStream:
                 "reward": {"name": "rollfleet.trainer.tasks:count_continuation", "ground_truth": answer},
                 "task_index": index,
             }
-        raise ValueError(f"unknown task '{self.name}'; built-in tasks: ['count']")
+        if self.name == "synthetic":
+            # A plan's workload: prompts of exactly ``prompt_tokens`` token ids, no text, a reward
+            # given outright (what a plan measures does not depend on it; decoding would cost).
+            ids = [rng.randrange(16, 1_000) for _ in range(self.prompt_tokens)]  # in every vocabulary
+            return {"prompt_ids": ids, "reward": {"score": 0.0}, "task_index": index}
+        raise ValueError(f"unknown task '{self.name}'; built-in tasks: ['count', 'synthetic']")
 
     def next(self) -> dict[str, Any]:
         sample = self.sample_at(self.position)
@@ -66,8 +72,8 @@ class TaskStream:
             yield self.next()
 
 
-def make_task(name: str, seed: int = 0, position: int = 0) -> TaskStream:
-    stream = TaskStream(name, seed, position)
+def make_task(name: str, seed: int = 0, position: int = 0, prompt_tokens: int = 128) -> TaskStream:
+    stream = TaskStream(name, seed, position, prompt_tokens)
     stream.sample_at(0)  # fail early on an unknown name
     return stream
 

@@ -16,6 +16,7 @@ from rollfleet.config import RollfleetConfig, load_config
 from rollfleet.models.vocab import fit_sim_to_model
 from rollfleet.plan import VirtualRuntime
 from rollfleet.plan.planner import PlanSpec, learner_seconds_per_token, run_mode, run_plan
+from rollfleet.trainer import get_trainer_cls
 from rollfleet.trainer.config import TrainConfig
 from rollfleet.trainer.sim_learner import SimulatedLearner
 from rollfleet.utils import virtual_time
@@ -179,3 +180,52 @@ def test_the_command_refuses_a_cluster_too_small_for_one_replica(capsys):
     code = main(["plan", "--gpus", "2", "--tp", "4", "--seeds", "0"])
     assert code == 2
     assert "must hold at least one replica of tp=4" in capsys.readouterr().err
+
+
+def test_a_plan_prompts_with_the_configured_length_and_decodes_nothing(monkeypatch):
+    """A plan's prompts are ``rollout.prompt_length`` tokens (prefill and KV cost follow from
+    them), its GRPO siblings share theirs, and no response is decoded or scored."""
+    import rollfleet.agent_loop.worker as worker_module
+
+    def no_decoding(*_args, **_kwargs):
+        raise AssertionError("a plan decoded a response")
+
+    monkeypatch.setattr(worker_module, "model_text", no_decoding)
+    spec = PlanSpec(workload_config(), gpus=2, modes=("sync",), seeds=(0,))
+    config = spec.config_for("sync", 0)
+    assert config.trainer.task == "synthetic" and config.rollout.sim.max_steps_per_wake > 1
+
+    async def go():
+        runtime = VirtualRuntime()
+        trainer = get_trainer_cls("sync")(config, runtime=runtime)
+        try:
+            await trainer.init()
+            await trainer.fit()
+            assert runtime.fleet is not None
+            return await runtime.fleet.report(), trainer.tracker.history
+        finally:
+            await trainer.close()
+
+    report, history = virtual_time.run(go())
+    requests = sum(report.requests.values())
+    samples = config.trainer.total_steps * config.trainer.train_batch_size * config.rollout.n
+    assert requests >= samples
+    assert report.prompt_tokens == requests * config.rollout.prompt_length == requests * 64
+    # Each group prompt is computed about once per replica it lands on, not once per sibling.
+    assert report.prefill_tokens <= report.prompt_tokens / 2
+    assert all(row["response_length/mean"] > 0 for row in history)
+
+
+def test_a_synthetic_task_is_seeded_and_a_reward_given_outright_is_taken_as_is():
+    from rollfleet.agent_loop.base import AgentLoopOutput
+    from rollfleet.agent_loop.worker import AgentLoopWorker
+    from rollfleet.trainer.tasks import make_task
+
+    a, b = make_task("synthetic", seed=3, prompt_tokens=48), make_task("synthetic", seed=3, prompt_tokens=48)
+    first, again = a.next(), b.next()
+    assert first == again and len(first["prompt_ids"]) == 48 and first["reward"] == {"score": 0.0}
+    assert a.next()["prompt_ids"] != first["prompt_ids"]
+    worker = AgentLoopWorker.__new__(AgentLoopWorker)  # score() reads nothing else for such a reward
+    out = AgentLoopOutput([1, 2], [5, 6], [1, 1], None)
+    worker.score(out, {"reward": {"score": 0.75}})
+    assert out.reward_score == 0.75

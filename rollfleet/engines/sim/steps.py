@@ -27,6 +27,8 @@ from bisect import bisect_right
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import numpy as np
+
 from rollfleet.engines.sim.batch import BatchModel, _Request
 from rollfleet.engines.sim.cost import StepCost
 from rollfleet.errors import EngineDead
@@ -121,17 +123,21 @@ class StepLoop(BatchModel):
         steps = self._steps_ahead()
         running = len(self._running)
         context = sum(r.context_len for r in self._running)  # KV the first step reads
-        ends: list[float] = []
-        costs: list[float] = []
-        sim = self._sim_clock
         scale = self.config.time_scale
-        for i in range(steps):
-            ms = self._cost.step_ms(running, context + i * running, prefill if i == 0 else 0) * self._slow_factor
-            sim += ms / 1000.0
-            costs.append(ms)
-            ends.append(anchor[0] + (sim - anchor[1]) / scale)
         self._stats["num_wakes"] += 1
-        return _Run(ends, costs, prefill)
+        if steps == 1:
+            ms = self._cost.step_ms(running, context, prefill) * self._slow_factor
+            return _Run([anchor[0] + (self._sim_clock + ms / 1000.0 - anchor[1]) / scale], [ms], prefill)
+        # The same arithmetic, a step per element; cumsum adds in order, as a loop would.
+        cost = self._cost
+        contexts = context + np.arange(steps, dtype=np.float64) * running
+        costs = cost.base_ms + cost.per_seq_ms * running + cost.per_context_token_ms * contexts
+        costs[0] += cost.per_prefill_token_ms * prefill
+        costs *= self._slow_factor
+        sims = costs / 1000.0
+        sims[0] += self._sim_clock
+        ends = anchor[0] + (np.cumsum(sims) - anchor[1]) / scale
+        return _Run(ends.tolist(), costs.tolist(), prefill)
 
     def _steps_ahead(self) -> int:
         """How many steps can run before one may change the batch: none of them ends a sequence
