@@ -78,7 +78,7 @@ class _Request:
         "sample_key",
         "progress",
         "pending",
-        "finish_in",
+        "end_at",
     )
 
     def __init__(self, request_id: str, prompt_ids: list[int], max_tokens: int) -> None:
@@ -103,7 +103,7 @@ class _Request:
         # Tokens a fast-forward (:mod:`.steps`) counted but has not produced yet: produced, all at
         # once, when the request leaves the batch or the weights change.
         self.pending = 0
-        self.finish_in = 0  # steps to the end the current fast-forward planned for it
+        self.end_at = 0  # tokens it has when it ends at the latest (0: any step may end it)
 
     @property
     def context_len(self) -> int:
@@ -315,21 +315,40 @@ class BatchModel:
         req.log_probs.extend(logprobs)
         req.versions.extend([self._version_label] * count)
 
-    def _stop_reason(self, req: _Request) -> Optional[StopReason]:
-        """Why ``req`` ends after its last token (produced: call :meth:`_materialize` first), or
-        None while it goes on; the checks and their order are those of one step's."""
-        n = len(req.generated) + req.pending
+    def _stop_reason(self, req: _Request, tok: int) -> Optional[StopReason]:
+        """Why ``req`` ends with ``tok``, its last token (produced: :meth:`_materialize` first), or
+        None while it goes on."""
+        n = len(req.generated)
         if req.scripted is not None and n >= len(req.scripted):
             return "stop"
         if n >= req.max_tokens:
             return "length"
-        if not req.ignore_eos and req.generated:
-            tok = req.generated[-1]
-            if tok == self.config.eos_token_id or tok in req.stop_ids:
-                return "stop"
-        if req.context_len >= self._max_model_len:
+        if not req.ignore_eos and (tok == self.config.eos_token_id or tok in req.stop_ids):
+            return "stop"
+        if len(req.prompt_ids) + n >= self._max_model_len:
             return "length"
         return None
+
+    def _latest_end(self, req: _Request) -> int:
+        """How many tokens ``req`` has when it ends at the latest, known when it is submitted (the
+        length it was drawn, ``max_tokens``, the context, a stop in its script), or 0 where a
+        sampled id may be a stop id (then only stepping finds out)."""
+        end = min(req.max_tokens, self._max_model_len - len(req.prompt_ids))
+        stops = req.stop_ids | {self.config.eos_token_id}
+        if req.scripted is not None:
+            end = min(end, len(req.scripted))
+            if not req.ignore_eos:
+                for i, tok in enumerate(req.scripted[:end]):
+                    if tok in stops:
+                        return i + 1
+        elif not req.ignore_eos:
+            end = min(end, req.target_len)
+            vocab = self.config.vocab_size
+            # A sampled stop id becomes the next id, twice at most: only three stop ids in a row
+            # let one through.
+            if any((s + 1) % vocab in stops and (s + 2) % vocab in stops for s in stops):
+                return 0
+        return max(1, end)
 
     def _emit(self) -> None:
         """One step: every running sequence samples one token (allocating a KV block, or
@@ -355,7 +374,7 @@ class BatchModel:
             if req.progress is not None:
                 req.progress.set()
             self._stats["generation_tokens"] += 1
-            reason = self._stop_reason(req)
+            reason = self._stop_reason(req, tok)
             if reason is not None:
                 self._finish(req, reason)
 

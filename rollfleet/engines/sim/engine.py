@@ -176,6 +176,7 @@ class SimEngine(StepLoop, Engine):
                 return TokenOutput(token_ids=[], log_probs=[], stop_reason="stop")
         else:
             req.target_len = self._natural_length(prompt_key, salt)
+        req.end_at = self._latest_end(req)
         if streamed:
             req.progress = asyncio.Event()
         self._catch_up()  # it joins the batch at the next step's start

@@ -29,7 +29,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from rollfleet.engines.sim.batch import BatchModel, _Request
+from rollfleet.engines.sim.batch import BatchModel
 from rollfleet.engines.sim.cost import StepCost
 from rollfleet.errors import EngineDead
 
@@ -146,40 +146,26 @@ class StepLoop(BatchModel):
         if limit == 1:
             return 1
         for req in self._running:
-            if req.progress is not None:
+            if req.progress is not None or not req.end_at:
                 return 1
-            req.finish_in = self._steps_to_end(req)
-            limit = min(limit, req.finish_in)
-        while limit > 1 and self._blocks_needed(limit) > self._kv_blocks_free:
-            limit //= 2  # rare (a nearly full cache): settle for fewer steps
-        return limit
-
-    def _steps_to_end(self, req: _Request) -> int:
-        """Steps until ``req`` ends at the latest (the step that ends it included)."""
-        n = len(req.generated) + req.pending
-        steps = min(req.max_tokens - n, self._max_model_len - req.context_len)
-        if req.scripted is not None:
-            steps = min(steps, len(req.scripted) - n)
-            if not req.ignore_eos:
-                stops = req.stop_ids | {self.config.eos_token_id}
-                for i, tok in enumerate(req.scripted[n : n + max(steps, 0)]):
-                    if tok in stops:
-                        return max(1, i + 1)
-        elif not req.ignore_eos:
-            steps = min(steps, req.target_len - n)
-            if self._may_sample_a_stop(req):
-                return 1
-        return max(1, steps)
-
-    def _may_sample_a_stop(self, req: _Request) -> bool:
-        """Whether a sampled id can still be a stop id: only when three ids in a row are (one
-        that is becomes the next id, twice at most)."""
-        stops = req.stop_ids | {self.config.eos_token_id}
-        vocab = self.config.vocab_size
-        return any((s + 1) % vocab in stops and (s + 2) % vocab in stops for s in stops)
+            limit = min(limit, req.end_at - len(req.generated) - req.pending)
+        if limit > 1 and self._blocks_needed(limit) > self._kv_blocks_free:
+            low, high = 1, limit - 1  # the most steps whose blocks are free (needs grow with steps)
+            while low < high:
+                mid = (low + high + 1) // 2
+                if self._blocks_needed(mid) <= self._kv_blocks_free:
+                    low = mid
+                else:
+                    high = mid - 1
+            limit = low
+        return max(1, limit)
 
     def _blocks_needed(self, steps: int) -> int:
-        return sum(max(0, self._blocks_for(r.context_len + steps) - r.blocks) for r in self._running)
+        size = self.config.block_size
+        return sum(
+            max(0, -(-(len(r.prompt_ids) + len(r.generated) + r.pending + steps) // size) - r.blocks)
+            for r in self._running
+        )
 
     def _settle(self, run: _Run, upto: int) -> None:
         """Account for the steps of ``run`` that have ended, up to ``upto``."""
@@ -215,14 +201,13 @@ class StepLoop(BatchModel):
         self._stats["generation_tokens"] += steps * len(running)
         for req in running:
             req.pending += steps
-            req.finish_in -= steps
             need = self._blocks_for(req.context_len)
             if need > req.blocks:
                 self._kv_blocks_free -= need - req.blocks
                 req.blocks = need
-            if req.finish_in <= 0:
+            if len(req.generated) + req.pending >= req.end_at:
                 self._materialize(req)
-                reason = self._stop_reason(req)
+                reason = self._stop_reason(req, req.generated[-1])
                 if reason is not None:
                     self._finish(req, reason)
 

@@ -1,0 +1,135 @@
+"""How long ``rollfleet plan`` takes to plan a large cluster, on this host's CPUs.
+
+Side by side in one run: the same plan (``--gpus`` accelerators, ``--steps`` training steps of
+``sync``) with the sim engine stepping one step at a time (``max_steps_per_wake: 1``, every engine
+step a timer and a token at a time) and fast-forwarding (what ``rollfleet plan`` does: the steps up
+to the next event at once, tokens produced when a request ends). The two must give the same plan;
+the ratio of their wall times is the speed-up. Then every mode for ``--full-steps`` steps with the
+fast-forward, timed: what a user waits for a plan of that size.
+
+Workload (a GRPO step of 128 prompts x 8 samples): 256-token prompts, log-normal responses (mean
+400 tokens, sigma 0.8) up to 2,048, the sim engine's 7B-class step costs, a learner of 1e-5 s per
+token. Wall times depend on the host (2 shared cores here); the plans themselves do not.
+
+Run: ``python benchmarks/plan_speed.py`` (``--full-steps 0`` skips the long runs); ``--json FILE``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from rollfleet.config import RollfleetConfig, load_config
+from rollfleet.models.vocab import fit_sim_to_model
+from rollfleet.plan.planner import MODES, ModeRun, PlanSpec, run_plan
+
+WORKLOAD = {
+    "rollout.name": "sim",
+    "rollout.n": 8,
+    "rollout.prompt_length": 256,
+    "rollout.response_length": 2048,
+    "rollout.max_model_len": 2400,
+    "rollout.sim.mean_response_tokens": 400,
+    "rollout.sim.response_sigma": 0.8,
+    "agent.num_workers": 4,
+    "trainer.train_batch_size": 128,
+    "trainer.parameter_sync_step": 1,
+    "trainer.max_off_policy_steps": 2,
+    "trainer.max_inflight_groups": 256,
+    "trainer.max_queue_groups": 256,
+    "trainer.sim_learner.seconds_per_token": 1e-5,
+}
+
+
+def config(steps: int, steps_per_wake: int | None) -> RollfleetConfig:
+    overrides: dict[str, Any] = {**WORKLOAD, "trainer.total_steps": steps}
+    if steps_per_wake is not None:
+        overrides["rollout.sim.max_steps_per_wake"] = steps_per_wake
+    return fit_sim_to_model(load_config(None, overrides))
+
+
+def timed(spec: PlanSpec) -> tuple[float, list[ModeRun]]:
+    start = time.perf_counter()
+    result = run_plan(spec)
+    return time.perf_counter() - start, result.runs
+
+
+def plan_numbers(run: ModeRun) -> tuple:
+    """What a plan reports, to 9 significant digits (the two loops sum step costs in another order)."""
+    values = (run.step_s, run.trainer_idle, run.fleet_idle, run.cluster_idle, run.tokens_per_s, run.staleness_mean)
+    return tuple(float(f"{v:.9g}") for v in values) + (run.staleness_max, run.dropped_groups)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gpus", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=6, help="steps of the side-by-side sync plans")
+    parser.add_argument("--full-steps", type=int, default=100, help="steps of the timed plan of every mode")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    console = Console(width=150)
+    out: dict[str, Any] = {"gpus": args.gpus, "workload": WORKLOAD}
+
+    side = {}
+    for label, per_wake in (("one step at a time", 1), ("fast-forward", None)):
+        console.print(f"[bold]{label}[/]: sync, {args.gpus} accelerators, {args.steps} steps ...")
+        spec = PlanSpec(
+            config(args.steps, per_wake), gpus=args.gpus, modes=("sync",), seeds=(0,), output_dir="runs/plan_speed"
+        )
+        wall, runs = timed(spec)
+        side[label] = {"wall_s": wall, "wall_s_per_step": wall / args.steps, "run": asdict(runs[0])}
+    slow, fast = side["one step at a time"], side["fast-forward"]
+    same = plan_numbers(ModeRun(**slow["run"])) == plan_numbers(ModeRun(**fast["run"]))
+    out["side_by_side"] = {**side, "speedup": slow["wall_s"] / fast["wall_s"], "same_plan": same}
+    table = Table(
+        title=f"rollfleet plan wall time: sync, {args.gpus} accelerators, {args.steps} steps, 1,024 responses a step"
+    )
+    for col in ("engine loop", "wall s", "wall s / step", "planned s / step", "planned tokens/s"):
+        table.add_column(col, justify="left" if col == "engine loop" else "right")
+    for label, row in side.items():
+        run = row["run"]
+        table.add_row(
+            label,
+            f"{row['wall_s']:.1f}",
+            f"{row['wall_s_per_step']:.2f}",
+            f"{run['step_s']:.3f}",
+            f"{run['tokens_per_s']:,.0f}",
+        )
+    console.print(table)
+    console.print(f"fast-forward: {out['side_by_side']['speedup']:.2f}x faster; same plan: {same}")
+
+    if args.full_steps:
+        full = []
+        table = Table(
+            title=f"rollfleet plan, every mode: {args.gpus} accelerators, {args.full_steps} steps, fast-forward"
+        )
+        for col in ("mode", "wall s", "wall s / step", "planned s / step", "speed-up vs sync (planned)"):
+            table.add_column(col, justify="left" if col == "mode" else "right")
+        for mode in args.modes.split(","):
+            console.print(f"[bold]{mode}[/]: {args.full_steps} steps ...")
+            spec = PlanSpec(
+                config(args.full_steps, None), gpus=args.gpus, modes=(mode,), seeds=(0,), output_dir="runs/plan_speed"
+            )
+            wall, runs = timed(spec)
+            full.append({"mode": mode, "wall_s": wall, "run": asdict(runs[0])})
+        base = next((f["run"]["step_s"] for f in full if f["mode"] == "sync"), None)
+        for f in full:
+            step = f["run"]["step_s"]
+            table.add_row(f["mode"], f"{f['wall_s']:.1f}", f"{f['wall_s'] / args.full_steps:.2f}", f"{step:.3f}",
+                          f"{base / step:.2f}x" if base else "-")  # fmt: skip
+        console.print(table)
+        out["full"] = full
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(out, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()
