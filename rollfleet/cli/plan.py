@@ -19,6 +19,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from rollfleet.config import RollfleetConfig
+from rollfleet.plan.roofline import ACCELERATORS, accelerator, engine_costs
 from rollfleet.plan.planner import MODES, ModeRun, PlanResult, PlanSpec, learner_seconds_per_token, run_plan, write_plan
 
 
@@ -38,8 +39,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seeds", default="0,1,2", help="one run per seed per mode, comma-separated")
     p.add_argument("--steps", type=int, default=None, help="overrides trainer.total_steps")
     p.add_argument("--warmup-steps", type=int, default=1, help="first steps left out of the step time")
-    p.add_argument("--model-params-b", type=float, default=None, help="learner cost from the model size (billions)")
-    p.add_argument("--tflops-per-gpu", type=float, default=989.0, help="peak dense TFLOPS per accelerator (H100 bf16)")
+    p.add_argument(
+        "--model-params-b",
+        type=float,
+        default=None,
+        help="model size (billions): the learner's cost, and the engines' (a roofline on --accelerator at --tp) "
+        "unless --profile gives them",
+    )
+    p.add_argument("--accelerator", default="h100", help=f"with --model-params-b: one of {', '.join(ACCELERATORS)}")
+    p.add_argument(
+        "--kv-bytes-per-token",
+        type=int,
+        default=131_072,
+        help="with --model-params-b: 2 x layers x KV heads x head dim x 2 bytes (131072: Llama-3-8B; Qwen2.5-7B 57344)",
+    )
+    p.add_argument(
+        "--tflops-per-gpu",
+        type=float,
+        default=None,
+        help="peak dense TFLOPS per accelerator (default: --accelerator's)",
+    )
     p.add_argument("--mfu", type=float, default=0.35, help="model FLOPs utilisation of the learner")
     p.add_argument(
         "--flops-per-param-token", type=float, default=6.0, help="6: forward + backward; +2 per extra forward pass"
@@ -77,9 +96,14 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
         out.update({f"rollout.sim.{k}": v for k, v in load_profile(args.profile).items()})
     if args.model_params_b is not None:
+        device = accelerator(args.accelerator)
+        tflops = args.tflops_per_gpu if args.tflops_per_gpu is not None else device.tflops
         out["trainer.sim_learner.seconds_per_token"] = learner_seconds_per_token(
-            args.model_params_b, args.gpus, args.tflops_per_gpu, args.mfu, args.flops_per_param_token
+            args.model_params_b, args.gpus, tflops, args.mfu, args.flops_per_param_token
         )
+        if args.profile is None:
+            costs = engine_costs(args.model_params_b, device, tp=args.tp, kv_bytes_per_token=args.kv_bytes_per_token)
+            out.update({f"rollout.sim.{k}": v for k, v in costs.items()})
     if args.response_lengths is not None:
         out["rollout.sim.response_lengths"] = read_lengths(args.response_lengths)
     return out
