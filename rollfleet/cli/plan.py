@@ -19,8 +19,8 @@ from rich.progress import Progress
 from rich.table import Table
 
 from rollfleet.config import RollfleetConfig
-from rollfleet.plan.roofline import ACCELERATORS, accelerator, engine_costs
 from rollfleet.plan.planner import MODES, ModeRun, PlanResult, PlanSpec, learner_seconds_per_token, run_plan, write_plan
+from rollfleet.plan.roofline import ACCELERATORS, accelerator, engine_costs
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
