@@ -19,7 +19,16 @@ from rich.progress import Progress
 from rich.table import Table
 
 from rollfleet.config import RollfleetConfig
-from rollfleet.plan.planner import MODES, ModeRun, PlanResult, PlanSpec, learner_seconds_per_token, run_plan, write_plan
+from rollfleet.plan.planner import (
+    MODES,
+    ModeRun,
+    PlanResult,
+    PlanSpec,
+    learner_seconds_per_token,
+    learner_seconds_per_token_squared,
+    run_plan,
+    write_plan,
+)
 from rollfleet.plan.roofline import ACCELERATORS, accelerator, engine_costs
 
 
@@ -46,6 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="model size (billions): the learner's cost, and the engines' (a roofline on --accelerator at --tp) "
         "unless --profile gives them",
     )
+    p.add_argument("--model-layers", type=int, default=None, help="with --model-hidden: attention's cost in training")
+    p.add_argument("--model-hidden", type=int, default=None, help="hidden size (e.g. 3584 for Qwen2.5-7B)")
     p.add_argument("--accelerator", default="h100", help=f"with --model-params-b: one of {', '.join(ACCELERATORS)}")
     p.add_argument(
         "--kv-bytes-per-token",
@@ -101,6 +112,10 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
         out["trainer.sim_learner.seconds_per_token"] = learner_seconds_per_token(
             args.model_params_b, args.gpus, tflops, args.mfu, args.flops_per_param_token
         )
+        if args.model_layers is not None and args.model_hidden is not None:
+            out["trainer.sim_learner.seconds_per_token_squared"] = learner_seconds_per_token_squared(
+                args.model_layers, args.model_hidden, args.gpus, tflops, args.mfu, args.flops_per_param_token
+            )
         if args.profile is None:
             costs = engine_costs(args.model_params_b, device, tp=args.tp, kv_bytes_per_token=args.kv_bytes_per_token)
             out.update({f"rollout.sim.{k}": v for k, v in costs.items()})

@@ -25,7 +25,19 @@ class SimLearnerConfig(BaseModel):
 
     enabled: bool = Field(False, description="Use the simulated learner instead of a torch model.")
     seconds_per_token: float = Field(
-        2e-5, ge=0, description="Wall seconds of training per trained token on the learner's full resources."
+        2e-5,
+        ge=0,
+        description="Seconds of training per token of the batch (prompt and response: both go forward and "
+        "backward) on the learner's full resources: the weights' FLOPs.",
+    )
+    seconds_per_token_squared: float = Field(
+        0.0,
+        ge=0,
+        description="Seconds per squared sample length (prompt + response), summed over the samples: "
+        "attention's FLOPs, quadratic in the length (long responses cost more than their token count says).",
+    )
+    seconds_per_step: float = Field(
+        0.0, ge=0, description="Seconds every update costs whatever its size (optimizer step, gradient sync)."
     )
     resource_share: float = Field(
         1.0, gt=0, le=1, description="Fraction of the resources the learner gets (separate_async splits them)."

@@ -1,9 +1,12 @@
 """A learner that only takes time: for the sim engine's benchmarks and capacity planning.
 
-Training time = trained tokens x ``seconds_per_token`` / ``resource_share`` (the share of the
-simulated accelerators the learner holds: 1.0 when rollout and training take turns on the same
-resources, 0.5 when ``separate_async`` splits them in two). The "weights" it pushes are a step
-counter, which the sim engine folds into its tokens.
+Training time = (tokens x ``seconds_per_token`` + the sum of squared sample lengths x
+``seconds_per_token_squared``) / ``resource_share`` + ``seconds_per_step``: the weights' FLOPs are
+linear in the batch's tokens (prompts included: they go forward and backward too), attention's
+quadratic in each sample's length; ``resource_share`` is the share of the simulated accelerators
+the learner holds (1.0 when rollout and training take turns on the same resources, 0.5 when
+``separate_async`` splits them in two). The "weights" it pushes are a step counter, which the sim
+engine folds into its tokens.
 """
 
 from __future__ import annotations
@@ -31,8 +34,14 @@ class SimulatedLearner:
     def step(self, batch: Any) -> tuple[float, dict[str, float]]:
         """Count a step on ``batch`` and say how long it takes, without taking it (a caller on a
         virtual clock sleeps there instead of in wall time)."""
-        tokens = int(batch.response_mask.sum().item()) if hasattr(batch, "response_mask") else 0
-        seconds = tokens * self.config.seconds_per_token / self.config.resource_share
+        cfg = self.config
+        if hasattr(batch, "attention_mask"):
+            lengths = batch.attention_mask.sum(dim=1).double()
+            tokens, squares = int(lengths.sum().item()), float((lengths * lengths).sum().item())
+        else:
+            tokens, squares = 0, 0.0
+        compute = tokens * cfg.seconds_per_token + squares * cfg.seconds_per_token_squared
+        seconds = compute / cfg.resource_share + cfg.seconds_per_step
         self.global_step += 1
         self.trained_tokens += tokens
         return seconds, {"actor/global_step": float(self.global_step), "actor/train_s": seconds}

@@ -17,7 +17,7 @@ from rollfleet.models.vocab import fit_sim_to_model
 from rollfleet.plan import VirtualRuntime
 from rollfleet.plan.planner import PlanSpec, learner_seconds_per_token, run_mode, run_plan
 from rollfleet.trainer import get_trainer_cls
-from rollfleet.trainer.config import TrainConfig
+from rollfleet.trainer.config import SimLearnerConfig, TrainConfig
 from rollfleet.trainer.sim_learner import SimulatedLearner
 from rollfleet.utils import virtual_time
 
@@ -99,7 +99,7 @@ def test_the_learner_pays_for_its_share_of_the_cluster(tmp_path):
     spec = PlanSpec(workload_config(), gpus=4, output_dir=str(tmp_path))
     assert spec.share_of("sync") == (4, 1.0)
     assert spec.share_of("separate_async") == (2, 0.5)
-    batch = SimpleNamespace(response_mask=torch.ones(4, 100))  # 400 trained tokens
+    batch = SimpleNamespace(attention_mask=torch.ones(4, 100))  # 400 tokens
     seconds = {}
     for mode in ("sync", "separate_async"):
         train = TrainConfig.model_validate(spec.config_for(mode, 0).trainer.model_dump())
@@ -107,6 +107,21 @@ def test_the_learner_pays_for_its_share_of_the_cluster(tmp_path):
     assert seconds["sync"] == pytest.approx(400 * 2e-4)
     assert seconds["separate_async"] == pytest.approx(2 * seconds["sync"])
     assert PlanSpec(workload_config(), gpus=8, tp=2, rollout_share=0.75).share_of("separate_async") == (3, 0.25)
+
+
+def test_the_learner_pays_for_prompts_for_attention_quadratically_and_per_step():
+    config = SimLearnerConfig(
+        enabled=True, seconds_per_token=1e-4, seconds_per_token_squared=1e-7, seconds_per_step=0.5, resource_share=0.5
+    )
+    mask = torch.zeros(2, 1000)
+    mask[0, 100:400] = 1  # a 300-token sample (left pads, prompt and response)
+    mask[1, 0:1000] = 1  # a 1,000-token one
+    seconds, metrics = SimulatedLearner(config).step(SimpleNamespace(attention_mask=mask))
+    assert seconds == pytest.approx((1300 * 1e-4 + (300**2 + 1000**2) * 1e-7) / 0.5 + 0.5)
+    assert metrics["actor/train_s"] == seconds
+    # the same tokens in one long sample cost more than in short ones
+    one_long = torch.ones(1, 1300)
+    assert SimulatedLearner(config).step(SimpleNamespace(attention_mask=one_long))[0] > seconds
 
 
 def test_learner_cost_from_model_size():

@@ -56,3 +56,13 @@ def test_plan_flags_price_the_engines_and_the_learner_from_the_model_unless_a_pr
     assert out["trainer.sim_learner.seconds_per_token"] == pytest.approx(6 * 7e9 / (16 * 148e12 * 0.35))
     with_profile = overrides_from_args(_args("--model-params-b", "7", "--profile", "h100-7b"))
     assert with_profile["rollout.sim.step_base_ms"] == load_profile("h100-7b")["step_base_ms"]
+
+
+def test_model_layers_and_hidden_price_attention_in_training():
+    out = overrides_from_args(_args("--model-params-b", "7", "--model-layers", "28", "--model-hidden", "3584"))
+    per_pair = out["trainer.sim_learner.seconds_per_token_squared"]
+    assert per_pair == pytest.approx(6 * 28 * 3584 / (16 * 989e12 * 0.35))
+    # a 28K-token sample: attention adds about 40% to what its tokens cost in the weights' FLOPs
+    linear = 28_672 * out["trainer.sim_learner.seconds_per_token"]
+    assert 0.3 < 28_672**2 * per_pair / linear < 0.5
+    assert "trainer.sim_learner.seconds_per_token_squared" not in overrides_from_args(_args("--model-params-b", "7"))
