@@ -8,6 +8,10 @@ It is a discrete-time model of a continuous-batching engine (vLLM-like), run on 
   prompt and generated tokens the running sequences hold), divided by ``time_scale`` in wall time
   (on the event loop's clock: on a virtual-time loop, :mod:`rollfleet.plan`, no wall time at all).
   Every running sequence emits one token per step.
+* **Fast-forward** (``max_steps_per_wake`` > 1, :mod:`.steps`): the loop takes the steps up to the
+  next one that may change the batch at one wake and produces their tokens when a request leaves
+  the batch; the results are those of one step at a time (tests compare them), far cheaper to
+  compute: what ``rollfleet plan`` runs.
 * **Prefix cache.** A bounded LRU over full KV blocks, keyed by a chained hash of the block's
   tokens (as vLLM's automatic prefix caching does). A request's prefill only pays for the tokens
   after its longest cached prefix, so the cache really decides the cost of the next turn of a

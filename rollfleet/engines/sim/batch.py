@@ -399,11 +399,17 @@ def _tokens(req: _Request, start: int, count: int, vocab_size: int, eos: int) ->
     if req.scripted is not None:
         return req.scripted[start : start + count], logprobs.tolist()
     ids = (h % np.uint64(vocab_size)).astype(np.int64)
-    avoid = np.fromiter({eos, *req.stop_ids}, dtype=np.int64)
-    hit = np.isin(ids, avoid)  # an id to avoid becomes the next one, twice at most (as one at a time)
+
+    def avoided(values: Any) -> Any:  # np.isin, cheaper for the few stop ids a request has
+        hit = values == eos
+        for stop in req.stop_ids:
+            hit |= values == stop
+        return hit
+
+    hit = avoided(ids)  # an id to avoid becomes the next one, twice at most (as one at a time)
     if hit.any():
         ids[hit] = (ids[hit] + 1) % vocab_size
-        again = hit & np.isin(ids, avoid)
+        again = hit & avoided(ids)
         ids[again] = (ids[again] + 1) % vocab_size
     if not req.ignore_eos:
         ids[pos + np.uint64(1) >= np.uint64(req.target_len)] = eos
