@@ -1,8 +1,9 @@
-"""SimEngine: the simulated engine's :class:`~rollfleet.engines.base.Engine` face and its step loop.
+"""SimEngine: the simulated engine's :class:`~rollfleet.engines.base.Engine` face.
 
-The loop paces engine steps in simulated time (``time_scale`` faster than wall time) and calls the
-batching model (:mod:`.batch`) for each; the control ops (pause, sleep, weights, profile) and the
-fault hooks for tests live here. See the package docstring for the model.
+The data plane, the control ops (pause, sleep, weights, profile) and the fault hooks for tests
+live here; the step loop is :mod:`.steps`, the batching model :mod:`.batch`. Every op that reads or
+changes the batch first settles the steps a fast-forward has finished by then
+(:meth:`~rollfleet.engines.sim.steps.StepLoop._catch_up`). See the package docstring for the model.
 """
 
 from __future__ import annotations
