@@ -129,6 +129,24 @@ def _served(urls: list[str]) -> list[float]:
     return [parse_metrics(httpx.get(f"{url}/metrics", timeout=10).text, [metric]).get(metric, 0.0) for url in urls]
 
 
+def _settle(urls: list[str], quiet_s: float = 2.5, timeout_s: float = 60.0) -> None:
+    """Wait until no replica runs or queues a request, then ``quiet_s`` more: long enough for the
+    gateway's load reports (polled every second) to stop showing the previous way's requests, which
+    would otherwise count as another client's load when its sessions are first placed."""
+    import httpx
+
+    from rollfleet.engines.http.metrics import parse_metrics
+
+    names = ["vllm:num_requests_running", "vllm:num_requests_waiting"]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        busy = sum(sum(parse_metrics(httpx.get(f"{u}/metrics", timeout=10).text, names).values()) for u in urls)
+        if busy == 0:
+            break
+        time.sleep(0.2)
+    time.sleep(quiet_s)
+
+
 def _cpu_s(pids: list[int]) -> float:
     total = 0.0
     for pid in pids:
@@ -224,13 +242,15 @@ async def _run(router_bin: str, rounds: int, console: Console) -> dict[str, list
         ]
         groups = {"vllm-router": [router.pid], "rollfleet gateway": [os.getpid(), *actors]}
         for way, targets in ways.items():  # warm-up: a round each (first forward passes are slow)
+            await asyncio.to_thread(_settle, urls)
             await asyncio.to_thread(run_load, way, targets)
         results: dict[str, list[dict[str, Any]]] = {w: [] for w in ways}
         order = list(ways)
         with Progress(console=console) as progress:
             task = progress.add_task("rounds", total=rounds * len(order))
             for r in range(rounds):
-                for way in order[r % 3 :] + order[: r % 3]:
+                for way in order[r % len(order) :] + order[: r % len(order)]:
+                    await asyncio.to_thread(_settle, urls)
                     res = await asyncio.to_thread(measure, way, ways[way], urls, groups)
                     results[way].append(res)
                     progress.console.print(
@@ -267,6 +287,22 @@ def _report(results: dict[str, list[dict[str, Any]]], console: Console) -> None:
             " ".join("/".join(str(n) for n in r["split"]) for r in rows), f"{cpu:.2f} ({net:.2f} net)",
         )  # fmt: skip
     console.print(table)
+    # Rounds of one way vary 2-3x on 2 shared cores; the ways' rounds run back to back, so each
+    # round's ratio (same minute, same machine state) says more than the ratio of the medians.
+    for a, b in (("rollfleet gateway", "vllm-router"), ("rollfleet gateway", "direct")):
+        if a in results and b in results:
+            pairs = list(zip(results[a], results[b]))
+            tps = sorted(x["tokens_per_s"] / y["tokens_per_s"] for x, y in pairs)
+            p50 = sorted(x["p50_s"] / y["p50_s"] for x, y in pairs)
+            won = sum(x["tokens_per_s"] >= y["tokens_per_s"] for x, y in pairs)
+            summary[f"{a} / {b}"] = {"tokens_per_s_ratio_median": statistics.median(tps), "tokens_per_s_ratios": tps,
+                                     "p50_ratio_median": statistics.median(p50), "p50_ratios": p50,
+                                     "rounds_at_least_as_fast": won, "rounds": len(pairs)}  # fmt: skip
+            console.print(
+                f"{a} / {b}, round by round: tokens/s x{statistics.median(tps):.3f} median "
+                f"({tps[0]:.2f}-{tps[-1]:.2f}), p50 x{statistics.median(p50):.3f} median; "
+                f"at least as fast in {won} of {len(pairs)} rounds"
+            )
     OUT.write_text(json.dumps(summary, indent=2))
 
 

@@ -158,29 +158,29 @@ def collate(
     token_versions[response_mask == 0] = -1
     if logprobs is not None:
         logprobs *= response_mask
-    attention = np.concatenate([prompt_attn, response_attn], axis=1)
-    t = torch.from_numpy
-    attention_mask = t(attention)
-    position_ids = (torch.cumsum(attention_mask, dim=1) - 1).clamp(min=0)
+    arrays = {
+        "prompts": prompts,
+        "responses": responses,
+        "response_mask": response_mask,
+        "input_ids": np.concatenate([prompts, responses], axis=1),
+        "attention_mask": np.concatenate([prompt_attn, response_attn], axis=1),
+        "rm_scores": rm_scores,
+        "scores": scores,
+        "has_score": has_score,
+        "prompt_lengths": prompt_lengths,
+        "response_lengths": response_lengths,
+        "num_turns": num_turns,
+        "min_global_steps": min_steps,
+        "max_global_steps": max_steps,
+        "token_versions": token_versions,
+        "resume_exhausted": exhausted,
+        "group_index": group_index,
+    }
+    tensors = {name: torch.from_numpy(a) for name, a in arrays.items()}  # shared, not copied
     return RolloutBatch(
-        prompts=t(prompts),
-        responses=t(responses),
-        response_mask=t(response_mask),
-        input_ids=t(np.concatenate([prompts, responses], axis=1)),
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        rollout_log_probs=None if logprobs is None else t(logprobs),
-        rm_scores=t(rm_scores),
-        scores=t(scores),
-        has_score=t(has_score),
-        prompt_lengths=t(prompt_lengths),
-        response_lengths=t(response_lengths),
-        num_turns=t(num_turns),
-        min_global_steps=t(min_steps),
-        max_global_steps=t(max_steps),
-        token_versions=t(token_versions),
-        resume_exhausted=t(exhausted),
-        group_index=t(group_index),
+        **tensors,
+        position_ids=(torch.cumsum(tensors["attention_mask"], dim=1) - 1).clamp(min=0),
+        rollout_log_probs=None if logprobs is None else torch.from_numpy(logprobs),
         uid=list(uids),
         extra_fields=[dict(o.extra_fields) for o in outputs],
         metrics=timing_metrics(outputs),
