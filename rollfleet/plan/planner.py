@@ -50,13 +50,14 @@ def learner_seconds_per_token(
 def learner_seconds_per_token_squared(
     layers: int, hidden: int, gpus: int, tflops_per_gpu: float, mfu: float, flops_per_param_token: float = 6.0
 ) -> float:
-    """Attention's share of the learner's time: per sample, seconds x length squared. A causal
-    forward pass spends ~2 x layers x hidden FLOPs per (token, earlier token) pair (scores and
-    values), ~2 x layers x hidden x length^2 per sample; backward adds twice that, as for the
-    weights (``flops_per_param_token`` / 2 per pair)."""
+    """Attention's share of the learner's time: seconds per squared sample length. A causal forward
+    pass spends 4 x layers x hidden FLOPs per (token, earlier token) pair (scores, then values),
+    length^2 / 2 pairs: 2 x layers x hidden x length^2 per sample. Backward costs twice the
+    forward, as for the weights, so the total is ``flops_per_param_token`` (6) x layers x hidden
+    x length^2."""
     if min(layers, hidden, tflops_per_gpu, mfu) <= 0 or gpus < 1:
         raise ValueError("layers, hidden, tflops_per_gpu and mfu must be > 0 and gpus >= 1")
-    return flops_per_param_token / 2 * 2 * layers * hidden / (gpus * tflops_per_gpu * 1e12 * mfu)
+    return flops_per_param_token * layers * hidden / (gpus * tflops_per_gpu * 1e12 * mfu)
 
 
 @dataclass(frozen=True)
