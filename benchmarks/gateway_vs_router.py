@@ -119,29 +119,28 @@ def run_load(way: str, urls: list[str]) -> dict[str, float]:
     return result
 
 
-def _served(urls: list[str]) -> list[float]:
-    """Requests each replica has finished so far, from vLLM's own ``/metrics``."""
+def _metric(url: str, names: list[str]) -> float:
+    """The sum of ``names`` in one replica's own (vLLM's) ``/metrics``."""
     import httpx
 
     from rollfleet.engines.http.metrics import parse_metrics
 
-    metric = "vllm:request_success_total"
-    return [parse_metrics(httpx.get(f"{url}/metrics", timeout=10).text, [metric]).get(metric, 0.0) for url in urls]
+    return sum(parse_metrics(httpx.get(f"{url}/metrics", timeout=10).text, names).values())
+
+
+def _served(urls: list[str]) -> list[float]:
+    """Requests each replica has finished so far."""
+    return [_metric(url, ["vllm:request_success_total"]) for url in urls]
 
 
 def _settle(urls: list[str], quiet_s: float = 2.5, timeout_s: float = 60.0) -> None:
     """Wait until no replica runs or queues a request, then ``quiet_s`` more: long enough for the
     gateway's load reports (polled every second) to stop showing the previous way's requests, which
     would otherwise count as another client's load when its sessions are first placed."""
-    import httpx
-
-    from rollfleet.engines.http.metrics import parse_metrics
-
     names = ["vllm:num_requests_running", "vllm:num_requests_waiting"]
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        busy = sum(sum(parse_metrics(httpx.get(f"{u}/metrics", timeout=10).text, names).values()) for u in urls)
-        if busy == 0:
+        if sum(_metric(url, names) for url in urls) == 0:
             break
         time.sleep(0.2)
     time.sleep(quiet_s)

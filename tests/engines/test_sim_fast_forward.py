@@ -11,7 +11,8 @@ import pytest
 
 from rollfleet.config import SimEngineConfig
 from rollfleet.engines.sim import SimEngine
-from rollfleet.engines.sim.batch import _Request, _tokens
+from rollfleet.engines.sim.batch import _Request
+from rollfleet.engines.sim.tokens import tokens
 from rollfleet.utils import virtual_time
 
 pytestmark = pytest.mark.unit
@@ -37,7 +38,7 @@ def test_tokens_made_at_once_equal_tokens_made_one_by_one(stop_ids, ignore_eos, 
 
     async def check():
         req = await _request([1, 2, 3], 120, stop_ids=stop_ids, ignore_eos=ignore_eos, target_len=90, scripted=scripted)
-        ids, logprobs = _tokens(req, 0, 100, 16, 2)
+        ids, logprobs = tokens(req, 0, 100, 16, 2)
         one_by_one = []
         for _ in range(100):
             tok, lp = engine._next_token(req)

@@ -16,21 +16,9 @@ from array import array
 from collections import OrderedDict, deque
 from typing import Any, Optional, Sequence
 
-import numpy as np
-
 from rollfleet.config import SimEngineConfig
+from rollfleet.engines.sim.tokens import _mix, next_token, tokens
 from rollfleet.types import StopReason, TokenOutput
-
-_MASK64 = (1 << 64) - 1
-
-
-def _mix(*values: int) -> int:
-    """A fast, process-independent 64-bit mix of integers (splitmix64 steps)."""
-    h = 0x9E3779B97F4A7C15
-    for v in values:
-        h = (h ^ (v & _MASK64)) * 0xBF58476D1CE4E5B9 & _MASK64
-        h ^= h >> 31
-    return h
 
 
 def _fingerprint(weights: Any) -> int:
@@ -288,19 +276,7 @@ class BatchModel:
         return True
 
     def _next_token(self, req: _Request) -> tuple[int, float]:
-        pos = len(req.generated)
-        if req.scripted is not None:
-            tok = req.scripted[pos]
-        else:
-            tok = _mix(req.token_seed, pos) % self.config.vocab_size
-            if pos + 1 >= req.target_len and not req.ignore_eos:
-                tok = self.config.eos_token_id
-            elif tok == self.config.eos_token_id or tok in req.stop_ids:
-                tok = (tok + 1) % self.config.vocab_size
-                if tok == self.config.eos_token_id or tok in req.stop_ids:
-                    tok = (tok + 1) % self.config.vocab_size
-        logprob = -((_mix(req.token_seed, pos, 7) % 10_000) / 2_000.0)  # in (-5, 0]
-        return tok, logprob
+        return next_token(req, self.config.vocab_size, self.config.eos_token_id)
 
     def _materialize(self, req: _Request) -> None:
         """Produce the tokens a fast-forward counted for ``req`` (all of them at once, vectorised:
@@ -310,7 +286,7 @@ class BatchModel:
             return
         start, count = len(req.generated), req.pending
         req.pending = 0
-        ids, logprobs = _tokens(req, start, count, self.config.vocab_size, self.config.eos_token_id)
+        ids, logprobs = tokens(req, start, count, self.config.vocab_size, self.config.eos_token_id)
         req.generated.extend(ids)
         req.log_probs.extend(logprobs)
         req.versions.extend([self._version_label] * count)
@@ -379,41 +355,4 @@ class BatchModel:
                 self._finish(req, reason)
 
 
-_C = np.uint64(0xBF58476D1CE4E5B9)
-_S31 = np.uint64(31)
-
-
-def _mix_round(state: Any, values: Any) -> Any:
-    """One more value into :func:`_mix`'s state, elementwise over numpy uint64 arrays:
-    ``_mix(*prefix, v) == _mix_round(_mix(*prefix), v)`` (the products wrap modulo 2**64)."""
-    x = (state ^ values) * _C
-    return x ^ (x >> _S31)
-
-
-def _tokens(req: _Request, start: int, count: int, vocab_size: int, eos: int) -> tuple[list[int], list[float]]:
-    """``count`` tokens of ``req`` from position ``start``: what :meth:`BatchModel._next_token`
-    gives for each, computed for all of them at once."""
-    pos = np.arange(start, start + count, dtype=np.uint64)
-    h = _mix_round(np.uint64(_mix(req.token_seed)), pos)
-    logprobs = -((_mix_round(h, np.uint64(7)) % np.uint64(10_000)) / 2_000.0)
-    if req.scripted is not None:
-        return req.scripted[start : start + count], logprobs.tolist()
-    ids = (h % np.uint64(vocab_size)).astype(np.int64)
-
-    def avoided(values: Any) -> Any:  # np.isin, cheaper for the few stop ids a request has
-        hit = values == eos
-        for stop in req.stop_ids:
-            hit |= values == stop
-        return hit
-
-    hit = avoided(ids)  # an id to avoid becomes the next one, twice at most (as one at a time)
-    if hit.any():
-        ids[hit] = (ids[hit] + 1) % vocab_size
-        again = hit & avoided(ids)
-        ids[again] = (ids[again] + 1) % vocab_size
-    if not req.ignore_eos:
-        ids[pos + np.uint64(1) >= np.uint64(req.target_len)] = eos
-    return ids.tolist(), logprobs.tolist()
-
-
-__all__ = ["BatchModel", "_Request", "_mix", "_fingerprint", "_int_bytes"]
+__all__ = ["BatchModel", "_Request", "_fingerprint", "_int_bytes"]

@@ -19,9 +19,10 @@ from typing import Any, AsyncIterator, Callable, Optional, Sequence, Union
 
 from rollfleet.config import RolloutConfig, SimEngineConfig
 from rollfleet.engines.base import CommitMode, Engine, EngineHealth, EngineLimits, EngineLoad
-from rollfleet.engines.sim.batch import _fingerprint, _mix, _Request
+from rollfleet.engines.sim.batch import _fingerprint, _Request
 from rollfleet.engines.sim.cost import StepCost
 from rollfleet.engines.sim.steps import StepLoop, _Run
+from rollfleet.engines.sim.tokens import _mix
 from rollfleet.errors import EngineDead, NotSupported
 from rollfleet.types import SamplingParams, TokenDelta, TokenOutput
 
@@ -208,7 +209,6 @@ class SimEngine(StepLoop, Engine):
         return len(reqs)
 
     async def pause(self) -> None:
-        self._catch_up()
         self._paused = True
         await self.abort_all()
 
@@ -218,7 +218,6 @@ class SimEngine(StepLoop, Engine):
             self._work.set()
 
     async def sleep(self) -> None:
-        self._catch_up()
         self._sleeping = True
         await self.abort_all()
         self._prefix_cache.clear()
