@@ -189,6 +189,10 @@ async def test_grpo_siblings_prefill_their_prompt_once_under_prefix_affinity(fle
         return (await computed()) - before
 
     affinity = await rollout("prefix_affinity", 1)
+    # A new client starts from the replicas' last load reports; one taken while the first rollout
+    # ran counts its requests as others' load for up to a probe interval, and least_tokens then
+    # sends whole groups to the other server (seen in CI). Let two probes pass first.
+    await asyncio.sleep(2 * fleet.config.health.probe_interval_s + 0.5)
     spread = await rollout("least_tokens", 2)
     async with httpx.AsyncClient(timeout=10) as http:
         info = (await http.get(f"{addresses[0]}/metrics")).text
