@@ -22,6 +22,8 @@ from typing import Any, Iterator, Optional, Sequence
 from rollfleet.gateway.errors import GatewayError, bad_request
 
 _REPLACEMENT = "\ufffd"
+#: Tokens that write text a character still open may span (its 3 bytes after the first).
+_OPEN_TOKENS = 3
 
 
 class TextCodec:
@@ -165,7 +167,9 @@ class IncrementalDecoder:
     last piece's start (``prefix..read``) and those plus the new ones (``prefix..``); the new text
     is the difference. The window starts a piece back so that a token whose text depends on its
     left neighbour (SentencePiece's leading space) is decoded in context. Text ending in U+FFFD
-    (a multi-byte character whose remaining bytes are still to come) waits for the next tokens.
+    (a multi-byte character whose remaining bytes are still to come) waits for the next tokens,
+    but only as long as they could complete it: bytes that will never make a character (a model
+    repeating a lone byte token, as untrained ones do) would otherwise hold the whole stream back.
     :meth:`finish` decodes all the ids once and sends whatever the windows have not, so the pieces
     add up to ``decode(ids)`` (for tokenizers whose text of a window is the matching slice of the
     whole text: byte-level BPE and SentencePiece, the ones LLMs ship with).
@@ -187,10 +191,31 @@ class IncrementalDecoder:
             return ""
         before = self._decode(self.ids[self._prefix : self._read]) if self._read > self._prefix else ""
         after = self._decode(self.ids[self._prefix :])
-        if len(after) <= len(before) or after.endswith(_REPLACEMENT) or not after.startswith(before):
+        if after.endswith(_REPLACEMENT):
+            return self._settled(before, after)
+        if len(after) <= len(before) or not after.startswith(before):
             return ""
         self._prefix, self._read = self._read, len(self.ids)
         return self._emit(after[len(before) :])
+
+    def _settled(self, before: str, after: str) -> str:
+        """The text of the ids that no later token can change, while the last ones wait.
+
+        A UTF-8 character is at most 4 bytes and a token that writes anything writes at least one,
+        so whatever starts before the last three writing tokens is complete or broken for good by
+        now; it is sent if the window up to there decodes to a prefix of the text so far.
+        """
+        ids, cut, writing = self.ids, len(self.ids), 0
+        while cut > self._read and writing < _OPEN_TOKENS:
+            cut -= 1
+            writing += bool(self._decode(ids[cut : cut + 1]))
+        if writing < _OPEN_TOKENS or cut <= self._read:
+            return ""
+        settled = self._decode(ids[self._prefix : cut])
+        if len(settled) <= len(before) or not settled.startswith(before) or not after.startswith(settled):
+            return ""
+        self._prefix, self._read = self._read, cut
+        return self._emit(settled[len(before) :])
 
     def finish(self) -> str:
         """The text not sent yet, from one decode of all the ids (ends the stream)."""

@@ -69,6 +69,25 @@ def test_incremental_decoder_adds_up_holds_split_characters_and_decodes_a_window
         assert streamed <= 8 * len(ids)  # a window per step; decoding every prefix costs ~n^2/2
 
 
+def test_incremental_decoder_streams_bytes_that_never_make_a_character(codec):
+    """An untrained model may repeat one lone byte token (CI saw 400 of them held to the end): each
+    is U+FFFD for good, so the text goes out three writing tokens behind, and still adds up; mixed
+    with real characters split into their bytes, nothing is sent that a later byte would change."""
+    lone = next(i for i in range(codec.vocab_size) if codec.decode([i]) == "\ufffd")
+    decoder = IncrementalDecoder(codec)
+    pieces = [decoder.push([lone]) for _ in range(50)]
+    assert "".join(pieces) == "\ufffd" * 47 and all(pieces[3:])
+    assert decoder.finish() == "\ufffd" * 3
+    rng = random.Random(2)
+    chars = codec.encode("é世🤖a", add_special_tokens=False) + [lone] * 4
+    for _ in range(200):
+        ids = [rng.choice(chars) for _ in range(rng.randrange(1, 80))]
+        decoder = IncrementalDecoder(codec)
+        sent = [decoder.push([i]) for i in ids]
+        assert all(codec.decode(ids).startswith("".join(sent[: k + 1])) for k in range(len(ids)))
+        assert "".join(sent) + decoder.finish() == codec.decode(ids)
+
+
 def test_tool_call_stream_shows_text_up_to_the_marker_even_split_across_pieces():
     from rollfleet.gateway.toolcalls import ToolCallFormatter
 
