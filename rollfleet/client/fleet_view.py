@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import Any, Optional
 
 from rollfleet.routing import FleetSnapshot, GlobalRequestLoadBalancer
+from rollfleet.utils import virtual_time
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class FleetView:
                     self._epoch, self._signature, self.refresh_interval_s, client_id=self.balancer.client_id
                 )
                 self.apply(snapshot)
-                self.last_refresh = time.monotonic()
+                self.last_refresh = virtual_time.now()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the controller may be restarting; keep routing on the last view
@@ -97,11 +97,11 @@ class FleetView:
     async def _fetch_and_apply(self) -> None:
         snapshot = await self.controller.snapshot.remote(self._epoch, client_id=self.balancer.client_id)
         self.apply(snapshot)
-        self.last_refresh = time.monotonic()
+        self.last_refresh = virtual_time.now()
 
     async def refresh_if_older(self, max_age_s: float) -> None:
         """:meth:`refresh`, unless the view is younger than ``max_age_s``."""
-        if time.monotonic() - self.last_refresh >= max_age_s:
+        if virtual_time.now() - self.last_refresh >= max_age_s:
             await self.refresh()
 
     def apply(self, snapshot: FleetSnapshot) -> None:
@@ -123,7 +123,7 @@ class FleetView:
         self._drop_dead(snapshot, previous)
         self.current_version = snapshot.current_version
         self._signature = snapshot.signature()
-        now = time.monotonic()
+        now = virtual_time.now()
         self._routable = set(snapshot.routable_ids())
         for sid in bal.get_all_servers():
             until = self._quarantined.get(sid)
@@ -139,7 +139,7 @@ class FleetView:
         """Let quarantined replicas back in once their time is up (cheap when none is)."""
         if not self._quarantined:
             return
-        now = time.monotonic()
+        now = virtual_time.now()
         for sid, until in list(self._quarantined.items()):
             if until <= now:
                 del self._quarantined[sid]
@@ -167,7 +167,7 @@ class FleetView:
 
     def quarantine(self, server_id: str, reason: str = "") -> None:
         """Stop routing to a replica that just failed a call, and tell the controller."""
-        self._quarantined[server_id] = time.monotonic() + self.quarantine_s
+        self._quarantined[server_id] = virtual_time.now() + self.quarantine_s
         self.balancer.set_routable(server_id, False)
         if self.controller is not None:
             try:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import Any, AsyncIterator, Optional, Union
 
 from rollfleet.client.dispatch import DispatchGate
@@ -29,6 +28,7 @@ from rollfleet.config import RollfleetConfig, RolloutConfig
 from rollfleet.errors import NoServerAvailable, RetriesExhausted
 from rollfleet.routing import GlobalRequestLoadBalancer
 from rollfleet.types import ReplicaResponse, SamplingParams, TokenDelta, TokenOutput
+from rollfleet.utils import virtual_time
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +83,9 @@ class LLMServerClient:
         self.config = rollout_config_of(config)
         routing = self.config.routing
         self._remote_balancer = load_balancer_handle
+        #: One seed for every random choice this client makes (routing ties, backoff jitter): a
+        #: plan on virtual time repeats exactly only if both do.
+        seed = self.config.seed if self.config.full_determinism else routing.seed
         self.balancer = balancer or GlobalRequestLoadBalancer(
             servers or {},
             max_cache_size=routing.max_cache_size,
@@ -92,7 +95,7 @@ class LLMServerClient:
             sticky_overload_factor=routing.sticky_overload_factor,
             sticky_overload_slack=routing.sticky_overload_slack,
             sticky_spill_kv_usage=routing.sticky_spill_kv_usage,
-            seed=self.config.seed if self.config.full_determinism else routing.seed,
+            seed=seed,
             max_inflight_per_replica=routing.max_inflight_per_replica,
             policy_options=routing.policy_options(),
         )
@@ -108,7 +111,7 @@ class LLMServerClient:
             refresh_interval_s=routing.load_refresh_interval_s,
             quarantine_s=health.probe_interval_s * (health.failures_to_dead + 1),
         )
-        self.retry = retry_policy or RetryPolicy(self.config.retry)
+        self.retry = retry_policy or RetryPolicy(self.config.retry, seed=seed)
         self.extra_options = kwargs
         #: Constructor keyword arguments a copy in another process is rebuilt with (``__reduce__``).
         self.init_kwargs: dict[str, Any] = dict(kwargs)
@@ -167,7 +170,7 @@ class LLMServerClient:
                 if isinstance(exc, NoServerAvailable):
                     # The whole fleet is restarting or syncing: wait for it (bounded by time), and
                     # do not spend the attempts meant for failures of a replica.
-                    now = time.monotonic()
+                    now = virtual_time.now()
                     no_server_since = no_server_since or now
                     if now - no_server_since > self.config.retry.no_server_wait_s:
                         why = NoServerAvailable(

@@ -20,7 +20,6 @@ sent as one delta.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Optional, Union, cast
 
@@ -28,6 +27,7 @@ from rollfleet.client.budget import token_budget
 from rollfleet.client.retry import is_replica_failure, is_retryable, unwrap
 from rollfleet.errors import NoServerAvailable, RetriesExhausted
 from rollfleet.types import ReplicaResponse, SamplingParams, TokenDelta, TokenOutput
+from rollfleet.utils import virtual_time
 
 if TYPE_CHECKING:  # pragma: no cover
     from rollfleet.client.llm_client import LLMServerClient
@@ -104,8 +104,8 @@ async def stream_generate(
             if not is_retryable(exc):
                 raise exc from (None if exc is raw else raw)
             if isinstance(exc, NoServerAvailable):
-                no_server_since = no_server_since or time.monotonic()
-                if time.monotonic() - no_server_since > client.config.retry.no_server_wait_s:
+                no_server_since = no_server_since or virtual_time.now()
+                if virtual_time.now() - no_server_since > client.config.retry.no_server_wait_s:
                     raise RetriesExhausted(request_id, failures + 1, exc) from exc
             elif len(sofar.token_ids) == before:
                 failures += 1  # a failure that brought nothing: bounded; one that did is a resume

@@ -91,8 +91,9 @@ class RoutingConfig(_Section):
     )
     seed: Optional[int] = Field(
         None,
-        description="Seed of the policy's random choices (tie-breaks, power_of_two's two picks), for runs that "
-        "must repeat exactly (rollfleet.plan); None: a fresh seed per client. full_determinism overrides it.",
+        description="Seed of the client's random choices (the policy's tie-breaks, power_of_two's two picks, the "
+        "retry backoff's jitter), for runs that must repeat exactly (rollfleet.plan); None: a fresh seed per "
+        "client. full_determinism overrides it.",
     )
     max_cache_size: int = Field(10_000, ge=1, description="Sticky sessions remembered per client (LRU).")
     sticky: bool = Field(True, description="Keep all turns of a request_id on one replica.")

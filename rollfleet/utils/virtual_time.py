@@ -11,7 +11,8 @@ on it is the real code (policies, stickiness, resumes), unchanged: anything writ
 time. The ready queue is FIFO, so a run is deterministic given its seeds.
 
 What it cannot make virtual: ``time.monotonic()`` and ``time.time()`` read directly (they keep
-reading the host's clock, so they may only measure, never decide), and real I/O or threads (the
+reading the host's clock, so they may only measure, never decide: :func:`now` is the clock to
+decide by), and real I/O or threads (the
 loop waits for them for real when nothing else is scheduled; a task waiting on nothing at all
 would wait forever, so :func:`run` gives up after ``idle_timeout_s`` of real time with nothing to
 do).
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import selectors
+import time
 from typing import Any, Coroutine, Optional, TypeVar
 
 T = TypeVar("T")
@@ -69,6 +71,16 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         self._virtual_now += max(0.0, seconds)
 
 
+def now() -> float:
+    """The running loop's clock (virtual on a :class:`VirtualTimeLoop`), else the host's monotonic
+    clock. Code that decides by time (a deadline, an age, a quarantine's end) reads this, so that
+    on a virtual-time loop it decides as the simulated run would, not as fast as the host ran it."""
+    try:
+        return asyncio.get_running_loop().time()
+    except RuntimeError:
+        return time.monotonic()
+
+
 def run(coro: Coroutine[Any, Any, T], *, idle_timeout_s: float = 30.0) -> T:
     """``asyncio.run`` on a :class:`VirtualTimeLoop`: run ``coro`` to completion in virtual time."""
     loop = VirtualTimeLoop(idle_timeout_s)
@@ -88,4 +100,4 @@ def run(coro: Coroutine[Any, Any, T], *, idle_timeout_s: float = 30.0) -> T:
             loop.close()
 
 
-__all__ = ["VirtualTimeLoop", "Stalled", "run"]
+__all__ = ["VirtualTimeLoop", "Stalled", "now", "run"]
