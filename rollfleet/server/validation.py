@@ -81,7 +81,7 @@ def validate_prompt(prompt_ids: Any, vocab_size: int, max_model_len: int) -> lis
         )
     # The common case in C: every id a plain int in range (the loop below, ~10x slower, is for
     # naming the bad element, and for int-like types such as numpy's).
-    if all(type(tok) is int for tok in ids) and min(ids) >= 0 and max(ids) < vocab_size:
+    if set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab_size:
         return ids
     out = []
     for i, tok in enumerate(ids):
