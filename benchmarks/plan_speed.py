@@ -5,7 +5,8 @@ Side by side in one run: the same plan (``--gpus`` accelerators, ``--steps`` tra
 step a timer and a token at a time) and fast-forwarding (what ``rollfleet plan`` does: the steps up
 to the next event at once, tokens produced when a request ends). The two must give the same plan;
 the ratio of their wall times is the speed-up. Then every mode for ``--full-steps`` steps with the
-fast-forward, timed: what a user waits for a plan of that size.
+fast-forward, timed, in one process and spread over ``--workers`` processes (as ``rollfleet plan``
+does by default): what a user waits for a plan of that size; the two must give the same plan.
 
 Workload (a GRPO step of 128 prompts x 8 samples): 256-token prompts, log-normal responses (mean
 400 tokens, sigma 0.8) up to 2,048, the sim engine's 7B-class step costs, a learner of 1e-5 s per
@@ -72,6 +73,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="steps of the side-by-side sync plans")
     parser.add_argument("--full-steps", type=int, default=100, help="steps of the timed plan of every mode")
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument(
+        "--workers", type=int, default=2, help="processes for the timed plan of every mode (also run with 1)"
+    )
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     console = Console(width=150)
@@ -106,26 +110,38 @@ def main() -> None:
     console.print(f"fast-forward: {out['side_by_side']['speedup']:.2f}x faster; same plan: {same}")
 
     if args.full_steps:
-        full = []
+        # The whole plan a user waits for: every mode, in this process, then spread over processes.
+        modes = tuple(args.modes.split(","))
+        full: dict[str, Any] = {}
+        for workers in sorted({1, args.workers}):
+            console.print(f"[bold]{', '.join(modes)}[/]: {args.full_steps} steps, {workers} worker(s) ...")
+            spec = PlanSpec(
+                config(args.full_steps, None), gpus=args.gpus, modes=modes, seeds=(0,), output_dir="runs/plan_speed"
+            )
+            start = time.perf_counter()
+            result = run_plan(spec, workers=workers)
+            wall = time.perf_counter() - start
+            full[str(workers)] = {"wall_s": wall, "runs": [asdict(r) for r in result.runs]}
         table = Table(
             title=f"rollfleet plan, every mode: {args.gpus} accelerators, {args.full_steps} steps, fast-forward"
         )
-        for col in ("mode", "wall s", "wall s / step", "planned s / step", "speed-up vs sync (planned)"):
-            table.add_column(col, justify="left" if col == "mode" else "right")
-        for mode in args.modes.split(","):
-            console.print(f"[bold]{mode}[/]: {args.full_steps} steps ...")
-            spec = PlanSpec(
-                config(args.full_steps, None), gpus=args.gpus, modes=(mode,), seeds=(0,), output_dir="runs/plan_speed"
-            )
-            wall, runs = timed(spec)
-            full.append({"mode": mode, "wall_s": wall, "run": asdict(runs[0])})
-        base = next((f["run"]["step_s"] for f in full if f["mode"] == "sync"), None)
-        for f in full:
-            step = f["run"]["step_s"]
-            table.add_row(f["mode"], f"{f['wall_s']:.1f}", f"{f['wall_s'] / args.full_steps:.2f}", f"{step:.3f}",
-                          f"{base / step:.2f}x" if base else "-")  # fmt: skip
+        table.add_column("workers")
+        table.add_column("wall s", justify="right")
+        for mode in modes:
+            table.add_column(f"{mode} s / step (planned)", justify="right")
+        for workers, row in full.items():
+            table.add_row(workers, f"{row['wall_s']:.1f}", *(f"{r['step_s']:.3f}" for r in row["runs"]))
         console.print(table)
-        out["full"] = full
+        plans = [[plan_numbers(ModeRun(**r)) for r in row["runs"]] for row in full.values()]
+        out["full"] = {
+            "steps": args.full_steps,
+            "by_workers": full,
+            "same_plan": all(p == plans[0] for p in plans),
+            "speedup": full["1"]["wall_s"] / full[str(args.workers)]["wall_s"],
+        }
+        console.print(
+            f"{args.workers} workers: {out['full']['speedup']:.2f}x faster; same plan: {out['full']['same_plan']}"
+        )
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(out, fh, indent=2)

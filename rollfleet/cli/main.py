@@ -69,6 +69,9 @@ def _plan(args: argparse.Namespace) -> int:
     from rollfleet.cli.plan import overrides_from_args, render, run, spec_from_args, write_outputs
     from rollfleet.models.vocab import fit_sim_to_model
 
+    if args.workers is not None and args.workers < 1:
+        print(f"rollfleet plan: --workers must be >= 1, got {args.workers}", file=sys.stderr)
+        return 2
     try:
         spec = spec_from_args(args, fit_sim_to_model(_load(args.config, overrides_from_args(args))))
     except ValueError as exc:  # a bad flag or plan; a bad config is reported by _load
@@ -79,7 +82,7 @@ def _plan(args: argparse.Namespace) -> int:
         f"[bold]rollfleet plan[/]: {', '.join(spec.modes)} on {spec.gpus} accelerators (tp {spec.tp}), "
         f"{spec.train.total_steps} steps x {len(spec.seeds)} seeds, in virtual time"
     )
-    result = run(spec, console)
+    result = run(spec, console, args.workers)
     render(result, console)
     for path in write_outputs(result, args.out):
         console.print(f"  wrote {path}")

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from rich.console import Console
 from rich.progress import Progress
@@ -81,6 +82,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "instead of the config's log-normal",
     )
     p.add_argument("--out", default="runs/plan", help="where plan.json, plan.png and the runs go")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="processes running the mode x seed runs side by side (default: one per CPU core; 1: in this process)",
+    )
 
 
 def read_lengths(path: str) -> list[int]:
@@ -137,7 +144,7 @@ def spec_from_args(args: argparse.Namespace, config: RollfleetConfig) -> PlanSpe
     )
 
 
-def run(spec: PlanSpec, console: Console) -> PlanResult:
+def run(spec: PlanSpec, console: Console, workers: Optional[int] = None) -> PlanResult:
     total = len(spec.modes) * len(spec.seeds)
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("planning", total=total)
@@ -145,7 +152,7 @@ def run(spec: PlanSpec, console: Console) -> PlanResult:
         def done(r: ModeRun) -> None:
             progress.update(task, advance=1, description=f"{r.mode} seed {r.seed}: {r.step_s:.2f} s/step")
 
-        return run_plan(spec, on_run=done)
+        return run_plan(spec, on_run=done, workers=workers or os.cpu_count() or 1)
 
 
 def render(result: PlanResult, console: Console) -> None:

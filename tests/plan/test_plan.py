@@ -57,9 +57,17 @@ def _flat(d: dict, prefix: str = "") -> dict:
 
 
 def test_every_mode_runs_on_its_share_of_the_cluster_and_a_plan_repeats_exactly(tmp_path):
+    """Repeats exactly in this process, and again spread over two spawned ones (each with its own
+    string-hash seed: a decision made on ``hash()`` of a string would show as a difference)."""
     spec = PlanSpec(workload_config(), gpus=4, seeds=(0, 1), output_dir=str(tmp_path / "a"))
+    seen: list[tuple[str, int]] = []
     first = run_plan(spec)
-    second = run_plan(dataclasses.replace(spec, output_dir=str(tmp_path / "b")))
+    second = run_plan(
+        dataclasses.replace(spec, output_dir=str(tmp_path / "b")),
+        on_run=lambda r: seen.append((r.mode, r.seed)),
+        workers=2,
+    )
+    assert sorted(seen) == sorted((r.mode, r.seed) for r in first.runs)  # every run reported as it finished
     strip = [{k: v for k, v in vars(r).items() if k != "run_dir"} for r in first.runs]
     assert strip == [{k: v for k, v in vars(r).items() if k != "run_dir"} for r in second.runs]
 
@@ -195,6 +203,8 @@ def test_the_command_refuses_a_cluster_too_small_for_one_replica(capsys):
     code = main(["plan", "--gpus", "2", "--tp", "4", "--seeds", "0"])
     assert code == 2
     assert "must hold at least one replica of tp=4" in capsys.readouterr().err
+    assert main(["plan", "--gpus", "4", "--workers", "0"]) == 2
+    assert "--workers must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_a_plan_prompts_with_the_configured_length_and_decodes_nothing(monkeypatch):
