@@ -12,10 +12,9 @@ time. The ready queue is FIFO, so a run is deterministic given its seeds.
 
 What it cannot make virtual: ``time.monotonic()`` and ``time.time()`` read directly (they keep
 reading the host's clock, so they may only measure, never decide: :func:`now` is the clock to
-decide by), and real I/O or threads (the
-loop waits for them for real when nothing else is scheduled; a task waiting on nothing at all
-would wait forever, so :func:`run` gives up after ``idle_timeout_s`` of real time with nothing to
-do).
+decide by), and real I/O or threads (the loop waits for them for real when nothing else is
+scheduled; a task waiting on nothing at all would wait forever, so :func:`run` gives up after
+``idle_timeout_s`` of real time with nothing to do).
 """
 
 from __future__ import annotations
