@@ -55,9 +55,9 @@ def config(steps: int, steps_per_wake: int | None) -> RollfleetConfig:
     return fit_sim_to_model(load_config(None, overrides))
 
 
-def timed(spec: PlanSpec) -> tuple[float, list[ModeRun]]:
+def timed(spec: PlanSpec, workers: int = 1) -> tuple[float, list[ModeRun]]:
     start = time.perf_counter()
-    result = run_plan(spec)
+    result = run_plan(spec, workers=workers)
     return time.perf_counter() - start, result.runs
 
 
@@ -118,10 +118,8 @@ def main() -> None:
             spec = PlanSpec(
                 config(args.full_steps, None), gpus=args.gpus, modes=modes, seeds=(0,), output_dir="runs/plan_speed"
             )
-            start = time.perf_counter()
-            result = run_plan(spec, workers=workers)
-            wall = time.perf_counter() - start
-            full[str(workers)] = {"wall_s": wall, "runs": [asdict(r) for r in result.runs]}
+            wall, runs = timed(spec, workers)
+            full[str(workers)] = {"wall_s": wall, "runs": [asdict(r) for r in runs]}
         table = Table(
             title=f"rollfleet plan, every mode: {args.gpus} accelerators, {args.full_steps} steps, fast-forward"
         )
