@@ -11,6 +11,8 @@ Workloads (``--replicas`` replicas, ``--max-num-seqs`` sequences each):
 * ``grpo capacity``: 256 groups x 8 samples, a 512-token prompt per group, responses log-normal
   (mean 150, sigma 0.8) up to 512: 16 times the batch slots, so the work, not the longest sample,
   decides (the bound is about six times the longest sample alone);
+* ``grpo unrelated``: the same, but each sample's length is drawn on its own (the sim engine
+  otherwise draws a difficulty per prompt, so siblings' lengths are related);
 * ``grpo tail``: 16 groups x 4 samples, responses with a longer tail (mean 300, sigma 1.4) up to
   2,048: fewer sequences than slots, so the longest sample decides;
 * ``sessions``: 128 sessions x 4 turns; every session starts with the same 512-token system
@@ -21,6 +23,13 @@ longest trajectory alone on an idle replica and (b) all the work spread perfectl
 token at full-batch throughput, every distinct prompt prefilled once, divided by the replicas;
 busy-time imbalance (busiest replica over the mean), prefix-cache hit rate, prompt tokens
 prefilled, and for GRPO the group prompt's prefill per group in prompt lengths (1.0: once).
+
+Policies: every registered one without late binding; ``prefix_affinity/late``, the same with late
+binding (``routing.max_inflight_per_replica`` = batch slots + ``--late-slack``, FIFO);
+``prefix_affinity/longest``, late binding with ``routing.dispatch_order: longest_group_first`` (a
+probe sample of each prompt first, then the siblings of the groups whose probe ran longest).
+``--prefix-cache-blocks`` sets each engine's prefix cache (a sibling held back long enough finds
+its prompt evicted and prefills it again).
 
 Each (workload, policy) runs once per seed (``--seeds``, default 0 1 2: the seed draws the
 prompts and response lengths and seeds the policies); the table shows the mean and, for the
@@ -35,6 +44,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import random
 from dataclasses import asdict, dataclass
 from typing import Any, Awaitable, Callable
@@ -43,13 +53,17 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from rollfleet.config import RolloutConfig, SimEngineConfig
+from rollfleet.config import RolloutConfig, RoutingConfig, SimEngineConfig
 from rollfleet.engines.sim import StepCost
 from rollfleet.plan import FleetReport, VirtualFleet
 from rollfleet.utils import virtual_time
 
-#: "/late": the same policy with late binding (routing.max_inflight_per_replica = batch slots + LATE_SLACK)
-POLICIES = ("least_inflight", "least_tokens", "power_of_two", "rendezvous", "prefix_affinity", "prefix_affinity/late")
+#: "/late": the same policy with late binding (routing.max_inflight_per_replica = batch slots + LATE_SLACK);
+#: "/longest": late binding that sends the longest-estimated groups first (routing.dispatch_order)
+POLICIES = (
+    "least_inflight", "least_tokens", "power_of_two", "rendezvous", "prefix_affinity", "prefix_affinity/late",
+    "prefix_affinity/longest",
+)  # fmt: skip
 LATE_SLACK = 8
 VOCAB = 4000
 SYSTEM_PROMPT = 512  # tokens every session starts with
@@ -65,6 +79,9 @@ class Workload:
     run: Callable[[VirtualFleet, int], Awaitable[list[list[tuple[int, int, int]]]]]
     group_prompt: int = 0  # tokens of the prompt a GRPO group shares (0: not GRPO)
     groups: int = 0
+    #: siblings' lengths unrelated: each sample draws its own from a log-normal sample of 5,000 (the sim
+    #: engine otherwise draws a prompt's difficulty, so siblings' lengths are related)
+    independent: bool = False
 
 
 @dataclass
@@ -127,9 +144,16 @@ def sessions(count: int, turns: int, system_len: int, task_len: int, tool_len: i
 
 WORKLOADS = {
     "grpo capacity": Workload("grpo capacity", 150, 0.8, 512, grpo(256, 8, 512, 512), 512, 256),
+    "grpo unrelated": Workload("grpo unrelated", 150, 0.8, 512, grpo(256, 8, 512, 512), 512, 256, independent=True),
     "grpo tail": Workload("grpo tail", 300, 1.4, 2048, grpo(16, 4, 512, 2048), 512, 16),
     "sessions": Workload("sessions", 120, 1.0, 512, sessions(128, 4, SYSTEM_PROMPT, 64, 48, 512)),
 }
+
+
+def independent_lengths(workload: Workload, seed: int, n: int = 5000) -> list[int]:
+    rng = random.Random(seed)
+    mu = math.log(workload.mean_response) - workload.sigma**2 / 2
+    return [max(1, int(math.exp(rng.gauss(mu, workload.sigma)))) for _ in range(n)]
 
 
 def rollout_config(args: argparse.Namespace, workload: Workload, policy: str, seed: int) -> RolloutConfig:
@@ -140,9 +164,11 @@ def rollout_config(args: argparse.Namespace, workload: Workload, policy: str, se
         response_length=workload.max_tokens,
         max_model_len=8192,
         routing={
-            "policy": policy.removesuffix("/late"),
+            "policy": policy.split("/")[0],
             "seed": seed,
-            "max_inflight_per_replica": args.max_num_seqs + LATE_SLACK if policy.endswith("/late") else None,
+            "max_inflight_per_replica": args.max_num_seqs + args.late_slack if "/" in policy else None,
+            "dispatch_order": "longest_group_first" if policy.endswith("/longest") else "fifo",
+            "dispatch_lookahead": args.dispatch_lookahead,
         },
         sim=SimEngineConfig(
             vocab_size=VOCAB,
@@ -150,8 +176,10 @@ def rollout_config(args: argparse.Namespace, workload: Workload, policy: str, se
             mean_response_tokens=workload.mean_response,
             response_sigma=workload.sigma,
             cache_on_prefill=True,
+            prefix_cache_blocks=args.prefix_cache_blocks,
             seed=seed,
             max_steps_per_wake=1_000_000,  # fast-forward: the same steps, far fewer wakes
+            response_lengths=independent_lengths(workload, seed) if workload.independent else None,
         ),
     )
 
@@ -204,6 +232,13 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--late-slack", type=int, default=LATE_SLACK, help="late binding's limit over the batch slots")
+    parser.add_argument(
+        "--dispatch-lookahead", type=float, default=RoutingConfig().dispatch_lookahead, help="for /longest"
+    )
+    parser.add_argument(
+        "--prefix-cache-blocks", type=int, default=SimEngineConfig().prefix_cache_blocks, help="each engine's"
+    )
     parser.add_argument("--workloads", nargs="*", choices=list(WORKLOADS), default=list(WORKLOADS))
     parser.add_argument("--policies", nargs="*", choices=POLICIES, default=list(POLICIES))
     parser.add_argument("--json", help="write the results here")

@@ -5,32 +5,71 @@ cannot run yet: a GRPO batch of thousands of samples is committed to replicas at
 before anyone knows how long the samples will be. With a limit, a request that would start a new
 placement waits here until some replica it may go to has fewer requests in flight than the limit,
 and then goes to the policy's choice among those: work lands on the replica that frees up first.
-Requests that follow an earlier placement (a session's next turn, a sibling of a prompt the
-policy has placed) are never held: their prefix cache is where it is.
 
-Measured in virtual time (``benchmarks/routing_quality.py``, the capacity-bound GRPO workload):
-see the README's routing-quality table for the numbers next to the same policy without a limit.
+Which held request goes next is ``routing.dispatch_order`` (:data:`DISPATCH_ORDERS`):
 
-:class:`DispatchGate` is the waiting room: FIFO, one waiter woken per finished request of this
-client (one slot freed), all of them when a load report or a membership change may have freed
-more. A waiter that finds no room again goes back to the front of the line.
+* ``fifo`` (:class:`DispatchGate`): arrival order. Requests that follow an earlier placement (a
+  session's next turn, a sibling of a prompt the policy has placed) are never held: their prefix
+  cache is where it is.
+* ``longest_group_first`` (:class:`LongestGroupFirstGate`): one sample of each prompt goes first
+  (a probe), then the siblings of the prompts whose probes ran longest. Only session turns pass.
+
+Why the second: once every slot is busy, a rollout's makespan is decided by its drain, the samples
+that start last. A long one started late runs alone at a small batch size while the rest of the
+fleet idles. Response lengths are unknown in advance, but the samples of one prompt have related
+lengths (a hard prompt makes every sample long). The probe's run time estimates its group's:
+finished, its duration; still running, its age so far, a lower bound that grows. Sending the
+longest-estimated groups first leaves the short ones for the end, the idea of Seer's
+context-aware scheduling (Moonshot, 2025). Measured in virtual time with
+``benchmarks/routing_quality.py``: see the README's routing-quality table. The price: a sibling
+that goes later may find its prompt's replica full and prefill the prompt again elsewhere.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+import heapq
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from itertools import count
+from typing import Callable, ClassVar, Optional, Sequence
+
+from cachetools import LRUCache
+
+from rollfleet.routing.policies.prefix_affinity import prefix_key
+from rollfleet.utils import virtual_time
+
+#: Free dispatch slots per replica a new placement may go to (None: nothing would be held, e.g. no
+#: replica is routable; waiters then try, and fail with NoServerAvailable, which the client's retry
+#: policy waits out).
+RoomFn = Callable[[], Optional[dict[str, int]]]
 
 
 class DispatchGate:
-    def __init__(self) -> None:
+    """The FIFO waiting room: one waiter woken per finished request of this client (one slot
+    freed), all of them when a load report or a membership change may have freed more. A waiter
+    that finds no room again goes back to the front of the line."""
+
+    #: Siblings of a placed prompt wait here too (the balancer holds them back).
+    holds_placed: ClassVar[bool] = False
+
+    def __init__(self, room: Optional[RoomFn] = None, limit: int = 0, lookahead: float = 1.0) -> None:
+        """Every order is built with the balancer's free slots (``room``), its dispatch ``limit``
+        and ``routing.dispatch_lookahead``; this one needs none of them."""
         self._waiters: deque[asyncio.Future[None]] = deque()
 
     @property
     def waiting(self) -> int:
         return len(self._waiters)
 
-    async def wait(self, front: bool = False) -> None:
+    def may_try(self, placed: bool) -> bool:
+        """Whether a request that just arrived may try for a replica before it waits (``placed``:
+        it is a session's next turn)."""
+        return True
+
+    async def wait(
+        self, front: bool = False, *, request_id: str = "", prompt_ids: Optional[Sequence[int]] = None
+    ) -> None:
         """Until :meth:`wake` picks this waiter (``front``: it was woken before and found no room)."""
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if front:
@@ -55,5 +94,259 @@ class DispatchGate:
                 if not everyone:
                     return
 
+    def dispatched(self, request_id: str, prompt_ids: Sequence[int], replica_id: str) -> None:
+        """A request woken here got ``replica_id``."""
 
-__all__ = ["DispatchGate"]
+    def finished(self, request_id: str) -> None:
+        """A request of this client is done, whatever its outcome."""
+
+
+@dataclass(eq=False)
+class _Group:
+    """The held samples of one prompt and what its probe has shown."""
+
+    waiters: deque["_Waiter"] = field(default_factory=deque)
+    probe_start: Optional[float] = None  # when its first sample (the probe) went (None: none has)
+    duration: Optional[float] = None  # how long the probe ran (None: it runs)
+    home: Optional[str] = None  # the replica its last sample went to (its prompt is cached there)
+
+
+@dataclass(eq=False)
+class _Waiter:
+    future: asyncio.Future[None]
+    request_id: str
+    slot: Optional[str] = None  # the replica whose free slot it was woken for
+
+
+_Entry = tuple[float, int, _Group]  # (sort key, tie-break, group)
+
+
+@dataclass
+class _Queue:
+    """The groups homed on one replica that have samples held: by probe start while the probe
+    runs (the oldest is the longest so far), by minus its duration once it finished."""
+
+    running: list[_Entry] = field(default_factory=list)
+    done: list[_Entry] = field(default_factory=list)
+
+
+class LongestGroupFirstGate(DispatchGate):
+    """Probes first (in arrival order), then siblings, each replica taking the longest-estimated
+    group whose prompt it caches, or, when it caches none that waits, the longest anywhere (it
+    becomes that group's home: one more prefill of its prompt, no idle slot).
+
+    Heap entries go stale when a group's waiters run out, its probe finishes or it moves home;
+    stale ones are skipped when they reach the top. A wake hands out each replica's free slots
+    once; a woken waiter holds its slot until it has tried for a replica, so two wakes in one tick
+    do not hand out one slot twice.
+    """
+
+    holds_placed: ClassVar[bool] = True
+
+    def __init__(
+        self, room: Optional[RoomFn] = None, limit: int = 0, lookahead: float = 1.0, max_groups: int = 65536
+    ) -> None:
+        super().__init__(room, limit, lookahead)
+        if room is None:
+            raise ValueError("longest_group_first needs the balancer's free slots (room)")
+        self._room = room
+        self._limit = limit
+        self._lookahead = lookahead
+        self._pool: set[_Group] = set()  # probed groups with samples held
+        self._pool_samples = 0  # their samples held
+        self._capacity = 0  # dispatch slots of the fleet at the last wake
+        self._probe_time = 0.0  # summed over finished probes
+        self._probes_done = 0
+        self._longest = 0.0  # the longest probe so far
+        self._groups: LRUCache[int, _Group] = LRUCache(maxsize=max_groups)
+        self._probes: dict[str, _Group] = {}  # a probe's request id -> its group
+        self._fresh: deque[_Group] = deque()
+        self._queues: dict[Optional[str], _Queue] = {}  # by home (None: its probe has not landed yet)
+        self._seq = count()
+        self._held = 0
+        self._granted: Counter[str] = Counter()  # woken for a replica's slot, not yet back from their try
+        self._scheduled = False
+
+    @property
+    def waiting(self) -> int:
+        return self._held
+
+    def may_try(self, placed: bool) -> bool:
+        return placed  # everyone else queues, so that the order decides, not arrival
+
+    async def wait(
+        self, front: bool = False, *, request_id: str = "", prompt_ids: Optional[Sequence[int]] = None
+    ) -> None:
+        key = prefix_key(prompt_ids or ())
+        group = self._group(key)
+        waiter = _Waiter(asyncio.get_running_loop().create_future(), request_id)
+        if front:
+            group.waiters.appendleft(waiter)
+        else:
+            group.waiters.append(waiter)
+        self._held += 1
+        if len(group.waiters) == 1:
+            self._enqueue(group)
+        elif group in self._pool:
+            self._pool_samples += 1
+        if not self._scheduled:  # arrivals of this tick are all in before anyone is picked
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._drain)
+        try:
+            await waiter.future
+        except asyncio.CancelledError:
+            if waiter in group.waiters:
+                group.waiters.remove(waiter)
+                self._held -= 1
+                if group in self._pool:
+                    self._pool_samples -= 1
+                    if not group.waiters:
+                        self._pool.discard(group)
+            elif not waiter.future.cancelled():  # picked, then cancelled before its try
+                self._ungrant(waiter)
+                self.finished(request_id)  # a cancelled probe shows nothing of its group
+                self._drain()  # the slot goes to the next
+            raise
+        self._ungrant(waiter)
+
+    def wake(self, everyone: bool) -> None:
+        self._drain()
+
+    def dispatched(self, request_id: str, prompt_ids: Sequence[int], replica_id: str) -> None:
+        group = self._group(prefix_key(prompt_ids))
+        if group.home != replica_id:
+            group.home = replica_id
+            if group.waiters:
+                self._enqueue(group)
+
+    def finished(self, request_id: str) -> None:
+        group = self._probes.pop(request_id, None)
+        if group is not None and group.duration is None and group.probe_start is not None:
+            group.duration = virtual_time.now() - group.probe_start
+            self._probe_time += group.duration
+            self._probes_done += 1
+            self._longest = max(self._longest, group.duration)
+            if group.waiters:
+                heapq.heappush(self._queue(group.home).done, (-group.duration, next(self._seq), group))
+
+    # ------------------------------------------------------------------ ordering
+    def _group(self, key: int) -> _Group:
+        group = self._groups.get(key)
+        if group is None:
+            group = self._groups[key] = _Group()
+        return group
+
+    def _queue(self, home: Optional[str]) -> _Queue:
+        queue = self._queues.get(home)
+        if queue is None:
+            queue = self._queues[home] = _Queue()
+        return queue
+
+    def _enqueue(self, group: _Group) -> None:
+        if group.probe_start is None:
+            self._fresh.append(group)
+            return
+        if group not in self._pool:
+            self._pool.add(group)
+            self._pool_samples += len(group.waiters)
+        if group.duration is None:
+            heapq.heappush(self._queue(group.home).running, (group.probe_start, next(self._seq), group))
+        else:
+            heapq.heappush(self._queue(group.home).done, (-group.duration, next(self._seq), group))
+
+    def _pool_target(self) -> float:
+        """Siblings to hold behind probed groups before probing more: enough to keep the fleet
+        busy for as long as the longest sample seen runs (its duration over the mean is how many
+        waves of the fleet's slots that is), times ``lookahead``. Unbounded until a probe ends."""
+        if not self._probes_done or self._probe_time <= 0:
+            return float("inf")
+        waves = self._longest / (self._probe_time / self._probes_done)
+        return self._lookahead * waves * self._capacity
+
+    def _ungrant(self, waiter: _Waiter) -> None:
+        if waiter.slot is not None:
+            self._granted[waiter.slot] -= 1
+            waiter.slot = None
+
+    def _drain(self) -> None:
+        self._scheduled = False
+        rooms = self._room()
+        if rooms is None:  # nothing routable: let them all try (and wait it out in the retry policy)
+            while (waiter := self._pick(None, steal=True)) is not None:
+                self._release(waiter, None)
+            return
+        self._capacity = self._limit * len(rooms)
+        free = {replica_id: n - self._granted[replica_id] for replica_id, n in rooms.items()}
+        for steal in (False, True):  # every replica takes its own groups before any steals
+            for replica_id in free:
+                while free[replica_id] > 0 and self._held:
+                    waiter = self._pick(replica_id, steal)
+                    if waiter is None:
+                        break
+                    if self._release(waiter, replica_id):
+                        free[replica_id] -= 1
+
+    def _release(self, waiter: _Waiter, replica_id: Optional[str]) -> bool:
+        self._held -= 1
+        if waiter.future.done():
+            return False
+        waiter.future.set_result(None)
+        if replica_id is not None:
+            waiter.slot = replica_id
+            self._granted[replica_id] += 1
+        return True
+
+    def _pick(self, replica_id: Optional[str], steal: bool) -> Optional[_Waiter]:
+        """The next waiter for a free slot on ``replica_id`` (``steal``: from any replica's groups
+        when none of its own waits)."""
+        while self._fresh and (self._pool_samples < self._pool_target() or not self._pool):
+            group = self._fresh.popleft()
+            if not group.waiters or group.probe_start is not None:
+                if group.waiters:  # its probe went since
+                    self._enqueue(group)
+                continue
+            waiter = group.waiters.popleft()
+            group.probe_start = virtual_time.now()  # its siblings now rank by the probe's age
+            self._probes[waiter.request_id] = group
+            if group.waiters:
+                self._enqueue(group)
+            return waiter
+        now = virtual_time.now()
+        own = self._best(self._queues.get(replica_id), replica_id, now) if replica_id is not None else None
+        if own is None and steal:  # nothing cached here waits: the longest anywhere
+            tops = (self._best(queue, home, now) for home, queue in self._queues.items())
+            own = max((top for top in tops if top is not None), key=lambda top: top[0], default=None)
+        if own is None:
+            return None
+        _, heap = own
+        group = heap[0][2]
+        waiter = group.waiters.popleft()
+        self._pool_samples -= 1
+        if not group.waiters:
+            heapq.heappop(heap)
+            self._pool.discard(group)
+        return waiter
+
+    @staticmethod
+    def _best(queue: Optional[_Queue], home: Optional[str], now: float) -> Optional[tuple[float, list[_Entry]]]:
+        """(estimated run time, heap) of the queue's longest group, stale entries popped."""
+        if queue is None:
+            return None
+        best: Optional[tuple[float, list[_Entry]]] = None
+        for heap, done in ((queue.running, False), (queue.done, True)):
+            while heap:
+                group = heap[0][2]
+                if group.waiters and group.home == home and (group.duration is not None) == done:
+                    estimate = -heap[0][0] if done else now - heap[0][0]
+                    if best is None or estimate > best[0]:
+                        best = (estimate, heap)
+                    break
+                heapq.heappop(heap)
+        return best
+
+
+#: ``routing.dispatch_order`` -> the gate that implements it.
+DISPATCH_ORDERS: dict[str, type[DispatchGate]] = {"fifo": DispatchGate, "longest_group_first": LongestGroupFirstGate}
+
+
+__all__ = ["DISPATCH_ORDERS", "DispatchGate", "LongestGroupFirstGate"]

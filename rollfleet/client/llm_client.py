@@ -20,7 +20,7 @@ import asyncio
 import logging
 from typing import Any, AsyncIterator, Optional, Union
 
-from rollfleet.client.dispatch import DispatchGate
+from rollfleet.client.dispatch import DISPATCH_ORDERS, DispatchGate
 from rollfleet.client.fleet_view import FleetView
 from rollfleet.client.retry import RetryPolicy, is_replica_failure, is_retryable, unwrap
 from rollfleet.client.streaming import stream_generate
@@ -102,7 +102,12 @@ class LLMServerClient:
         #: Where requests wait while the balancer's dispatch limit holds them back (None: no limit).
         self._gate: Optional[DispatchGate] = None
         if self.balancer.dispatch_limit is not None:
-            self._gate = DispatchGate()
+            self._gate = DISPATCH_ORDERS[routing.dispatch_order](
+                room=self.balancer.free_slots,
+                limit=self.balancer.dispatch_limit,
+                lookahead=routing.dispatch_lookahead,
+            )
+            self.balancer.hold_placed = self._gate.holds_placed
             self.balancer.on_room = self._gate.wake
         health = self.config.health
         self.fleet = FleetView(
@@ -250,8 +255,7 @@ class LLMServerClient:
             self.balancer.report_load(response.load)
             return response
         finally:
-            if server_id is not None:
-                await self._release(server_id, prompt_len)
+            await self._release(server_id, prompt_len, request_id)
 
     async def _acquire(self, request_id: str, prompt_len: int, prompt_ids: list[int]) -> tuple[str, Any]:
         if self._remote_balancer is not None:
@@ -260,15 +264,25 @@ class LLMServerClient:
         if self._gate is None:
             return self.balancer.acquire_server(request_id, prompt_len, prompt_ids)
         woken = False
+        may_try = self._gate.may_try(placed=self.balancer.sticky_server(request_id) is not None)
         while True:
-            acquired = self.balancer.try_acquire_server(request_id, prompt_len, prompt_ids)
-            if acquired is not None:
-                return acquired
-            await self._gate.wait(front=woken)  # a woken waiter that found no room keeps its place
+            if may_try or woken:
+                acquired = self.balancer.try_acquire_server(request_id, prompt_len, prompt_ids)
+                if acquired is not None:
+                    if woken:
+                        self._gate.dispatched(request_id, prompt_ids, acquired[0])
+                    return acquired
+            # a woken waiter that found no room keeps its place
+            await self._gate.wait(front=woken, request_id=request_id, prompt_ids=prompt_ids)
             woken = True
             self.fleet.expire_quarantine()
 
-    async def _release(self, server_id: str, prompt_len: int) -> None:
+    async def _release(self, server_id: Optional[str], prompt_len: int, request_id: str) -> None:
+        """Uncount a request (``server_id`` None: it never got a replica; only the gate hears)."""
+        if self._gate is not None:
+            self._gate.finished(request_id)
+        if server_id is None:
+            return
         if self._remote_balancer is not None:
             # Awaited, unlike verl's fire-and-forget: counts must not drift.
             await self._remote_balancer.release_server.remote(server_id)

@@ -131,7 +131,11 @@ async def _attempt(
 ) -> AsyncIterator[Union[TokenDelta, TokenOutput]]:
     """One attempt on one replica: its deltas, then its output; the replica is released however
     the attempt ends, and quarantined when it failed."""
-    server_id, handle = await client._acquire(request_id, len(prompt), prompt)
+    try:
+        server_id, handle = await client._acquire(request_id, len(prompt), prompt)
+    except BaseException:
+        await client._release(None, len(prompt), request_id)
+        raise
     kwargs = {**kwargs, "client_id": client.balancer.client_id}
     try:
         stream_call = getattr(handle, "stream_generate", None)
@@ -158,7 +162,7 @@ async def _attempt(
                 client.balancer.finish_session(request_id)  # the session moves on to another replica
             raise
     finally:
-        await client._release(server_id, len(prompt))
+        await client._release(server_id, len(prompt), request_id)
 
 
 def _whole(sofar: _Sofar, last: Optional[TokenOutput], stop_reason: str, budget: int) -> TokenOutput:

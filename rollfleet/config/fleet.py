@@ -118,6 +118,22 @@ class RoutingConfig(_Section):
         "requests in flight than this; it then goes to the replica that freed up. About the engine's batch "
         "slots (max_num_seqs) plus a few. None: every request is sent at once and engines queue them.",
     )
+    dispatch_order: Literal["fifo", "longest_group_first"] = Field(
+        "fifo",
+        description="Which request late binding lets go next: fifo (arrival; session turns and siblings of a "
+        "placed prompt never wait) | longest_group_first (one sample of each prompt first, then the siblings "
+        "of the prompts whose first sample ran longest, so short samples are left for the end; siblings "
+        "wait too). Needs max_inflight_per_replica.",
+    )
+    dispatch_lookahead: float = Field(
+        1.0,
+        gt=0,
+        description="longest_group_first: new prompts are probed while the siblings held behind probed ones "
+        "would keep the fleet's dispatch slots busy for less than this many times the longest probe seen "
+        "(counted in waves: the longest probe's run time over the mean). More ranks more groups against each "
+        "other; less keeps a held group's prompt in the prefix cache (benchmarks/routing_quality.py compares "
+        "0.5, 1 and 2).",
+    )
     prefix_affinity: PrefixAffinityConfig = Field(
         default_factory=PrefixAffinityConfig, description="Used when policy is prefix_affinity."
     )
@@ -133,6 +149,15 @@ class RoutingConfig(_Section):
         """The chosen policy's own section, as its constructor's keywords ({} if it has none)."""
         section = getattr(self, self.policy, None)
         return section.model_dump() if isinstance(section, _Section) else {}
+
+    @model_validator(mode="after")
+    def _ordered_dispatch_needs_a_limit(self) -> "RoutingConfig":
+        if self.dispatch_order != "fifo" and self.max_inflight_per_replica is None:
+            raise ValueError(
+                f"routing.dispatch_order={self.dispatch_order!r} orders the requests late binding holds back; "
+                "set routing.max_inflight_per_replica (about the engines' max_num_seqs) or use 'fifo'"
+            )
+        return self
 
     @field_validator("policy")
     @classmethod

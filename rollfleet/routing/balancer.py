@@ -27,6 +27,7 @@ and return shapes; the class can still be wrapped as a Ray actor for code that e
 
 from __future__ import annotations
 
+import math
 import uuid
 from collections import Counter
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
@@ -107,6 +108,9 @@ class GlobalRequestLoadBalancer:
         self._slack = sticky_overload_slack
         self._spill_kv = sticky_spill_kv_usage
         self.dispatch_limit = max_inflight_per_replica
+        #: Hold back siblings of a placed prompt too (an ordered dispatch decides when they go;
+        #: see :mod:`rollfleet.client.dispatch`); session turns are never held.
+        self.hold_placed = False
         #: Called when a held-back request may find room: ``on_room(False)`` after one of this
         #: balancer's requests finished (one slot), ``on_room(True)`` after a load report or a
         #: membership change (any number).
@@ -169,7 +173,7 @@ class GlobalRequestLoadBalancer:
                     raise NoServerAvailable(f"none of {len(servers)} replicas is routable (unhealthy or stale weights)")
                 raise NoServerAvailable()
             key = prefix_key(prompt_ids) if self._policy.uses_prefix and prompt_ids is not None else None
-            if hold and not self._policy.has_home(key):
+            if hold and (self.hold_placed or not self._policy.has_home(key)):
                 limit = self.dispatch_limit
                 assert limit is not None
                 candidates = [c for c in candidates if c.inflight < limit]
@@ -186,6 +190,18 @@ class GlobalRequestLoadBalancer:
         state.local_tokens += prompt_len
         self.decisions[reason] += 1
         return chosen, state.handle
+
+    def free_slots(self) -> Optional[dict[str, int]]:
+        """Requests the dispatch limit lets through now, per replica a new placement may go to.
+        None when nothing would be held: no limit, or no replica is routable (an acquire then
+        fails at once with NoServerAvailable, which callers wait out)."""
+        limit = self.dispatch_limit
+        routable = {sid: s for sid, s in self._servers.items() if s.routable}
+        if self._preferred is not None:
+            routable = {sid: s for sid, s in routable.items() if sid in self._preferred} or routable
+        if limit is None or not routable:
+            return None
+        return {sid: max(0, math.ceil(limit - (s.others + s.local))) for sid, s in routable.items()}
 
     def release_server(self, server_id: str, prompt_len: int = 0) -> None:
         """Uncount one request; unknown ids and extra releases are ignored (counts floor at 0)."""
