@@ -21,6 +21,7 @@ from typing import Any, ClassVar, Mapping, Optional
 from rollfleet.agent_loop.chat import ChatRenderer
 from rollfleet.config import AgentConfig, RolloutConfig
 from rollfleet.types import SamplingParams, TokenOutput
+from rollfleet.utils import lists
 
 
 @dataclass(slots=True)
@@ -90,7 +91,7 @@ def token_versions_of(out: Any, n: int) -> Optional[list[int]]:
     versions = getattr(out, "token_versions", None)
     if versions is None or len(versions) < n:
         return None
-    return [-1 if v is None else int(v) for v in versions[:n]]
+    return lists.versions(versions[:n], unknown=-1)
 
 
 @dataclass
@@ -140,7 +141,7 @@ class AgentLoopBase(ABC):
         template and ``tools``), left-truncated to ``prompt_length`` as verl does (the end of a
         prompt holds the question and the generation prompt). Returns (ids, truncated)."""
         if sample.get("prompt_ids") is not None:
-            ids = [int(t) for t in sample["prompt_ids"]]
+            ids = lists.ints(sample["prompt_ids"])
         elif sample.get("raw_prompt") is not None:
             ids = self.chat.prompt_ids([dict(m) for m in sample["raw_prompt"]], tools)
         else:

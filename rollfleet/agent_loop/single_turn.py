@@ -11,6 +11,7 @@ from typing import Any
 from rollfleet.agent_loop.base import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, token_versions_of, versions_of
 from rollfleet.agent_loop.registry import register
 from rollfleet.types import SamplingParams
+from rollfleet.utils import lists
 
 
 @register("single_turn_agent")
@@ -42,7 +43,7 @@ class SingleTurnAgentLoop(AgentLoopBase):
         response = list(out.token_ids[: self.response_length])
         logprobs = None
         if self.rollout.calculate_log_probs and out.log_probs is not None:
-            logprobs = [float(x) for x in out.log_probs[: len(response)]]
+            logprobs = lists.floats(out.log_probs[: len(response)])
         metrics.num_generate_calls = 1
         metrics.num_preempted = out.num_preempted or 0
         metrics.num_resumes = int(out.extra_fields.get("num_resumes", 0) or 0)

@@ -32,6 +32,7 @@ from rollfleet.agent_loop.registry import register
 from rollfleet.agent_loop.tools import BaseTool, ToolSession
 from rollfleet.tool_parser import get_tool_parser
 from rollfleet.types import SamplingParams, TokenOutput
+from rollfleet.utils import lists
 
 
 @register("tool_agent")
@@ -98,7 +99,7 @@ class ToolAgentLoop(AgentLoopBase):
                     if out.log_probs is None:
                         logprobs = None  # the engine gave none: report none rather than zeros
                     else:
-                        logprobs += [float(x) for x in out.log_probs[: len(new)]]
+                        logprobs += lists.floats(out.log_probs[: len(new)])
                 assistant_turns += 1
 
                 if out.stop_reason == "aborted":

@@ -42,11 +42,15 @@ from rollfleet.types import LoadReport
 
 class _ServerState:
     __slots__ = (
-        "handle", "local", "local_tokens", "others", "others_tokens", "kv_usage", "waiting", "routable", "reported_at"
+        "handle", "local", "local_tokens", "others", "others_tokens", "kv_usage", "waiting", "routable",
+        "reported_at", "view",
     )  # fmt: skip
 
-    def __init__(self, handle: Any) -> None:
+    def __init__(self, server_id: str, handle: Any) -> None:
         self.handle = handle
+        #: What policies see of it, kept up to date in place (:meth:`sync`): a routing decision
+        #: then costs no allocation per replica, which on a large fleet was most of its cost.
+        self.view = ReplicaView(server_id, 0, 0)
         self.local = 0
         self.local_tokens = 0
         self.others = 0
@@ -55,6 +59,12 @@ class _ServerState:
         self.waiting = 0
         self.routable = True
         self.reported_at = float("-inf")  # the replica's clock: reports from one replica compare
+
+    def sync(self) -> None:
+        view = self.view
+        view.inflight = self.others + self.local
+        view.inflight_tokens = self.others_tokens + self.local_tokens
+        view.kv_usage = self.kv_usage
 
 
 class GlobalRequestLoadBalancer:
@@ -116,6 +126,7 @@ class GlobalRequestLoadBalancer:
         #: membership change (any number).
         self.on_room: Optional[Callable[[bool], None]] = None
         self._servers: dict[str, _ServerState] = {}
+        self._views: Optional[list[ReplicaView]] = None  # of the routable replicas (None: to rebuild)
         self._request_id_to_server: LRUCache[str, str] = LRUCache(maxsize=max_cache_size)
         self._preferred: Optional[frozenset[str]] = None  # see set_preferred
         #: Sent with every request; replicas count this balancer's requests under it.
@@ -158,11 +169,7 @@ class GlobalRequestLoadBalancer:
             else:
                 chosen, reason = sticky_id, "sticky"
         if chosen is None:
-            candidates = [
-                ReplicaView(sid, s.others + s.local, s.others_tokens + s.local_tokens, s.kv_usage)
-                for sid, s in servers.items()
-                if s.routable
-            ]
+            candidates = self._routable_views()
             if self._preferred is not None:
                 preferred = [c for c in candidates if c.replica_id in self._preferred]
                 if preferred:
@@ -188,8 +195,16 @@ class GlobalRequestLoadBalancer:
         state = servers[chosen]
         state.local += 1
         state.local_tokens += prompt_len
+        state.sync()
         self.decisions[reason] += 1
         return chosen, state.handle
+
+    def _routable_views(self) -> list[ReplicaView]:
+        """The routable replicas' live views, rebuilt only when membership or health changes;
+        callers filter into new lists, never into this one."""
+        if self._views is None:
+            self._views = [s.view for s in self._servers.values() if s.routable]
+        return self._views
 
     def free_slots(self) -> Optional[dict[str, int]]:
         """Requests the dispatch limit lets through now, per replica a new placement may go to.
@@ -211,6 +226,7 @@ class GlobalRequestLoadBalancer:
         if state.local > 0:
             state.local -= 1
             state.local_tokens = max(0, state.local_tokens - prompt_len)
+            state.sync()
         self._policy.on_request_done(server_id)
         if self.on_room is not None:
             self.on_room(False)
@@ -242,6 +258,7 @@ class GlobalRequestLoadBalancer:
             state.others = max(0, report.inflight - state.local)
             state.others_tokens = max(0, report.inflight_tokens - state.local_tokens)
         state.kv_usage = report.kv_usage
+        state.sync()
         state.waiting = report.waiting
         if state.others < others_before and self.on_room is not None:
             self.on_room(True)  # other clients' requests finished there: room for any number
@@ -250,6 +267,8 @@ class GlobalRequestLoadBalancer:
         """Include or exclude a replica (dead, suspect, restarting, on stale weights)."""
         state = self._servers.get(server_id)
         if state is not None:
+            if state.routable != routable:
+                self._views = None
             state.routable = routable
             if routable and self.on_room is not None:
                 self.on_room(True)
@@ -282,7 +301,8 @@ class GlobalRequestLoadBalancer:
     def add_servers(self, servers: dict[str, Any]) -> None:
         """Add (or re-add, with counts reset) replicas."""
         for server_id, handle in servers.items():
-            self._servers[server_id] = _ServerState(handle)
+            self._servers[server_id] = _ServerState(server_id, handle)
+        self._views = None
         self._policy.on_servers_changed(list(self._servers))
         if servers and self.on_room is not None:
             self.on_room(True)
@@ -291,6 +311,7 @@ class GlobalRequestLoadBalancer:
         """Remove replicas; their sticky sessions are invalidated (lazily, on the next acquire)."""
         for server_id in server_ids:
             self._servers.pop(server_id, None)
+        self._views = None
         self._policy.on_servers_changed(list(self._servers))
 
     def clear_sticky_cache(self) -> dict[str, Any]:

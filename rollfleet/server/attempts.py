@@ -9,7 +9,7 @@ even when an engine does not pause cleanly.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, cast
 
 from rollfleet.types import SamplingParams, TokenOutput
 
@@ -32,8 +32,11 @@ def stamp_versions(output: TokenOutput, attempt: Attempt, *, epoch_now: int, ver
     if output.token_versions is not None and len(output.token_versions) == len(output.token_ids):
         # The engine knows which weights sampled each token (it was told at every commit);
         # tokens from before its first commit carry None: the weights it booted with.
-        output.token_versions = [version if v is None else v for v in output.token_versions]
-        known = [v for v in output.token_versions if v is not None]
+        labels = output.token_versions
+        stamped = [version if v is None else v for v in labels] if None in labels else list(labels)
+        output.token_versions = stamped
+        # with a version to stamp, no None is left (checked in C above, not per token here)
+        known = cast(list[int], stamped) if version is not None else [v for v in stamped if v is not None]
         first = min(known) if known else version
         last = max(known) if known else version
     elif attempt.epoch == epoch_now or output.stop_reason == "aborted":

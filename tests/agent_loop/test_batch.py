@@ -112,3 +112,14 @@ def test_token_versions_exact_where_known_and_conservative_where_not():
 def test_response_versions_must_align_with_the_response():
     with pytest.raises(ValueError, match="response_versions"):
         AgentLoopOutput([1], [5, 6], [1, 1], response_versions=[0])
+
+
+def test_rows_filled_in_one_go_equal_rows_copied_token_by_token():
+    # siblings with one prompt, an all-model mask, one weight version: the rows collate fills in C
+    first, second, tool = traj(3, [1, 1, 1]), traj(3, [1, 1, 1, 1]), traj(3, [1, 0, 1])
+    first.response_versions, second.response_versions, tool.response_versions = [7] * 3, [7] * 4, [7, -1, 7]
+    second.prompt_ids = list(first.prompt_ids)
+    batch = collate([first, second, tool], ["g", "g", "g"], prompt_length=5, response_length=4, pad_token_id=PAD)
+    assert batch.prompts.tolist() == [[PAD, PAD, 10, 11, 12]] * 3
+    assert batch.response_mask.tolist() == [[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 1, 0]]
+    assert batch.token_versions.tolist() == [[7, 7, 7, -1], [7, 7, 7, 7], [7, -1, 7, -1]]

@@ -67,6 +67,7 @@ class _Request:
         "progress",
         "pending",
         "end_at",
+        "hashes",
     )
 
     def __init__(self, request_id: str, prompt_ids: list[int], max_tokens: int) -> None:
@@ -92,6 +93,7 @@ class _Request:
         # once, when the request leaves the batch or the weights change.
         self.pending = 0
         self.end_at = 0  # tokens it has when it ends at the latest (0: any step may end it)
+        self.hashes: list[int] = []  # of its context's full blocks so far (its context only grows)
 
     @property
     def context_len(self) -> int:
@@ -176,7 +178,7 @@ class BatchModel:
             except ValueError:
                 pass
         self._release(req)
-        self._insert_prefix(req.prompt_ids + req.generated)
+        self._insert_prefix(self._hashes_of(req))
         self._stats["num_aborted" if reason == "aborted" else "num_finished"] += 1
         if req.progress is not None:
             req.progress.set()
@@ -194,31 +196,35 @@ class BatchModel:
                 )
             )
 
-    def _block_hashes(self, tokens: list[int]) -> list[int]:
+    def _hashes_of(self, req: _Request) -> list[int]:
+        """The chained hashes of ``req``'s full context blocks, extending those computed before
+        (a request is looked up and inserted up to three times; its tokens are hashed once)."""
         bs = self.config.block_size
-        hashes = []
-        h = 0
-        for start in range(0, len(tokens) - bs + 1, bs):
-            h = hash((h, tuple(tokens[start : start + bs])))  # int tuples hash the same in every process
+        hashes = req.hashes
+        start = len(hashes) * bs
+        tokens = (req.prompt_ids + req.generated)[start:]
+        h = hashes[-1] if hashes else 0
+        for i in range(0, len(tokens) - bs + 1, bs):
+            h = hash((h, tuple(tokens[i : i + bs])))  # int tuples hash the same in every process
             hashes.append(h)
         return hashes
 
-    def _cached_prefix_tokens(self, tokens: list[int]) -> int:
+    def _cached_prefix_tokens(self, hashes: list[int]) -> int:
         if self.config.prefix_cache_blocks == 0:
             return 0
         hits = 0
-        for h in self._block_hashes(tokens):
+        for h in hashes:
             if h not in self._prefix_cache:
                 break
             self._prefix_cache.move_to_end(h)
             hits += 1
         return hits * self.config.block_size
 
-    def _insert_prefix(self, tokens: list[int]) -> None:
+    def _insert_prefix(self, hashes: list[int]) -> None:
         cap = self.config.prefix_cache_blocks
         if cap == 0:
             return
-        for h in self._block_hashes(tokens):
+        for h in hashes:
             self._prefix_cache[h] = None
             self._prefix_cache.move_to_end(h)
         while len(self._prefix_cache) > cap:
@@ -243,7 +249,8 @@ class BatchModel:
             req.blocks = need
             self._kv_blocks_free -= need
             context = req.prompt_ids + req.generated
-            cached = self._cached_prefix_tokens(context)
+            hashes = self._hashes_of(req)
+            cached = self._cached_prefix_tokens(hashes)
             self._stats["prefix_cache_query_tokens"] += len(context)
             self._stats["prefix_cache_hit_tokens"] += cached
             if not req.prefilled:
@@ -251,7 +258,7 @@ class BatchModel:
             req.prefilled = True
             prefill += len(context) - cached
             if self.config.cache_on_prefill:  # its blocks are computed now: later requests reuse them
-                self._insert_prefix(context)
+                self._insert_prefix(hashes)
             self._admit_counter += 1
             req.admitted_seq = self._admit_counter
             self._running.append(req)

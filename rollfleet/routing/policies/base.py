@@ -14,7 +14,11 @@ from typing import ClassVar, Optional, Sequence
 
 @dataclass(slots=True)
 class ReplicaView:
-    """What a policy may look at: the router's best estimate of one routable replica's load."""
+    """What a policy may look at: the router's best estimate of one routable replica's load.
+
+    Live: the balancer updates it in place as its counts change, so it is valid for the call it
+    is passed to; a policy that keeps something across calls keeps ``replica_id``, not the view.
+    """
 
     replica_id: str
     #: Requests in flight (others' as last reported by the replica, plus this router's own, live).
