@@ -230,9 +230,10 @@ def _fewer_collections(young: int = 50_000, middle: int = 20, old: int = 100) ->
     """Run the cyclic garbage collector less often while a plan runs.
 
     A plan keeps millions of token ids in live lists, and the collector walks every container
-    each time it runs; with Python's default thresholds (700, 10, 10) that was a quarter of a
-    128-accelerator plan's wall time (``benchmarks/plan_speed.py``: 1.25 s a step against 0.92 s
-    with the collector off). Larger thresholds keep most of that gain and still free cycles."""
+    each time it runs; with Python's default thresholds (700, 10, 10) that was a quarter of the
+    wall time of a 128-accelerator ``sync`` plan (``plan_speed.py``'s workload, 8 steps: 1.25 s a
+    step, 0.92 s with the collector off, 0.97 s with these thresholds). They keep most of that
+    gain and still free reference cycles."""
     before = gc.get_threshold()
     gc.set_threshold(young, middle, old)
     try:
