@@ -160,7 +160,6 @@ class LongestGroupFirstGate(DispatchGate):
         self._lookahead = lookahead
         self._pool: set[_Group] = set()  # probed groups with samples held
         self._pool_samples = 0  # their samples held
-        self._capacity = 0  # dispatch slots of the fleet at the last wake
         self._probe_time = 0.0  # summed over finished probes
         self._probes_done = 0
         self._longest = 0.0  # the longest probe so far
@@ -233,7 +232,7 @@ class LongestGroupFirstGate(DispatchGate):
             self._probes_done += 1
             self._longest = max(self._longest, group.duration)
             if group.waiters:
-                heapq.heappush(self._queue(group.home).done, (-group.duration, next(self._seq), group))
+                self._enqueue(group)  # its siblings now rank by the probe's duration
 
     # ------------------------------------------------------------------ ordering
     def _group(self, key: int) -> _Group:
@@ -260,14 +259,15 @@ class LongestGroupFirstGate(DispatchGate):
         else:
             heapq.heappush(self._queue(group.home).done, (-group.duration, next(self._seq), group))
 
-    def _pool_target(self) -> float:
-        """Siblings to hold behind probed groups before probing more: enough to keep the fleet
-        busy for as long as the longest sample seen runs (its duration over the mean is how many
-        waves of the fleet's slots that is), times ``lookahead``. Unbounded until a probe ends."""
+    def _pool_target(self, replicas: int) -> float:
+        """Siblings to hold behind probed groups before probing more: enough to keep the fleet's
+        dispatch slots (``replicas`` x the limit) busy for as long as the longest sample seen runs
+        (its duration over the mean is how many waves of those slots that is), times
+        ``lookahead``. Unbounded until a probe ends."""
         if not self._probes_done or self._probe_time <= 0:
             return float("inf")
         waves = self._longest / (self._probe_time / self._probes_done)
-        return self._lookahead * waves * self._capacity
+        return self._lookahead * waves * self._limit * replicas
 
     def _ungrant(self, waiter: _Waiter) -> None:
         if waiter.slot is not None:
@@ -278,15 +278,15 @@ class LongestGroupFirstGate(DispatchGate):
         self._scheduled = False
         rooms = self._room()
         if rooms is None:  # nothing routable: let them all try (and wait it out in the retry policy)
-            while (waiter := self._pick(None, steal=True)) is not None:
+            while (waiter := self._pick(None, steal=True, target=float("inf"))) is not None:
                 self._release(waiter, None)
             return
-        self._capacity = self._limit * len(rooms)
+        target = self._pool_target(len(rooms))  # no probe ends during a wake: the same for all picks
         free = {replica_id: n - self._granted[replica_id] for replica_id, n in rooms.items()}
         for steal in (False, True):  # every replica takes its own groups before any steals
             for replica_id in free:
                 while free[replica_id] > 0 and self._held:
-                    waiter = self._pick(replica_id, steal)
+                    waiter = self._pick(replica_id, steal, target)
                     if waiter is None:
                         break
                     if self._release(waiter, replica_id):
@@ -302,10 +302,10 @@ class LongestGroupFirstGate(DispatchGate):
             self._granted[replica_id] += 1
         return True
 
-    def _pick(self, replica_id: Optional[str], steal: bool) -> Optional[_Waiter]:
+    def _pick(self, replica_id: Optional[str], steal: bool, target: float) -> Optional[_Waiter]:
         """The next waiter for a free slot on ``replica_id`` (``steal``: from any replica's groups
-        when none of its own waits)."""
-        while self._fresh and (self._pool_samples < self._pool_target() or not self._pool):
+        when none of its own waits; ``target``: :meth:`_pool_target`)."""
+        while self._fresh and (self._pool_samples < target or not self._pool):
             group = self._fresh.popleft()
             if not group.waiters or group.probe_start is not None:
                 if group.waiters:  # its probe went since

@@ -169,12 +169,9 @@ class GlobalRequestLoadBalancer:
             else:
                 chosen, reason = sticky_id, "sticky"
         if chosen is None:
-            candidates = self._routable_views()
-            if self._preferred is not None:
-                preferred = [c for c in candidates if c.replica_id in self._preferred]
-                if preferred:
-                    candidates = preferred
-                    reason = "newest_version" if reason == "least_loaded" else reason
+            candidates, narrowed = self._placeable()
+            if narrowed and reason == "least_loaded":
+                reason = "newest_version"
             if not candidates:
                 if servers:
                     raise NoServerAvailable(f"none of {len(servers)} replicas is routable (unhealthy or stale weights)")
@@ -199,24 +196,27 @@ class GlobalRequestLoadBalancer:
         self.decisions[reason] += 1
         return chosen, state.handle
 
-    def _routable_views(self) -> list[ReplicaView]:
-        """The routable replicas' live views, rebuilt only when membership or health changes;
-        callers filter into new lists, never into this one."""
+    def _placeable(self) -> tuple[list[ReplicaView], bool]:
+        """The live views of the replicas a new placement may go to, and whether the preferred
+        set narrowed them. The routable list is rebuilt only when membership or health changes;
+        callers filter into new lists, never into it."""
         if self._views is None:
             self._views = [s.view for s in self._servers.values() if s.routable]
-        return self._views
+        if self._preferred is not None:
+            preferred = [v for v in self._views if v.replica_id in self._preferred]
+            if preferred:
+                return preferred, True
+        return self._views, False
 
     def free_slots(self) -> Optional[dict[str, int]]:
         """Requests the dispatch limit lets through now, per replica a new placement may go to.
         None when nothing would be held: no limit, or no replica is routable (an acquire then
         fails at once with NoServerAvailable, which callers wait out)."""
         limit = self.dispatch_limit
-        routable = {sid: s for sid, s in self._servers.items() if s.routable}
-        if self._preferred is not None:
-            routable = {sid: s for sid, s in routable.items() if sid in self._preferred} or routable
-        if limit is None or not routable:
+        views, _ = self._placeable()
+        if limit is None or not views:
             return None
-        return {sid: max(0, math.ceil(limit - (s.others + s.local))) for sid, s in routable.items()}
+        return {v.replica_id: max(0, math.ceil(limit - v.inflight)) for v in views}
 
     def release_server(self, server_id: str, prompt_len: int = 0) -> None:
         """Uncount one request; unknown ids and extra releases are ignored (counts floor at 0)."""
