@@ -11,7 +11,7 @@ rounds that alternate the order (the machine's state drifts; alternating spreads
 
 Workload (issue 14's): 256 token-id completions of 32 tokens each (``ignore_eos``), 64 in flight,
 32 sessions whose prompts share a 200-token prefix. Reported per way: median tokens/s over the
-rounds and median p50 latency; how the requests split over the two replicas (from vLLM's own
+rounds and median p50, mean and p90 latency; how the requests split over the two replicas (from vLLM's own
 ``/metrics``: a sticky router that moves sessions shows here); and the CPU time the way's own
 processes took per request (the router's process; the gateway's process and the replica actors),
 also net of what those processes take in the other ways' rounds, serving nobody (health probes).
@@ -95,7 +95,11 @@ async def _load(way: str, urls: list[str]) -> dict[str, float]:
         started = time.monotonic()
         await asyncio.gather(*(one(i) for i in range(REQUESTS)))
         wall = time.monotonic() - started
-    return {"tokens_per_s": tokens / wall, "p50_s": statistics.median(latencies), "tokens": tokens, "resent": resent[0]}
+    latencies.sort()
+    return {
+        "tokens_per_s": tokens / wall, "p50_s": statistics.median(latencies), "mean_s": statistics.fmean(latencies),
+        "p90_s": latencies[int(0.9 * (len(latencies) - 1))], "tokens": tokens, "resent": resent[0],
+    }  # fmt: skip
 
 
 def _loadgen(way: str, urls: list[str], queue: Any) -> None:
@@ -254,6 +258,7 @@ async def _run(router_bin: str, rounds: int, console: Console) -> dict[str, list
                     results[way].append(res)
                     progress.console.print(
                         f"round {r + 1} {way}: {res['tokens_per_s']:.0f} tokens/s, p50 {res['p50_s']:.2f}s, "
+                        f"mean {res['mean_s']:.2f}s, "
                         f"split {res['split']}, path CPU {res['path_cpu_ms_per_request']:.2f} ms/request"
                     )
                     progress.advance(task)
@@ -269,20 +274,21 @@ async def _run(router_bin: str, rounds: int, console: Console) -> dict[str, list
 
 def _report(results: dict[str, list[dict[str, Any]]], console: Console) -> None:
     table = Table(title=f"{REQUESTS} completions x {TOKENS} tokens, {IN_FLIGHT} in flight, {SESSIONS} sessions")
-    for col in ("way", "tokens/s (median)", "p50 latency (median)", "rounds (tokens/s)", "split per round",
-                "path CPU ms/request (less idle)"):  # fmt: skip
+    for col in ("way", "tokens/s (median)", "latency p50 / mean / p90 (medians)", "rounds (tokens/s)",
+                "split per round", "path CPU ms/request (less idle)"):  # fmt: skip
         table.add_column(col)
     summary = {}
     for way, rows in results.items():
         tps = statistics.median(r["tokens_per_s"] for r in rows)
         p50 = statistics.median(r["p50_s"] for r in rows)
+        mean_s, p90 = (statistics.median(r[k] for r in rows) for k in ("mean_s", "p90_s"))
         cpu = statistics.median(r["path_cpu_ms_per_request"] for r in rows)
         idle = [r["cpu_ms_per_request"].get(way, 0.0) for w, rs in results.items() if w != way for r in rs]
         net = cpu - statistics.median(idle) if idle else cpu  # less what the processes do serving nobody
-        summary[way] = {"tokens_per_s": tps, "p50_s": p50, "path_cpu_ms_per_request": cpu,
+        summary[way] = {"tokens_per_s": tps, "p50_s": p50, "mean_s": mean_s, "p90_s": p90, "path_cpu_ms_per_request": cpu,
                         "path_cpu_net_ms_per_request": net, "rounds": rows}  # fmt: skip
         table.add_row(
-            way, f"{tps:,.0f}", f"{p50:.2f} s", ", ".join(f"{r['tokens_per_s']:.0f}" for r in rows),
+            way, f"{tps:,.0f}", f"{p50:.2f} / {mean_s:.2f} / {p90:.2f} s", ", ".join(f"{r['tokens_per_s']:.0f}" for r in rows),
             " ".join("/".join(str(n) for n in r["split"]) for r in rows), f"{cpu:.2f} ({net:.2f} net)",
         )  # fmt: skip
     console.print(table)
@@ -293,13 +299,18 @@ def _report(results: dict[str, list[dict[str, Any]]], console: Console) -> None:
             pairs = list(zip(results[a], results[b]))
             tps = sorted(x["tokens_per_s"] / y["tokens_per_s"] for x, y in pairs)
             p50 = sorted(x["p50_s"] / y["p50_s"] for x, y in pairs)
+            # At a fixed number in flight the mean latency is set by throughput (Little's law): where
+            # tokens/s match, the mean does too, and a lower p50 is a different spread, not a faster path.
+            means = sorted(x["mean_s"] / y["mean_s"] for x, y in pairs)
             won = sum(x["tokens_per_s"] >= y["tokens_per_s"] for x, y in pairs)
             summary[f"{a} / {b}"] = {"tokens_per_s_ratio_median": statistics.median(tps), "tokens_per_s_ratios": tps,
                                      "p50_ratio_median": statistics.median(p50), "p50_ratios": p50,
+                                     "mean_latency_ratio_median": statistics.median(means),
                                      "rounds_at_least_as_fast": won, "rounds": len(pairs)}  # fmt: skip
             console.print(
                 f"{a} / {b}, round by round: tokens/s x{statistics.median(tps):.3f} median "
-                f"({tps[0]:.2f}-{tps[-1]:.2f}), p50 x{statistics.median(p50):.3f} median; "
+                f"({tps[0]:.2f}-{tps[-1]:.2f}), p50 x{statistics.median(p50):.3f} median, "
+                f"mean latency x{statistics.median(means):.3f} median; "
                 f"at least as fast in {won} of {len(pairs)} rounds"
             )
     OUT.write_text(json.dumps(summary, indent=2))
