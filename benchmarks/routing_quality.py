@@ -13,6 +13,8 @@ Workloads (``--replicas`` replicas, ``--max-num-seqs`` sequences each):
   decides (the bound is about six times the longest sample alone);
 * ``grpo unrelated``: the same, but each sample's length is drawn on its own (the sim engine
   otherwise draws a difficulty per prompt, so siblings' lengths are related);
+* ``grpo n16``: the same samples as 128 groups x 16 (a prompt's first sample cannot find it cached:
+  the hit rate's ceiling is 1 - 1/n, 87.5% for groups of 8 and 93.75% for 16);
 * ``grpo tail``: 16 groups x 4 samples, responses with a longer tail (mean 300, sigma 1.4) up to
   2,048: fewer sequences than slots, so the longest sample decides;
 * ``sessions``: 128 sessions x 4 turns; every session starts with the same 512-token system
@@ -145,6 +147,7 @@ def sessions(count: int, turns: int, system_len: int, task_len: int, tool_len: i
 WORKLOADS = {
     "grpo capacity": Workload("grpo capacity", 150, 0.8, 512, grpo(256, 8, 512, 512), 512, 256),
     "grpo unrelated": Workload("grpo unrelated", 150, 0.8, 512, grpo(256, 8, 512, 512), 512, 256, independent=True),
+    "grpo n16": Workload("grpo n16", 150, 0.8, 512, grpo(128, 16, 512, 512), 512, 128),
     "grpo tail": Workload("grpo tail", 300, 1.4, 2048, grpo(16, 4, 512, 2048), 512, 16),
     "sessions": Workload("sessions", 120, 1.0, 512, sessions(128, 4, SYSTEM_PROMPT, 64, 48, 512)),
 }
