@@ -14,7 +14,8 @@ and under every policy): each group draws a difficulty, each sample a log-normal
 batch slots of work.
 
 Policies: ``least_inflight`` (verl's), ``prefix_affinity`` (the default), ``prefix_affinity/late``
-(late binding, ``routing.max_inflight_per_replica`` = 8 + 2, arrival order),
+(late binding, ``routing.max_inflight_per_replica`` = 8 + ``--late-slack``, 2 by default;
+arrival order),
 ``prefix_affinity/longest`` (late binding, ``routing.dispatch_order: longest_group_first``).
 
 Reported per policy: the makespan (wall seconds on vLLM; simulated seconds on the sim), its ratio
@@ -57,7 +58,7 @@ from rollfleet.plan.profiles import load_profile
 from rollfleet.utils import virtual_time
 
 POLICIES = ("least_inflight", "prefix_affinity", "prefix_affinity/late", "prefix_affinity/longest")
-SAMPLES, PROMPT, SLOTS, SLACK = 8, 256, 8, 2
+SAMPLES, PROMPT, SLOTS, LATE_SLACK = 8, 256, 8, 2
 MEAN, SIGMA_GROUP, SIGMA_SAMPLE, MAX_TOKENS = 64, 0.6, 0.5, 256
 #: vLLM computes a fully cached prompt's last block again (its block size on CPU): a group whose
 #: prompt is prefilled ``k`` times computes k x PROMPT + (SAMPLES - k) x this, so k follows from
@@ -77,13 +78,13 @@ def lengths(groups: int, seed: int) -> list[list[int]]:
     return out
 
 
-def routing(policy: str, base: RoutingConfig, seed: int) -> RoutingConfig:
+def routing(policy: str, base: RoutingConfig, seed: int, slack: int = LATE_SLACK) -> RoutingConfig:
     name, _, order = policy.partition("/")
     return base.model_copy(
         update={
             "policy": name,
             "seed": seed,
-            "max_inflight_per_replica": SLOTS + SLACK if order else None,
+            "max_inflight_per_replica": SLOTS + slack if order else None,
             "dispatch_order": "longest_group_first" if order == "longest" else "fifo",
         }
     )
@@ -105,7 +106,7 @@ async def rollout(client: Any, tag: str, lens: list[list[int]], seed: int) -> fl
     return loop.time() - started
 
 
-def sim_config(policy: str, seed: int) -> RolloutConfig:
+def sim_config(policy: str, seed: int, slack: int = LATE_SLACK) -> RolloutConfig:
     costs = load_profile("vllm-cpu-tiny")
     return RolloutConfig(
         name="sim",
@@ -113,7 +114,7 @@ def sim_config(policy: str, seed: int) -> RolloutConfig:
         prompt_length=512,
         response_length=MAX_TOKENS,
         max_model_len=1024,
-        routing=routing(policy, RoutingConfig(), seed),
+        routing=routing(policy, RoutingConfig(), seed, slack),
         sim=SimEngineConfig(
             vocab_size=1024,
             max_num_seqs=SLOTS,
@@ -121,13 +122,13 @@ def sim_config(policy: str, seed: int) -> RolloutConfig:
             seed=seed,
             max_steps_per_wake=1_000_000,
             **costs,
-        ),  # fmt: skip
+        ),
     )
 
 
-def simulate(policy: str, lens: list[list[int]], seed: int) -> dict[str, float]:
+def simulate(policy: str, lens: list[list[int]], seed: int, slack: int = LATE_SLACK) -> dict[str, float]:
     async def run() -> dict[str, float]:
-        fleet = await VirtualFleet(sim_config(policy, seed)).start()
+        fleet = await VirtualFleet(sim_config(policy, seed, slack)).start()
         try:
             makespan = await rollout(fleet.client, policy, lens, seed)
             report = await fleet.report()
@@ -173,12 +174,15 @@ async def on_vllm(args: argparse.Namespace, console: Console) -> list[dict[str, 
         await rollout(warm, "warm-up", lengths(4, 99), 99)  # first forward passes of each shape are slow
         await warm.close()
         with Progress(console=console) as progress:
-            task = progress.add_task("rounds on vLLM", total=args.rounds * len(POLICIES))
+            policies = args.policies
+            task = progress.add_task("rounds on vLLM", total=args.rounds * len(policies))
             for r in range(args.rounds):
                 lens = lengths(args.groups, r)
-                for policy in POLICIES[r % len(POLICIES) :] + POLICIES[: r % len(POLICIES)]:
+                for policy in policies[r % len(policies) :] + policies[: r % len(policies)]:
                     await asyncio.to_thread(_settle, urls, 1.0)
-                    routed = config.rollout.model_copy(update={"routing": routing(policy, config.rollout.routing, r)})
+                    routed = config.rollout.model_copy(
+                        update={"routing": routing(policy, config.rollout.routing, r, args.late_slack)}
+                    )
                     client = manager.get_client(FullyAsyncLLMServerClient, config=routed)
                     before, steps0 = await asyncio.to_thread(computed, urls), await asyncio.to_thread(steps, urls)
                     wall = await rollout(client, f"r{r}-{policy}", lens, r)
@@ -205,10 +209,11 @@ def prefills(engine: str, computed_tokens: float, groups: int) -> float:
 
 
 def summarize(vllm_rows: list[dict[str, Any]], sim_rows: list[dict[str, Any]], groups: int) -> dict[str, Any]:
+    """Per policy and engine; ratios are to ``least_inflight``'s run of the same round."""
     out: dict[str, Any] = {}
     for engine, rows in (("vllm", vllm_rows), ("sim", sim_rows)):
         base = {r["round"]: r for r in rows if r["policy"] == "least_inflight"}
-        for policy in POLICIES:
+        for policy in dict.fromkeys(r["policy"] for r in rows):
             mine = [r for r in rows if r["policy"] == policy]
             ratios = sorted(r["makespan_s"] / base[r["round"]]["makespan_s"] for r in mine)
             out.setdefault(policy, {})[engine] = {
@@ -225,8 +230,8 @@ def summarize(vllm_rows: list[dict[str, Any]], sim_rows: list[dict[str, Any]], g
 
 def report(summary: dict[str, Any], args: argparse.Namespace, console: Console) -> None:
     table = Table(
-        title=f"{args.groups} groups x {SAMPLES} samples, 2 replicas x {SLOTS} slots, {args.rounds} rounds "
-        "(vLLM: wall s; sim: simulated s, vllm-cpu-tiny profile)"
+        title=f"{args.groups} groups x {SAMPLES} samples, 2 replicas x {SLOTS} slots, {args.rounds} rounds, "
+        f"late-binding slack {args.late_slack} (vLLM: wall s; sim: simulated s, vllm-cpu-tiny profile)"
     )
     for col in ("policy", "vLLM makespan", "vs least_inflight: median (rounds)", "sim makespan",
                 "sim vs least_inflight", "group prompt prefills: vLLM / sim"):  # fmt: skip
@@ -245,19 +250,26 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--groups", type=int, default=48)
-    parser.add_argument("--report-only", action="store_true", help=f"summarize the runs saved in {OUT.name} again")
+    parser.add_argument("--late-slack", type=int, default=LATE_SLACK, help="late binding's limit over the 8 slots")
+    parser.add_argument(
+        "--policies", nargs="+", choices=POLICIES, default=list(POLICIES), help="must include least_inflight"
+    )
+    parser.add_argument("--out", type=Path, default=OUT, help="the JSON to write (or read, with --report-only)")
+    parser.add_argument("--report-only", action="store_true", help="summarize the runs saved in --out again")
     args = parser.parse_args(argv)
+    if "least_inflight" not in args.policies:
+        parser.error("--policies must include least_inflight: every ratio is to its run of the same round")
     console = Console(width=160)
     if args.report_only:
-        saved = json.loads(OUT.read_text())
-        args.groups, args.rounds = saved["groups"], saved["rounds"]
+        saved = json.loads(args.out.read_text())
+        args.groups, args.rounds, args.late_slack = saved["groups"], saved["rounds"], saved["late_slack"]
         report(summarize(saved["vllm"], saved["sim"], args.groups), args, console)
         return
     started = time.monotonic()
     sim_rows = [
-        {"round": r, "policy": p, **simulate(p, lengths(args.groups, r), r)}
+        {"round": r, "policy": p, **simulate(p, lengths(args.groups, r), r, args.late_slack)}
         for r in range(args.rounds)
-        for p in POLICIES
+        for p in args.policies
     ]
     import ray
 
@@ -268,9 +280,9 @@ def main(argv: Optional[list[str]] = None) -> None:
         ray.shutdown()
     summary = summarize(vllm_rows, sim_rows, args.groups)
     report(summary, args, console)
-    OUT.write_text(json.dumps({"groups": args.groups, "rounds": args.rounds, "summary": summary,
-                               "vllm": vllm_rows, "sim": sim_rows}, indent=2))  # fmt: skip
-    console.print(f"done in {time.monotonic() - started:.0f} s; wrote {OUT}")
+    saved = {"groups": args.groups, "rounds": args.rounds, "late_slack": args.late_slack, "summary": summary}
+    args.out.write_text(json.dumps({**saved, "vllm": vllm_rows, "sim": sim_rows}, indent=2))
+    console.print(f"done in {time.monotonic() - started:.0f} s; wrote {args.out}")
 
 
 if __name__ == "__main__":
