@@ -185,14 +185,17 @@ async def on_vllm(args: argparse.Namespace, console: Console) -> list[dict[str, 
                     )
                     client = manager.get_client(FullyAsyncLLMServerClient, config=routed)
                     before, steps0 = await asyncio.to_thread(computed, urls), await asyncio.to_thread(steps, urls)
+                    cpu0 = time.process_time()
                     wall = await rollout(client, f"r{r}-{policy}", lens, r)
+                    client_cpu = time.process_time() - cpu0  # this process: the client, its balancer and gate
                     prefill = await asyncio.to_thread(computed, urls) - before
                     ran = [b - a for a, b in zip(steps0, await asyncio.to_thread(steps, urls))]
                     await client.close()
                     rows.append({"round": r, "policy": policy, "makespan_s": wall, "computed_prompt_tokens": prefill,
-                                 "steps_per_replica": ran})  # fmt: skip
+                                 "steps_per_replica": ran, "client_cpu_s": client_cpu})  # fmt: skip
                     progress.console.print(
-                        f"round {r + 1} {policy}: {wall:.2f} s, engine steps {ran}, {prefill:,.0f} prompt tokens computed"
+                        f"round {r + 1} {policy}: {wall:.2f} s, engine steps {ran}, {prefill:,.0f} prompt tokens "
+                        f"computed, client CPU {client_cpu:.2f} s"
                     )
                     progress.advance(task)
     finally:
