@@ -145,6 +145,11 @@ def steps(urls: list[str]) -> list[float]:
     return [_metric(u, ["vllm:iteration_tokens_total_count"]) for u in urls]
 
 
+def generated(urls: list[str]) -> list[float]:
+    """Output tokens each replica has generated so far."""
+    return [_metric(u, ["vllm:generation_tokens_total"]) for u in urls]
+
+
 def computed(urls: list[str]) -> float:
     return sum(
         _metric(u, ["vllm:prefix_cache_queries_total"]) - _metric(u, ["vllm:prefix_cache_hits_total"]) for u in urls
@@ -185,16 +190,19 @@ async def on_vllm(args: argparse.Namespace, console: Console) -> list[dict[str, 
                     )
                     client = manager.get_client(FullyAsyncLLMServerClient, config=routed)
                     before, steps0 = await asyncio.to_thread(computed, urls), await asyncio.to_thread(steps, urls)
+                    gen0 = await asyncio.to_thread(generated, urls)
                     cpu0 = time.process_time()
                     wall = await rollout(client, f"r{r}-{policy}", lens, r)
                     client_cpu = time.process_time() - cpu0  # this process: the client, its balancer and gate
                     prefill = await asyncio.to_thread(computed, urls) - before
                     ran = [b - a for a, b in zip(steps0, await asyncio.to_thread(steps, urls))]
+                    made = [b - a for a, b in zip(gen0, await asyncio.to_thread(generated, urls))]
                     await client.close()
                     rows.append({"round": r, "policy": policy, "makespan_s": wall, "computed_prompt_tokens": prefill,
-                                 "steps_per_replica": ran, "client_cpu_s": client_cpu})  # fmt: skip
+                                 "steps_per_replica": ran, "tokens_per_replica": made,
+                                 "client_cpu_s": client_cpu})  # fmt: skip
                     progress.console.print(
-                        f"round {r + 1} {policy}: {wall:.2f} s, engine steps {ran}, {prefill:,.0f} prompt tokens "
+                        f"round {r + 1} {policy}: {wall:.2f} s, engine steps {ran}, tokens {made}, {prefill:,.0f} prompt tokens "
                         f"computed, client CPU {client_cpu:.2f} s"
                     )
                     progress.advance(task)
