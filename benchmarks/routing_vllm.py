@@ -22,9 +22,11 @@ Reported per policy: the makespan (wall seconds on vLLM; simulated seconds on th
 to ``least_inflight``'s (on vLLM paired per round: the policies of one round run back to back, in
 rotating order, on the same machine state), and the prompt tokens each engine computed (vLLM's own
 prefix-cache counters: queried minus hit), as prefills of each group's prompt (vLLM also computes a
-fully cached prompt's last 128-token block again; that is taken out). The JSON also keeps each
-run's engine steps per replica (vLLM's step counter), a diagnostic: a step's cost on these CPUs
-depends on its batch and on the other replica's load, so steps do not measure work here.
+fully cached prompt's last 128-token block again; that is taken out). The JSON also keeps, per
+run, diagnostics: each replica's engine steps (vLLM's step counter; a step's cost on these CPUs
+depends on its batch and on the other replica's load, so steps do not measure work here) and
+output tokens, and the CPU time of this process (the client, its balancer and gate). Runs saved
+before a diagnostic was added lack it.
 
 Run: ``python benchmarks/routing_vllm.py [--rounds 5 --groups 48]`` (about 8 minutes on 2 cores);
 writes ``benchmarks/routing_vllm.json`` (``--report-only`` prints its table again).
@@ -50,7 +52,7 @@ from rich.table import Table
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
-from gateway_vs_router import _metric, _settle
+from gateway_vs_router import _settle
 
 from rollfleet.config import RolloutConfig, RoutingConfig, SimEngineConfig
 from rollfleet.plan import VirtualFleet
@@ -140,20 +142,26 @@ def simulate(policy: str, lens: list[list[int]], seed: int, slack: int = LATE_SL
     return virtual_time.run(run())
 
 
-def steps(urls: list[str]) -> list[float]:
-    """Engine steps each replica has run so far (vLLM's per-step token histogram's count)."""
-    return [_metric(u, ["vllm:iteration_tokens_total_count"]) for u in urls]
+#: vLLM's own counters a run reads from each replica's /metrics, before and after
+COUNTERS = {
+    "steps": "vllm:iteration_tokens_total_count",  # engine steps (the per-step token histogram's count)
+    "tokens": "vllm:generation_tokens_total",
+    "queried": "vllm:prefix_cache_queries_total",
+    "hit": "vllm:prefix_cache_hits_total",
+}
 
 
-def generated(urls: list[str]) -> list[float]:
-    """Output tokens each replica has generated so far."""
-    return [_metric(u, ["vllm:generation_tokens_total"]) for u in urls]
+def counters(urls: list[str]) -> list[dict[str, float]]:
+    """Each replica's :data:`COUNTERS` now, from one read of its /metrics."""
+    import httpx
 
+    from rollfleet.engines.http.metrics import parse_metrics
 
-def computed(urls: list[str]) -> float:
-    return sum(
-        _metric(u, ["vllm:prefix_cache_queries_total"]) - _metric(u, ["vllm:prefix_cache_hits_total"]) for u in urls
-    )
+    out = []
+    for url in urls:
+        found = parse_metrics(httpx.get(f"{url}/metrics", timeout=10).text, COUNTERS.values())
+        out.append({key: found.get(name, 0.0) for key, name in COUNTERS.items()})
+    return out
 
 
 async def on_vllm(args: argparse.Namespace, console: Console) -> list[dict[str, Any]]:
@@ -189,14 +197,16 @@ async def on_vllm(args: argparse.Namespace, console: Console) -> list[dict[str, 
                         update={"routing": routing(policy, config.rollout.routing, r, args.late_slack)}
                     )
                     client = manager.get_client(FullyAsyncLLMServerClient, config=routed)
-                    before, steps0 = await asyncio.to_thread(computed, urls), await asyncio.to_thread(steps, urls)
-                    gen0 = await asyncio.to_thread(generated, urls)
+                    before = await asyncio.to_thread(counters, urls)
                     cpu0 = time.process_time()
                     wall = await rollout(client, f"r{r}-{policy}", lens, r)
                     client_cpu = time.process_time() - cpu0  # this process: the client, its balancer and gate
-                    prefill = await asyncio.to_thread(computed, urls) - before
-                    ran = [b - a for a, b in zip(steps0, await asyncio.to_thread(steps, urls))]
-                    made = [b - a for a, b in zip(gen0, await asyncio.to_thread(generated, urls))]
+                    delta = [
+                        {k: b[k] - a[k] for k in COUNTERS}
+                        for a, b in zip(before, await asyncio.to_thread(counters, urls))
+                    ]
+                    prefill = sum(d["queried"] - d["hit"] for d in delta)  # prompt tokens computed
+                    ran, made = [d["steps"] for d in delta], [d["tokens"] for d in delta]
                     await client.close()
                     rows.append({"round": r, "policy": policy, "makespan_s": wall, "computed_prompt_tokens": prefill,
                                  "steps_per_replica": ran, "tokens_per_replica": made,

@@ -96,6 +96,23 @@ async def vllm_metric(address: str, name: str) -> float:
     return total
 
 
+async def computed_prompt_tokens(addresses: list[str]) -> float:
+    """Prompt tokens the servers computed so far, by vLLM's own counters: prefix-cache queries
+    minus hits."""
+    queries = [await vllm_metric(a, "vllm:prefix_cache_queries_total") for a in addresses]
+    hits = [await vllm_metric(a, "vllm:prefix_cache_hits_total") for a in addresses]
+    return sum(queries) - sum(hits)
+
+
+async def kv_block_size(address: str) -> int:
+    """The server's KV block size, from vllm:cache_config_info."""
+    async with httpx.AsyncClient(timeout=10) as http:
+        info = (await http.get(f"{address}/metrics")).text
+    found = re.search(r'vllm:cache_config_info\{[^}]*block_size="(\d+)"', info)
+    assert found, "vLLM reports its KV block size in vllm:cache_config_info"
+    return int(found.group(1))
+
+
 async def test_serves_200_concurrent_requests(fleet):
     await serving(fleet)
     client = fleet.get_client()
@@ -170,18 +187,13 @@ async def test_grpo_siblings_prefill_their_prompt_once_under_prefix_affinity(fle
     await serving(fleet)
     addresses = [r.address for r in await fleet.get_replicas()]
 
-    async def computed() -> float:
-        queries = [await vllm_metric(a, "vllm:prefix_cache_queries_total") for a in addresses]
-        hits = [await vllm_metric(a, "vllm:prefix_cache_hits_total") for a in addresses]
-        return sum(queries) - sum(hits)
-
     prompt_len, groups = 1024, 4
 
     async def rollout(policy: str, salt: int) -> float:
         routing = fleet.config.routing.model_copy(update={"policy": policy, "seed": 0})
         client = fleet.get_client(config=fleet.config.model_copy(update={"routing": routing}))
         prompts = [[(salt * 7919 + g * 131 + j * 17) % 900 + 5 for j in range(prompt_len)] for g in range(groups)]
-        before = await computed()
+        before = await computed_prompt_tokens(addresses)
         outs = await asyncio.gather(
             *(
                 client.generate(f"{policy}-g{g}-{i}", prompt_ids=prompts[g], sampling_params={"max_tokens": 8})
@@ -191,7 +203,7 @@ async def test_grpo_siblings_prefill_their_prompt_once_under_prefix_affinity(fle
         )
         per_group = [{o.extra_fields["replica_id"] for o in outs[g * 8 : (g + 1) * 8]} for g in range(groups)]
         print(policy, "replicas per group:", [sorted(r) for r in per_group])
-        return (await computed()) - before
+        return (await computed_prompt_tokens(addresses)) - before
 
     affinity = await rollout("prefix_affinity", 1)
     # A new client starts from the replicas' last load reports; one taken while the first rollout
@@ -199,11 +211,7 @@ async def test_grpo_siblings_prefill_their_prompt_once_under_prefix_affinity(fle
     # sends whole groups to the other server (seen in CI). Let two probes pass first.
     await asyncio.sleep(2 * fleet.config.health.probe_interval_s + 0.5)
     spread = await rollout("least_tokens", 2)
-    async with httpx.AsyncClient(timeout=10) as http:
-        info = (await http.get(f"{addresses[0]}/metrics")).text
-    found = re.search(r'vllm:cache_config_info\{[^}]*block_size="(\d+)"', info)
-    assert found, "vLLM reports its KV block size in vllm:cache_config_info"
-    block = int(found.group(1))
+    block = await kv_block_size(addresses[0])
     # A sibling whose whole prompt is cached still computes its last block (vLLM computes at least one
     # token): one prefill per group and a block per other sibling when together (measured: exactly
     # that, 1,920 tokens per group of 8 x 1,024 with vLLM CPU's 128-token blocks), one prefill per
@@ -228,12 +236,7 @@ async def test_longest_group_first_on_vllm_serves_every_sample_and_prefills_each
     ``benchmarks/routing_vllm.py``'s 48 groups; issue 15's target is at most 1.25."""
     await serving(fleet)
     addresses = [r.address for r in await fleet.get_replicas()]
-    prompt_len, groups, samples, block = 384, 16, 8, 128
-
-    async def computed() -> float:
-        queries = [await vllm_metric(a, "vllm:prefix_cache_queries_total") for a in addresses]
-        hits = [await vllm_metric(a, "vllm:prefix_cache_hits_total") for a in addresses]
-        return sum(queries) - sum(hits)
+    prompt_len, groups, samples = 384, 16, 8
 
     routing = fleet.config.routing.model_copy(
         update={
@@ -246,7 +249,7 @@ async def test_longest_group_first_on_vllm_serves_every_sample_and_prefills_each
     client = fleet.get_client(config=fleet.config.model_copy(update={"routing": routing}))
     prompts = [[(g * 523 + j * 31) % 900 + 7 for j in range(prompt_len)] for g in range(groups)]
     lengths = [[8 + (g * 29 + i * 3) % 48 for i in range(samples)] for g in range(groups)]
-    before = await computed()
+    before = await computed_prompt_tokens(addresses)
     try:
         outs = await asyncio.gather(
             *(
@@ -264,7 +267,8 @@ async def test_longest_group_first_on_vllm_serves_every_sample_and_prefills_each
         assert client._gate is not None and client._gate.waiting == 0
     finally:
         await client.close()
-    prefills = ((await computed() - before) / groups - samples * block) / (prompt_len - block)
+    block = await kv_block_size(addresses[0])
+    prefills = ((await computed_prompt_tokens(addresses) - before) / groups - samples * block) / (prompt_len - block)
     print(f"longest group first on vLLM: each group prompt prefilled {prefills:.2f} times")
     assert prefills <= 1.5, prefills
 
