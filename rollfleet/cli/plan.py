@@ -56,7 +56,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="model size (billions): the learner's cost, and the engines' (a roofline on --accelerator at --tp) "
         "unless --profile gives them",
     )
-    p.add_argument("--model-layers", type=int, default=None, help="with --model-hidden: attention's cost in training")
+    p.add_argument(
+        "--model-layers",
+        type=int,
+        default=None,
+        help="with --model-hidden: attention's cost in training, and TP's all-reduces (else estimated from the size)",
+    )
     p.add_argument("--model-hidden", type=int, default=None, help="hidden size (e.g. 3584 for Qwen2.5-7B)")
     p.add_argument("--accelerator", default="h100", help=f"with --model-params-b: one of {', '.join(ACCELERATORS)}")
     p.add_argument(
@@ -124,7 +129,14 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
                 args.model_layers, args.model_hidden, args.gpus, tflops, args.mfu, args.flops_per_param_token
             )
         if args.profile is None:
-            costs = engine_costs(args.model_params_b, device, tp=args.tp, kv_bytes_per_token=args.kv_bytes_per_token)
+            costs = engine_costs(
+                args.model_params_b,
+                device,
+                tp=args.tp,
+                kv_bytes_per_token=args.kv_bytes_per_token,
+                layers=args.model_layers,
+                hidden=args.model_hidden,
+            )
             out.update({f"rollout.sim.{k}": v for k, v in costs.items()})
     if args.response_lengths is not None:
         out["rollout.sim.response_lengths"] = read_lengths(args.response_lengths)
