@@ -29,7 +29,10 @@ output tokens, and the CPU time of this process (the client, its balancer and ga
 before a diagnostic was added lack it.
 
 Run: ``python benchmarks/routing_vllm.py [--rounds 5 --groups 48]`` (about 8 minutes on 2 cores);
-writes ``benchmarks/routing_vllm.json`` (``--report-only`` prints its table again).
+writes ``benchmarks/routing_vllm.json`` (``--report-only`` prints its table again). ``--sim-only``
+runs the simulator alone (seconds), to try what might explain vLLM's numbers: ``--sim-slow F``
+makes one sim replica's steps take ``F`` times longer (the sim engine's ``slow`` fault), as a
+replica that gets less of the shared CPUs would.
 """
 
 from __future__ import annotations
@@ -128,9 +131,15 @@ def sim_config(policy: str, seed: int, slack: int = LATE_SLACK) -> RolloutConfig
     )
 
 
-def simulate(policy: str, lens: list[list[int]], seed: int, slack: int = LATE_SLACK) -> dict[str, float]:
+def simulate(
+    policy: str, lens: list[list[int]], seed: int, slack: int = LATE_SLACK, slow: float = 1.0
+) -> dict[str, float]:
+    """One policy's rollout on 2 sim replicas (``slow``: replica-1's steps take that many times longer)."""
+
     async def run() -> dict[str, float]:
         fleet = await VirtualFleet(sim_config(policy, seed, slack)).start()
+        if slow != 1.0:
+            fleet.replicas["replica-1"].engine.inject_fault("slow", slow)
         try:
             makespan = await rollout(fleet.client, policy, lens, seed)
             report = await fleet.report()
@@ -233,6 +242,8 @@ def summarize(vllm_rows: list[dict[str, Any]], sim_rows: list[dict[str, Any]], g
     """Per policy and engine; ratios are to ``least_inflight``'s run of the same round."""
     out: dict[str, Any] = {}
     for engine, rows in (("vllm", vllm_rows), ("sim", sim_rows)):
+        if not rows:
+            continue
         base = {r["round"]: r for r in rows if r["policy"] == "least_inflight"}
         for policy in dict.fromkeys(r["policy"] for r in rows):
             mine = [r for r in rows if r["policy"] == policy]
@@ -258,11 +269,14 @@ def report(summary: dict[str, Any], args: argparse.Namespace, console: Console) 
                 "sim vs least_inflight", "group prompt prefills: vLLM / sim"):  # fmt: skip
         table.add_column(col, justify="left" if col == "policy" else "right")
     for policy, row in summary.items():
-        v, s = row["vllm"], row["sim"]
-        spread = ", ".join(f"{x:.2f}" for x in v["vs_least_inflight_rounds"])
+        s = row["sim"]
+        v = row.get("vllm")  # none: --sim-only
+        spread = ", ".join(f"{x:.2f}" for x in (v or s)["vs_least_inflight_rounds"])
         table.add_row(
-            policy, f"{v['makespan_s']:.2f} s", f"{v['vs_least_inflight']:.3f}x ({spread})", f"{s['makespan_s']:.2f} s",
-            f"{s['vs_least_inflight']:.3f}x", f"{v['group_prompt_prefills']:.2f}x / {s['group_prompt_prefills']:.2f}x",
+            policy, f"{v['makespan_s']:.2f} s" if v else "-", f"{v['vs_least_inflight']:.3f}x ({spread})" if v else "-",
+            f"{s['makespan_s']:.2f} s", f"{s['vs_least_inflight']:.3f}x" + ("" if v else f" ({spread})"),
+            f"{v['group_prompt_prefills']:.2f}x / {s['group_prompt_prefills']:.2f}x" if v
+            else f"- / {s['group_prompt_prefills']:.2f}x",
         )  # fmt: skip
     console.print(table)
 
@@ -277,7 +291,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     )
     parser.add_argument("--out", type=Path, default=OUT, help="the JSON to write (or read, with --report-only)")
     parser.add_argument("--report-only", action="store_true", help="summarize the runs saved in --out again")
+    parser.add_argument("--sim-only", action="store_true", help="the simulator alone: print its table, write nothing")
+    parser.add_argument("--sim-slow", type=float, default=1.0, help="with --sim-only: replica-1's step cost factor")
     args = parser.parse_args(argv)
+    if args.sim_slow <= 0:
+        parser.error(f"--sim-slow must be > 0, got {args.sim_slow}")
+    if args.sim_slow != 1.0 and not args.sim_only:
+        parser.error("--sim-slow needs --sim-only: the simulator is checked against vLLM with equal replicas")
     if "least_inflight" not in args.policies:
         parser.error("--policies must include least_inflight: every ratio is to its run of the same round")
     console = Console(width=160)
@@ -288,10 +308,14 @@ def main(argv: Optional[list[str]] = None) -> None:
         return
     started = time.monotonic()
     sim_rows = [
-        {"round": r, "policy": p, **simulate(p, lengths(args.groups, r), r, args.late_slack)}
+        {"round": r, "policy": p, **simulate(p, lengths(args.groups, r), r, args.late_slack, args.sim_slow)}
         for r in range(args.rounds)
         for p in args.policies
     ]
+    if args.sim_only:
+        console.print(f"simulator only; replica-1's steps x{args.sim_slow:g}")
+        report(summarize([], sim_rows, args.groups), args, console)
+        return
     import ray
 
     ray.init(include_dashboard=False, num_cpus=3, log_to_driver=False)
