@@ -22,17 +22,21 @@ Reported per policy: the makespan (wall seconds on vLLM; simulated seconds on th
 to ``least_inflight``'s (on vLLM paired per round: the policies of one round run back to back, in
 rotating order, on the same machine state), and the prompt tokens each engine computed (vLLM's own
 prefix-cache counters: queried minus hit), as prefills of each group's prompt (vLLM also computes a
-fully cached prompt's last 128-token block again; that is taken out). The JSON also keeps, per
+fully cached prompt's last 128-token block again; that is taken out), and the sequences an engine
+step ran on average (every sample's tokens over the engine steps taken; 8 is a full batch). The JSON also keeps, per
 run, diagnostics: each replica's engine steps (vLLM's step counter; a step's cost on these CPUs
 depends on its batch and on the other replica's load, so steps do not measure work here) and
-output tokens, and the CPU time of this process (the client, its balancer and gate). Runs saved
-before a diagnostic was added lack it.
+output tokens, the CPU time of this process (the client, its balancer and gate), and the mean time
+a request spent outside vLLM's own latency (the client's timing less vLLM's end-to-end histogram:
+the front end and transport both ways, and, late-bound, the wait in the client). Runs saved before
+a diagnostic was added lack it.
 
 Run: ``python benchmarks/routing_vllm.py [--rounds 5 --groups 48]`` (about 8 minutes on 2 cores);
 writes ``benchmarks/routing_vllm.json`` (``--report-only`` prints its table again). ``--sim-only``
 runs the simulator alone (seconds), to try what might explain vLLM's numbers: ``--sim-slow F``
 makes one sim replica's steps take ``F`` times longer (the sim engine's ``slow`` fault), as a
-replica that gets less of the shared CPUs would.
+replica that gets less of the shared CPUs would; ``--sim-overhead-ms M`` delays every result by
+``M`` (the sim engine's ``request_overhead_ms``).
 """
 
 from __future__ import annotations
@@ -95,23 +99,26 @@ def routing(policy: str, base: RoutingConfig, seed: int, slack: int = LATE_SLACK
     )
 
 
-async def rollout(client: Any, tag: str, lens: list[list[int]], seed: int) -> float:
-    """Every sample of every group at once; the seconds until the last one ends (the loop's clock)."""
+async def rollout(client: Any, tag: str, lens: list[list[int]], seed: int) -> tuple[float, float]:
+    """Every sample of every group at once: the seconds until the last one ends (the loop's clock),
+    and the seconds the requests took, summed (from when each was sent, late binding's wait included)."""
     rng = random.Random(f"{tag}-{seed}")
     prompts = [[rng.randrange(10, 1000) for _ in range(PROMPT)] for _ in lens]
     loop = asyncio.get_running_loop()
     started = loop.time()
 
-    async def sample(g: int, i: int) -> None:
+    async def sample(g: int, i: int) -> float:
         params = {"max_tokens": lens[g][i], "ignore_eos": True, "temperature": 1.0, "seed": g * 100 + i}
+        sent = loop.time()
         out = await client.generate(f"{tag}-g{g}-s{i}", prompt_ids=prompts[g], sampling_params=params)
         assert len(out.token_ids) == lens[g][i], (len(out.token_ids), lens[g][i])
+        return loop.time() - sent
 
-    await asyncio.gather(*(sample(g, i) for g in range(len(lens)) for i in range(SAMPLES)))
-    return loop.time() - started
+    took = await asyncio.gather(*(sample(g, i) for g in range(len(lens)) for i in range(SAMPLES)))
+    return loop.time() - started, sum(took)
 
 
-def sim_config(policy: str, seed: int, slack: int = LATE_SLACK) -> RolloutConfig:
+def sim_config(policy: str, seed: int, slack: int = LATE_SLACK, overhead_ms: float = 0.0) -> RolloutConfig:
     costs = load_profile("vllm-cpu-tiny")
     return RolloutConfig(
         name="sim",
@@ -126,22 +133,24 @@ def sim_config(policy: str, seed: int, slack: int = LATE_SLACK) -> RolloutConfig
             cache_on_prefill=True,
             seed=seed,
             max_steps_per_wake=1_000_000,
+            request_overhead_ms=overhead_ms,
             **costs,
         ),
     )
 
 
 def simulate(
-    policy: str, lens: list[list[int]], seed: int, slack: int = LATE_SLACK, slow: float = 1.0
+    policy: str, lens: list[list[int]], seed: int, slack: int = LATE_SLACK, slow: float = 1.0, overhead_ms: float = 0.0
 ) -> dict[str, float]:
-    """One policy's rollout on 2 sim replicas (``slow``: replica-1's steps take that many times longer)."""
+    """One policy's rollout on 2 sim replicas (``slow``: replica-1's steps take that many times
+    longer; ``overhead_ms``: the sim engine's ``request_overhead_ms``)."""
 
     async def run() -> dict[str, float]:
-        fleet = await VirtualFleet(sim_config(policy, seed, slack)).start()
+        fleet = await VirtualFleet(sim_config(policy, seed, slack, overhead_ms)).start()
         if slow != 1.0:
             fleet.replicas["replica-1"].engine.inject_fault("slow", slow)
         try:
-            makespan = await rollout(fleet.client, policy, lens, seed)
+            makespan, _ = await rollout(fleet.client, policy, lens, seed)
             report = await fleet.report()
             steps = [int(s["num_steps"]) for s in (await fleet.replica_stats()).values()]
             return {"makespan_s": makespan, "computed_prompt_tokens": report.prefill_tokens, "steps_per_replica": steps}
@@ -157,6 +166,8 @@ COUNTERS = {
     "tokens": "vllm:generation_tokens_total",
     "queried": "vllm:prefix_cache_queries_total",
     "hit": "vllm:prefix_cache_hits_total",
+    "e2e_s": "vllm:e2e_request_latency_seconds_sum",  # from arrival in vLLM's API server to the end
+    "finished": "vllm:e2e_request_latency_seconds_count",
 }
 
 
@@ -208,7 +219,7 @@ async def on_vllm(args: argparse.Namespace, console: Console) -> list[dict[str, 
                     client = manager.get_client(FullyAsyncLLMServerClient, config=routed)
                     before = await asyncio.to_thread(counters, urls)
                     cpu0 = time.process_time()
-                    wall = await rollout(client, f"r{r}-{policy}", lens, r)
+                    wall, took = await rollout(client, f"r{r}-{policy}", lens, r)
                     client_cpu = time.process_time() - cpu0  # this process: the client, its balancer and gate
                     delta = [
                         {k: b[k] - a[k] for k in COUNTERS}
@@ -216,13 +227,15 @@ async def on_vllm(args: argparse.Namespace, console: Console) -> list[dict[str, 
                     ]
                     prefill = sum(d["queried"] - d["hit"] for d in delta)  # prompt tokens computed
                     ran, made = [d["steps"] for d in delta], [d["tokens"] for d in delta]
+                    # what a request spent outside vLLM's own latency (with late binding, also held back)
+                    outside_ms = (took - sum(d["e2e_s"] for d in delta)) / sum(d["finished"] for d in delta) * 1e3
                     await client.close()
                     rows.append({"round": r, "policy": policy, "makespan_s": wall, "computed_prompt_tokens": prefill,
                                  "steps_per_replica": ran, "tokens_per_replica": made,
-                                 "client_cpu_s": client_cpu})  # fmt: skip
+                                 "client_cpu_s": client_cpu, "outside_vllm_ms": outside_ms})  # fmt: skip
                     progress.console.print(
                         f"round {r + 1} {policy}: {wall:.2f} s, engine steps {ran}, tokens {made}, {prefill:,.0f} prompt tokens "
-                        f"computed, client CPU {client_cpu:.2f} s"
+                        f"computed, client CPU {client_cpu:.2f} s, {outside_ms:.1f} ms a request outside vLLM"
                     )
                     progress.advance(task)
     finally:
@@ -256,6 +269,10 @@ def summarize(vllm_rows: list[dict[str, Any]], sim_rows: list[dict[str, Any]], g
                 "group_prompt_prefills": statistics.mean(
                     prefills(engine, r["computed_prompt_tokens"], groups) for r in mine
                 ),
+                # sequences an engine step ran, on average: every sample's tokens over the steps taken
+                "seqs_per_step": statistics.mean(
+                    sum(map(sum, lengths(groups, r["round"]))) / sum(r["steps_per_replica"]) for r in mine
+                ),
             }
     return out
 
@@ -266,7 +283,7 @@ def report(summary: dict[str, Any], args: argparse.Namespace, console: Console) 
         f"late-binding slack {args.late_slack} (vLLM: wall s; sim: simulated s, vllm-cpu-tiny profile)"
     )
     for col in ("policy", "vLLM makespan", "vs least_inflight: median (rounds)", "sim makespan",
-                "sim vs least_inflight", "group prompt prefills: vLLM / sim"):  # fmt: skip
+                "sim vs least_inflight", "group prompt prefills: vLLM / sim", "seqs a step: vLLM / sim"):  # fmt: skip
         table.add_column(col, justify="left" if col == "policy" else "right")
     for policy, row in summary.items():
         s = row["sim"]
@@ -277,6 +294,7 @@ def report(summary: dict[str, Any], args: argparse.Namespace, console: Console) 
             f"{s['makespan_s']:.2f} s", f"{s['vs_least_inflight']:.3f}x" + ("" if v else f" ({spread})"),
             f"{v['group_prompt_prefills']:.2f}x / {s['group_prompt_prefills']:.2f}x" if v
             else f"- / {s['group_prompt_prefills']:.2f}x",
+            f"{v['seqs_per_step']:.2f} / {s['seqs_per_step']:.2f}" if v else f"- / {s['seqs_per_step']:.2f}",
         )  # fmt: skip
     console.print(table)
 
@@ -293,11 +311,19 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--report-only", action="store_true", help="summarize the runs saved in --out again")
     parser.add_argument("--sim-only", action="store_true", help="the simulator alone: print its table, write nothing")
     parser.add_argument("--sim-slow", type=float, default=1.0, help="with --sim-only: replica-1's step cost factor")
+    parser.add_argument(
+        "--sim-overhead-ms",
+        type=float,
+        default=0.0,
+        help="with --sim-only: the sim engine's request_overhead_ms (a result's way back to its caller)",
+    )
     args = parser.parse_args(argv)
     if args.sim_slow <= 0:
         parser.error(f"--sim-slow must be > 0, got {args.sim_slow}")
-    if args.sim_slow != 1.0 and not args.sim_only:
-        parser.error("--sim-slow needs --sim-only: the simulator is checked against vLLM with equal replicas")
+    if args.sim_overhead_ms < 0:
+        parser.error(f"--sim-overhead-ms must be >= 0, got {args.sim_overhead_ms}")
+    if (args.sim_slow != 1.0 or args.sim_overhead_ms) and not args.sim_only:
+        parser.error("--sim-slow and --sim-overhead-ms need --sim-only: vLLM is checked against the plain simulator")
     if "least_inflight" not in args.policies:
         parser.error("--policies must include least_inflight: every ratio is to its run of the same round")
     console = Console(width=160)
@@ -308,12 +334,18 @@ def main(argv: Optional[list[str]] = None) -> None:
         return
     started = time.monotonic()
     sim_rows = [
-        {"round": r, "policy": p, **simulate(p, lengths(args.groups, r), r, args.late_slack, args.sim_slow)}
+        {
+            "round": r,
+            "policy": p,
+            **simulate(p, lengths(args.groups, r), r, args.late_slack, args.sim_slow, args.sim_overhead_ms),
+        }
         for r in range(args.rounds)
         for p in args.policies
     ]
     if args.sim_only:
-        console.print(f"simulator only; replica-1's steps x{args.sim_slow:g}")
+        console.print(
+            f"simulator only; replica-1's steps x{args.sim_slow:g}, {args.sim_overhead_ms:g} ms a result's way back"
+        )
         report(summarize([], sim_rows, args.groups), args, console)
         return
     import ray

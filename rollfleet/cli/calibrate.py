@@ -83,7 +83,7 @@ def header(config: RollfleetConfig, profile: Profile) -> str:
         f"Measured by `rollfleet calibrate` on {datetime.date.today().isoformat()}: engine "
         f"'{config.rollout.name}', model '{config.rollout.model}', {len(profile.measurements)} probes.\n"
         f"Fit: median |error| {statistics.median(errors):.0%}, max {max(errors):.0%}; per-request "
-        f"overhead outside the engine's steps {profile.constants['overhead_ms']:.1f} ms (not simulated)."
+        f"overhead outside the engine's steps {profile.constants['overhead_ms']:.1f} ms (not set here: rollout.sim.request_overhead_ms)."
     )
 
 

@@ -66,6 +66,14 @@ class SimEngineConfig(_Section):
     weight_load_ms: float = Field(
         0.0, ge=0, description="Simulated time a weight commit takes (ms): the engine generates nothing meanwhile."
     )
+    request_overhead_ms: float = Field(
+        0.0,
+        ge=0,
+        description="Time a finished request's result takes to reach its caller (ms): a real server's front "
+        "end and transport, which `rollfleet calibrate` measures as its per-request overhead (18.3 ms for "
+        "vLLM on CPU, vllm-cpu-tiny). The sequence's batch slot is free at once, so queued requests hide it; "
+        "a caller that refills a slot only when a result arrives (late binding) waits for it. 0: none.",
+    )
     max_steps_per_wake: int = Field(
         1,
         ge=1,

@@ -115,8 +115,11 @@ class RoutingConfig(_Section):
         ge=1,
         description="Late binding: a request that starts a new placement (not a session's next turn, not a "
         "sibling of a prompt prefix_affinity has placed) waits in the client until some replica has fewer "
-        "requests in flight than this; it then goes to the replica that freed up. About the engine's batch "
-        "slots (max_num_seqs) plus a few. None: every request is sent at once and engines queue them.",
+        "requests in flight than this; it then goes to the replica that freed up. The engine's batch slots "
+        "(max_num_seqs) plus the sequences a replica finishes during one dispatch round trip (a result back "
+        "to the client, the next request into the engine): fewer, and its engine runs short of sequences "
+        "(2 over 8 slots did on vLLM CPU replicas sharing 2 cores; 8 did not). None: every request is sent at "
+        "once and engines queue them.",
     )
     dispatch_order: Literal["fifo", "longest_group_first"] = Field(
         "fifo",

@@ -67,8 +67,9 @@ class Profile:
         return [self.predict_s(m.probe) / m.seconds - 1.0 for m in self.measurements]
 
     def sim_section(self) -> dict[str, float]:
-        """The ``rollout.sim`` keys this profile sets (the per-request overhead is the client's
-        and the HTTP hop's, not the engine's: reported, not simulated)."""
+        """The ``rollout.sim`` keys this profile sets. The per-request overhead (the client's and
+        the HTTP hop's, not the engine's steps) is reported, not set: measured on an idle machine,
+        it is not what a loaded one pays (``rollout.sim.request_overhead_ms`` takes a value)."""
         return {k: round(self.constants[k], 6) for k in TERMS if k != "overhead_ms"}
 
 

@@ -123,3 +123,42 @@ def test_fast_forward_is_the_same_engine_as_one_step_at_a_time(seed):
         assert fast["stats"][key] == stepped["stats"][key], key
     assert fast["stats"]["num_wakes"] * 2 < stepped["stats"]["num_wakes"]
     assert fast["stats"]["sim_busy_s"] == pytest.approx(stepped["stats"]["sim_busy_s"], rel=1e-9)
+
+
+def test_a_result_reaches_its_caller_request_overhead_ms_late_but_its_slot_is_free_at_once():
+    async def finish_times(overhead_ms: float) -> dict[str, float]:
+        cfg = SimEngineConfig(
+            vocab_size=500,
+            max_num_seqs=1,  # one slot: r1 waits for r0
+            step_base_ms=10.0,
+            prefill_per_token_ms=0.0,
+            request_overhead_ms=overhead_ms,
+            max_steps_per_wake=10_000,
+        )
+        engine = SimEngine(cfg)
+        await engine.start()
+        loop = asyncio.get_running_loop()
+        done: dict[str, float] = {}
+        params = {"max_tokens": 10, "ignore_eos": True}
+
+        async def plain(rid: str) -> None:
+            out = await engine.generate(rid, [5] * 16, {**params, "seed": 1})
+            assert len(out.token_ids) == 10
+            done[rid] = loop.time()
+
+        async def streamed(rid: str) -> None:
+            items = []
+            async for item in engine.generate_stream(rid, [6] * 16, {**params, "seed": 2}):
+                items.append(item)
+                done[rid] = loop.time()  # the last: the final output
+            assert len(items[-1].token_ids) == 10 and items[-1].stop_reason == "length"
+
+        await asyncio.gather(plain("r0"), streamed("r1"))
+        await engine.shutdown()
+        return done
+
+    none, late = virtual_time.run(finish_times(0.0)), virtual_time.run(finish_times(50.0))
+    assert none["r1"] > none["r0"] > 0
+    # each result arrives 50 ms late; r1 took r0's slot when r0 ended, not when r0's result arrived
+    assert late["r0"] - none["r0"] == pytest.approx(0.05)
+    assert late["r1"] - none["r1"] == pytest.approx(0.05)

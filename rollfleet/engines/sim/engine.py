@@ -129,7 +129,13 @@ class SimEngine(StepLoop, Engine):
             self._catch_up()
             self._finish(req, "aborted")
             raise
+        await self._deliver()
         return self._with_extras(out, kwargs)
+
+    async def _deliver(self) -> None:
+        """The way back to the caller (``request_overhead_ms``): the engine has freed the slot."""
+        if self.config.request_overhead_ms:
+            await asyncio.sleep(self.config.request_overhead_ms / 1000.0 / self.config.time_scale)
 
     async def generate_stream(
         self, request_id: str, prompt_ids: list[int], sampling_params: SamplingParams, **kwargs: Any
@@ -153,6 +159,7 @@ class SimEngine(StepLoop, Engine):
             self._finish(req, "aborted")
             raise
         out = req.future.result()
+        await self._deliver()
         if len(out.token_ids) > sent:  # sampled in the step that ended it
             yield TokenDelta(out.token_ids[sent:], (out.log_probs or [])[sent:], (out.token_versions or [])[sent:])
         yield self._with_extras(out, kwargs)
