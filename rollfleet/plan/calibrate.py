@@ -69,7 +69,7 @@ class Profile:
     def sim_section(self) -> dict[str, float]:
         """The ``rollout.sim`` keys this profile sets. The per-request overhead (the client's and
         the HTTP hop's, not the engine's steps) is reported, not set: measured on an idle machine,
-        it is not what a loaded one pays (``rollout.sim.request_overhead_ms`` takes a value)."""
+        it is not what a loaded one pays (set ``rollout.sim.request_overhead_ms`` to price one)."""
         return {k: round(self.constants[k], 6) for k in TERMS if k != "overhead_ms"}
 
 

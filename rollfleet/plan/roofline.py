@@ -17,7 +17,7 @@ step's messages are small (a few KB to about 1 MiB): such an all-reduce is laten
 reaches a small share of NVLink's peak; the two constants are fitted to vLLM's custom all-reduce
 on H100 at tp 2, 4 and 8 (published in SGLang's pull request 2904), which they give within 30%
 from 512 bytes to 1 MiB (beyond that, in decode batches over ``1 MiB / (2 x hidden)`` tokens, they
-overprice it). A prefill chunk's messages are megabytes, priced at 70% of NVLink's peak (assumed:
+probably overprice it: larger all-reduces reach more of the link; not checked). A prefill chunk's messages are megabytes, priced at 70% of NVLink's peak (assumed:
 what NCCL's large all-reduces reach, not measured here). Without ``layers`` and ``hidden`` the
 shape is estimated from the size.
 
@@ -81,7 +81,7 @@ def allreduce_us(
 def model_shape(params_b: float) -> tuple[int, int]:
     """(layers, hidden) of a dense transformer of ``params_b`` billion parameters, when nobody gave
     them: ``12 x layers x hidden^2`` parameters at ``hidden = 128 x layers`` (Llama-2-7B: 32 x 4,096;
-    Llama-70B: 80 x 8,192, where this gives 71 x 9,075: layers x hidden, what the all-reduces cost
+    Llama-70B: 80 x 8,192, where this gives 71 x 9,088: layers x hidden, what the all-reduces cost
     by, within 2%)."""
     layers = max(1, round((params_b * 1e9 / (12 * 128**2)) ** (1 / 3)))
     return layers, 128 * layers

@@ -28,9 +28,8 @@ def test_a_7b_model_on_one_h100_comes_out_at_the_published_numbers():
 
 def test_tensor_parallelism_splits_the_weights_the_flops_and_adds_memory():
     # without the all-reduces' cost, TP divides exactly
-    free_links = FREE_LINKS
-    one = engine_costs(70.0, accelerator("h100"), tp=4, **free_links)
-    two = engine_costs(70.0, accelerator("h100"), tp=8, **free_links)
+    one = engine_costs(70.0, accelerator("h100"), tp=4, **FREE_LINKS)
+    two = engine_costs(70.0, accelerator("h100"), tp=8, **FREE_LINKS)
     assert two["step_base_ms"] == pytest.approx(one["step_base_ms"] / 2)
     assert two["prefill_per_token_ms"] == pytest.approx(one["prefill_per_token_ms"] / 2, rel=1e-3)
     assert two["kv_capacity_tokens"] > 2 * one["kv_capacity_tokens"]  # the weights take less of each device
