@@ -228,7 +228,8 @@ async def on_vllm(args: argparse.Namespace, console: Console) -> list[dict[str, 
                     prefill = sum(d["queried"] - d["hit"] for d in delta)  # prompt tokens computed
                     ran, made = [d["steps"] for d in delta], [d["tokens"] for d in delta]
                     # what a request spent outside vLLM's own latency (with late binding, also held back)
-                    outside_ms = (took - sum(d["e2e_s"] for d in delta)) / sum(d["finished"] for d in delta) * 1e3
+                    finished = sum(d["finished"] for d in delta)  # 0: a vLLM without that histogram
+                    outside_ms = (took - sum(d["e2e_s"] for d in delta)) / finished * 1e3 if finished else float("nan")
                     await client.close()
                     rows.append({"round": r, "policy": policy, "makespan_s": wall, "computed_prompt_tokens": prefill,
                                  "steps_per_replica": ran, "tokens_per_replica": made,
