@@ -47,6 +47,8 @@ from rich.table import Table
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
+import vllm_metrics
+
 REQUESTS, TOKENS, IN_FLIGHT, SESSIONS, PREFIX = 256, 32, 64, 32, 200
 OUT = Path(__file__).with_name("gateway_vs_router.json")
 
@@ -123,31 +125,9 @@ def run_load(way: str, urls: list[str]) -> dict[str, float]:
     return result
 
 
-def _metric(url: str, names: list[str]) -> float:
-    """The sum of ``names`` in one replica's own (vLLM's) ``/metrics``."""
-    import httpx
-
-    from rollfleet.engines.http.metrics import parse_metrics
-
-    return sum(parse_metrics(httpx.get(f"{url}/metrics", timeout=10).text, names).values())
-
-
 def _served(urls: list[str]) -> list[float]:
     """Requests each replica has finished so far."""
-    return [_metric(url, ["vllm:request_success_total"]) for url in urls]
-
-
-def _settle(urls: list[str], quiet_s: float = 2.5, timeout_s: float = 60.0) -> None:
-    """Wait until no replica runs or queues a request, then ``quiet_s`` more: long enough for the
-    gateway's load reports (polled every second) to stop showing the previous way's requests, which
-    would otherwise count as another client's load when its sessions are first placed."""
-    names = ["vllm:num_requests_running", "vllm:num_requests_waiting"]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if sum(_metric(url, names) for url in urls) == 0:
-            break
-        time.sleep(0.2)
-    time.sleep(quiet_s)
+    return [vllm_metrics.total(url, ["vllm:request_success_total"]) for url in urls]
 
 
 def _cpu_s(pids: list[int]) -> float:
@@ -190,6 +170,7 @@ def _wait_http(url: str, timeout_s: float = 120.0) -> None:
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--out", type=Path, default=OUT, help="the JSON to write (default: the recorded run's)")
     args = parser.parse_args(argv)
     router_bin = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
     if not Path(router_bin).exists():
@@ -203,7 +184,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         results = uvloop.run(_run(router_bin, args.rounds, Console()))
     finally:
         ray.shutdown()
-    _report(results, Console())
+    _report(results, Console(), args.out)
 
 
 async def _run(router_bin: str, rounds: int, console: Console) -> dict[str, list[dict[str, float]]]:
@@ -245,7 +226,7 @@ async def _run(router_bin: str, rounds: int, console: Console) -> dict[str, list
         ]
         groups = {"vllm-router": [router.pid], "rollfleet gateway": [os.getpid(), *actors]}
         for way, targets in ways.items():  # warm-up: a round each (first forward passes are slow)
-            await asyncio.to_thread(_settle, urls)
+            await asyncio.to_thread(vllm_metrics.settle, urls)
             await asyncio.to_thread(run_load, way, targets)
         results: dict[str, list[dict[str, Any]]] = {w: [] for w in ways}
         order = list(ways)
@@ -253,7 +234,7 @@ async def _run(router_bin: str, rounds: int, console: Console) -> dict[str, list
             task = progress.add_task("rounds", total=rounds * len(order))
             for r in range(rounds):
                 for way in order[r % len(order) :] + order[: r % len(order)]:
-                    await asyncio.to_thread(_settle, urls)
+                    await asyncio.to_thread(vllm_metrics.settle, urls)
                     res = await asyncio.to_thread(measure, way, ways[way], urls, groups)
                     results[way].append(res)
                     progress.console.print(
@@ -272,7 +253,7 @@ async def _run(router_bin: str, rounds: int, console: Console) -> dict[str, list
         await manager.shutdown()
 
 
-def _report(results: dict[str, list[dict[str, Any]]], console: Console) -> None:
+def _report(results: dict[str, list[dict[str, Any]]], console: Console, out: Path = OUT) -> None:
     table = Table(title=f"{REQUESTS} completions x {TOKENS} tokens, {IN_FLIGHT} in flight, {SESSIONS} sessions")
     for col in ("way", "tokens/s (median)", "latency p50 / mean / p90 (medians)", "rounds (tokens/s)",
                 "split per round", "path CPU ms/request (less idle)"):  # fmt: skip
@@ -313,7 +294,7 @@ def _report(results: dict[str, list[dict[str, Any]]], console: Console) -> None:
                 f"mean latency x{statistics.median(means):.3f} median; "
                 f"at least as fast in {won} of {len(pairs)} rounds"
             )
-    OUT.write_text(json.dumps(summary, indent=2))
+    out.write_text(json.dumps(summary, indent=2))
 
 
 async def _start_gateway(manager: Any, port: int) -> Any:

@@ -59,7 +59,7 @@ from rich.table import Table
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
-from gateway_vs_router import _settle
+import vllm_metrics
 
 from rollfleet.config import RolloutConfig, RoutingConfig, SimEngineConfig
 from rollfleet.plan import VirtualFleet
@@ -173,13 +173,9 @@ COUNTERS = {
 
 def counters(urls: list[str]) -> list[dict[str, float]]:
     """Each replica's :data:`COUNTERS` now, from one read of its /metrics."""
-    import httpx
-
-    from rollfleet.engines.http.metrics import parse_metrics
-
     out = []
     for url in urls:
-        found = parse_metrics(httpx.get(f"{url}/metrics", timeout=10).text, COUNTERS.values())
+        found = vllm_metrics.read(url, COUNTERS.values())
         out.append({key: found.get(name, 0.0) for key, name in COUNTERS.items()})
     return out
 
@@ -212,7 +208,7 @@ async def on_vllm(args: argparse.Namespace, console: Console) -> list[dict[str, 
             for r in range(args.rounds):
                 lens = lengths(args.groups, r)
                 for policy in policies[r % len(policies) :] + policies[: r % len(policies)]:
-                    await asyncio.to_thread(_settle, urls, 1.0)
+                    await asyncio.to_thread(vllm_metrics.settle, urls, 1.0)
                     routed = config.rollout.model_copy(
                         update={"routing": routing(policy, config.rollout.routing, r, args.late_slack)}
                     )
