@@ -6,7 +6,8 @@ step a timer and a token at a time) and fast-forwarding (what ``rollfleet plan``
 to the next event at once, tokens produced when a request ends). The two must give the same plan;
 the ratio of their wall times is the speed-up. Then every mode for ``--full-steps`` steps with the
 fast-forward, timed, in one process and spread over ``--workers`` processes (as ``rollfleet plan``
-does by default): what a user waits for a plan of that size; the two must give the same plan.
+does by default, the longest runs started first), then spread again with the runs started in the
+order given: what a user waits for a plan of that size; all must give the same plan.
 
 Workload (a GRPO step of 128 prompts x 8 samples): 256-token prompts, log-normal responses (mean
 400 tokens, sigma 0.8) up to 2,048, the sim engine's 7B-class step costs, a learner of 1e-5 s per
@@ -55,10 +56,20 @@ def config(steps: int, steps_per_wake: int | None) -> RollfleetConfig:
     return fit_sim_to_model(load_config(None, overrides))
 
 
-def timed(spec: PlanSpec, workers: int = 1) -> tuple[float, list[ModeRun]]:
+def timed(
+    spec: PlanSpec, workers: int = 1, longest_first: bool = True
+) -> tuple[float, list[ModeRun], dict[str, float]]:
+    """The plan's wall time, its runs, and when each run finished (s from the start; in one
+    process, one after another, so the differences are each run's own wall time)."""
     start = time.perf_counter()
-    result = run_plan(spec, workers=workers)
-    return time.perf_counter() - start, result.runs
+    finished: dict[str, float] = {}
+    result = run_plan(
+        spec,
+        on_run=lambda r: finished.setdefault(r.mode, time.perf_counter() - start),
+        workers=workers,
+        longest_first=longest_first,
+    )
+    return time.perf_counter() - start, result.runs, finished
 
 
 def plan_numbers(run: ModeRun) -> tuple:
@@ -87,7 +98,7 @@ def main() -> None:
         spec = PlanSpec(
             config(args.steps, per_wake), gpus=args.gpus, modes=("sync",), seeds=(0,), output_dir="runs/plan_speed"
         )
-        wall, runs = timed(spec)
+        wall, runs, _ = timed(spec)
         side[label] = {"wall_s": wall, "wall_s_per_step": wall / args.steps, "run": asdict(runs[0])}
     slow, fast = side["one step at a time"], side["fast-forward"]
     same = plan_numbers(ModeRun(**slow["run"])) == plan_numbers(ModeRun(**fast["run"]))
@@ -113,13 +124,17 @@ def main() -> None:
         # The whole plan a user waits for: every mode, in this process, then spread over processes.
         modes = tuple(args.modes.split(","))
         full: dict[str, Any] = {}
-        for workers in sorted({1, args.workers}):
-            console.print(f"[bold]{', '.join(modes)}[/]: {args.full_steps} steps, {workers} worker(s) ...")
+        ways = [("1", 1, True)]
+        if args.workers > 1:  # the runs started longest first (the default), and in the order given
+            ways += [(str(args.workers), args.workers, True), (f"{args.workers}, in order", args.workers, False)]
+        for label, workers, longest_first in ways:
+            console.print(f"[bold]{', '.join(modes)}[/]: {args.full_steps} steps, {label} worker(s) ...")
             spec = PlanSpec(
                 config(args.full_steps, None), gpus=args.gpus, modes=modes, seeds=(0,), output_dir="runs/plan_speed"
             )
-            wall, runs = timed(spec, workers)
-            full[str(workers)] = {"wall_s": wall, "runs": [asdict(r) for r in runs]}
+            wall, runs, finished = timed(spec, workers, longest_first)
+            full[label] = {"wall_s": wall, "finished_s": finished, "runs": [asdict(r) for r in runs]}
+            console.print("  runs finished at " + ", ".join(f"{m} {s:.1f} s" for m, s in finished.items()))
         table = Table(
             title=f"rollfleet plan, every mode: {args.gpus} accelerators, {args.full_steps} steps, fast-forward"
         )
@@ -137,9 +152,15 @@ def main() -> None:
             "same_plan": all(p == plans[0] for p in plans),
             "speedup": full["1"]["wall_s"] / full[str(args.workers)]["wall_s"],
         }
+        if f"{args.workers}, in order" in full:
+            out["full"]["longest_first_speedup"] = (
+                full[f"{args.workers}, in order"]["wall_s"] / full[str(args.workers)]["wall_s"]
+            )
         console.print(
             f"{args.workers} workers: {out['full']['speedup']:.2f}x faster; same plan: {out['full']['same_plan']}"
         )
+        if "longest_first_speedup" in out["full"]:
+            console.print(f"longest runs first: {out['full']['longest_first_speedup']:.2f}x faster than in order")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(out, fh, indent=2)

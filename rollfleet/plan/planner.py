@@ -38,6 +38,14 @@ from rollfleet.utils import virtual_time
 
 MODES = ("sync", "colocate_async", "separate_async")
 
+#: About how long a run of each mode takes, relative to ``sync``: ``benchmarks/plan_speed.py``'s
+#: 128-accelerator workload, 100 steps, gave 57, 89 and 104 s (another run: 47, 85 and 105 s). The
+#: async modes generate more than they train on (groups dropped as stale, requests resumed after
+#: each sync). Spread over processes, the longest runs start first, so that none starts last on a
+#: worker that has already run another (longest-processing-time order); a mode not listed counts
+#: as the longest. Only the order matters.
+RELATIVE_RUN_COST = {"sync": 1.0, "colocate_async": 1.7, "separate_async": 2.0}
+
 
 def learner_seconds_per_token(
     params_b: float, gpus: int, tflops_per_gpu: float, mfu: float, flops_per_param_token: float = 6.0
@@ -242,14 +250,27 @@ def _fewer_collections(young: int = 50_000, middle: int = 20, old: int = 100) ->
         gc.set_threshold(*before)
 
 
-def run_plan(spec: PlanSpec, on_run: Optional[Callable[[ModeRun], None]] = None, workers: int = 1) -> PlanResult:
+def start_order(jobs: list[tuple[str, int]]) -> list[int]:
+    """The indices of ``jobs`` (mode, seed) in the order to start them on a pool of processes:
+    longest first by :data:`RELATIVE_RUN_COST` (a mode it does not list first of all), seeds of
+    one mode in their order."""
+    return sorted(range(len(jobs)), key=lambda i: -RELATIVE_RUN_COST.get(jobs[i][0], float("inf")))
+
+
+def run_plan(
+    spec: PlanSpec,
+    on_run: Optional[Callable[[ModeRun], None]] = None,
+    workers: int = 1,
+    longest_first: bool = True,
+) -> PlanResult:
     """Every mode on every seed, each on a fresh virtual-time loop (blocking).
 
     ``workers`` > 1 spreads the runs over that many processes: a plan is CPU-bound Python, one core
     each, and a 100-step plan of a large cluster runs minutes a mode. They are spawned (fresh
-    interpreters: nothing inherited from a caller holding Ray, threads or a loop). Every run is
-    deterministic, so the plan is the same either way, in the same order; ``on_run`` sees runs as
-    they finish."""
+    interpreters: nothing inherited from a caller holding Ray, threads or a loop), the longest first
+    (:data:`RELATIVE_RUN_COST`; ``longest_first=False`` starts them in the spec's order, which
+    ``benchmarks/plan_speed.py`` times beside it). Every run is deterministic, so the plan is the
+    same either way, in the same order; ``on_run`` sees runs as they finish."""
     jobs = [(mode, seed) for mode in spec.modes for seed in spec.seeds]
     runs: list[Optional[ModeRun]] = [None] * len(jobs)
 
@@ -264,7 +285,8 @@ def run_plan(spec: PlanSpec, on_run: Optional[Callable[[ModeRun], None]] = None,
     else:
         pool = ProcessPoolExecutor(min(workers, len(jobs)), mp_context=multiprocessing.get_context("spawn"))
         try:
-            futures = {pool.submit(_run_one, spec, mode, seed): i for i, (mode, seed) in enumerate(jobs)}
+            order = start_order(jobs) if longest_first else range(len(jobs))
+            futures = {pool.submit(_run_one, spec, *jobs[i]): i for i in order}
             for future in as_completed(futures):
                 finished(futures[future], future.result())
         finally:  # a failed run fails the plan at once: the runs not started are dropped
@@ -331,8 +353,10 @@ __all__ = [
     "PlanResult",
     "ModeRun",
     "MODES",
+    "RELATIVE_RUN_COST",
     "learner_seconds_per_token",
     "run_plan",
     "run_mode",
+    "start_order",
     "write_plan",
 ]
