@@ -17,9 +17,10 @@ step's messages are small (a few KB to about 1 MiB): such an all-reduce is laten
 reaches a small share of NVLink's peak; the two constants are fitted to vLLM's custom all-reduce
 on H100 at tp 2, 4 and 8 (published in SGLang's pull request 2904), which they give within 30%
 from 512 bytes to 1 MiB (beyond that, in decode batches over ``1 MiB / (2 x hidden)`` tokens, they
-probably overprice it: larger all-reduces reach more of the link; not checked). A prefill chunk's messages are megabytes, priced at 70% of NVLink's peak (assumed:
-what NCCL's large all-reduces reach, not measured here). Without ``layers`` and ``hidden`` the
-shape is estimated from the size.
+probably overprice it: larger all-reduces reach more of the link; not checked). A prefill
+chunk's messages are megabytes, priced at 70% of NVLink's peak (assumed: what NCCL's large
+all-reduces reach, not measured here). Without ``layers`` and ``hidden`` the shape is estimated
+from the size.
 
 Not modelled: attention FLOPs in prefill (quadratic in the prompt), CUDA graphs (which shave some
 of the all-reduce latency), and the per-sequence cost (sampling, scheduling), which is a constant
