@@ -297,7 +297,13 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
-                {"summary": summary, "runs": [asdict(r) | {"vs_bound": r.vs_bound} for r in results]}, f, indent=2
+                {
+                    "args": {k: v for k, v in vars(args).items() if k != "json"},
+                    "summary": summary,
+                    "runs": [asdict(r) | {"vs_bound": r.vs_bound} for r in results],
+                },
+                f,
+                indent=2,
             )
 
 
