@@ -19,8 +19,10 @@ The load generator is a separate process (httpx), the same for all three; a requ
 connection the server had just closed is sent once more (counted). Every process shares the
 machine's cores with vLLM: on 2 cores that is the point.
 
-Run: ``python benchmarks/gateway_vs_router.py [--rounds 6]`` (or ``python benchmarks/gateway.py
---engine vllm --vs vllm-router``); writes ``benchmarks/gateway_vs_router.json``.
+Run: ``python benchmarks/gateway_vs_router.py [--rounds 6] [--max-num-seqs 128]`` (or ``python
+benchmarks/gateway.py --engine vllm --vs vllm-router``); writes ``benchmarks/gateway_vs_router.json``
+(``--out`` elsewhere), with the setup it ran under. ``--max-num-seqs`` bounds every server's batch:
+vLLM then holds what exceeds it, in arrival order, whichever way the requests came.
 """
 
 from __future__ import annotations
@@ -171,6 +173,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--out", type=Path, default=OUT, help="the JSON to write (default: the recorded run's)")
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=128, help="each vLLM server's batch: fewer queue the rest inside vLLM"
+    )
     args = parser.parse_args(argv)
     router_bin = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
     if not Path(router_bin).exists():
@@ -181,13 +186,15 @@ def main(argv: Optional[list[str]] = None) -> None:
     try:  # the gateway's loop is uvloop's, as under `rollfleet serve`
         import uvloop
 
-        results = uvloop.run(_run(router_bin, args.rounds, Console()))
+        results = uvloop.run(_run(router_bin, args.rounds, Console(), args.max_num_seqs))
     finally:
         ray.shutdown()
-    _report(results, Console(), args.out)
+    _report(results, Console(), args.out, {"max_num_seqs": args.max_num_seqs, "rounds": args.rounds})
 
 
-async def _run(router_bin: str, rounds: int, console: Console) -> dict[str, list[dict[str, float]]]:
+async def _run(
+    router_bin: str, rounds: int, console: Console, max_num_seqs: int = 128
+) -> dict[str, list[dict[str, float]]]:
     from rollfleet.config import RollfleetConfig
     from rollfleet.manager import LLMServerManager
 
@@ -200,7 +207,7 @@ async def _run(router_bin: str, rounds: int, console: Console) -> dict[str, list
                 "prompt_length": 512,
                 "response_length": TOKENS,
                 "max_model_len": 1024,
-                "vllm": {"max_num_seqs": 128, "listen": "tcp"},  # vllm-router and the direct way call the servers
+                "vllm": {"max_num_seqs": max_num_seqs, "listen": "tcp"},  # vllm-router and direct call them too
             },
         }
     )
@@ -253,12 +260,14 @@ async def _run(router_bin: str, rounds: int, console: Console) -> dict[str, list
         await manager.shutdown()
 
 
-def _report(results: dict[str, list[dict[str, Any]]], console: Console, out: Path = OUT) -> None:
+def _report(
+    results: dict[str, list[dict[str, Any]]], console: Console, out: Path = OUT, setup: Optional[dict[str, Any]] = None
+) -> None:
     table = Table(title=f"{REQUESTS} completions x {TOKENS} tokens, {IN_FLIGHT} in flight, {SESSIONS} sessions")
     for col in ("way", "tokens/s (median)", "latency p50 / mean / p90 (medians)", "rounds (tokens/s)",
                 "split per round", "path CPU ms/request (less idle)"):  # fmt: skip
         table.add_column(col)
-    summary = {}
+    summary: dict[str, Any] = {"setup": setup or {}}
     for way, rows in results.items():
         tps = statistics.median(r["tokens_per_s"] for r in rows)
         p50 = statistics.median(r["p50_s"] for r in rows)
