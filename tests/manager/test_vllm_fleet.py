@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.ray]
 #: learned positions): room for a generation long enough that a weight update sent while it runs
 #: reaches it mid-way, however loaded the machine.
 MAX_MODEL_LEN = 12288
-#: 16 of these run 30-80 s here; the update is sent 3-27 s in (the servers' API loops answer the
+#: 16 of these run 16-80 s here; the update is sent 3-27 s in (the servers' API loops answer the
 #: probes late on shared cores). A try the update missed is followed by one twice, then three times
 #: as long (12,000: the positions allow it), under a timeout of its own.
 LONG = 4000
