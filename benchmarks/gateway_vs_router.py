@@ -192,9 +192,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     _report(results, Console(), args.out, {"max_num_seqs": args.max_num_seqs, "rounds": args.rounds})
 
 
-async def _run(
-    router_bin: str, rounds: int, console: Console, max_num_seqs: int = 128
-) -> dict[str, list[dict[str, float]]]:
+async def _run(router_bin: str, rounds: int, console: Console, max_num_seqs: int) -> dict[str, list[dict[str, float]]]:
     from rollfleet.config import RollfleetConfig
     from rollfleet.manager import LLMServerManager
 
