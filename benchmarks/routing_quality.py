@@ -30,8 +30,8 @@ Policies: every registered one without late binding; ``prefix_affinity/late``, t
 binding (``routing.max_inflight_per_replica`` = batch slots + ``--late-slack``, FIFO);
 ``prefix_affinity/longest``, late binding with ``routing.dispatch_order: longest_group_first`` (a
 probe sample of each prompt first, then the siblings of the groups whose probe ran longest).
-``--prefix-cache-blocks`` sets each engine's prefix cache (a sibling held back long enough finds
-its prompt evicted and prefills it again).
+Each engine caches in its free KV blocks, as vLLM does (a sibling held back long enough finds its
+prompt evicted and prefills it again); ``--prefix-cache-blocks`` bounds the free blocks it keeps.
 
 Each (workload, policy) runs once per seed (``--seeds``, default 0 1 2: the seed draws the
 prompts and response lengths and seeds the policies); the table shows the mean and, for the
@@ -240,7 +240,10 @@ def main() -> None:
         "--dispatch-lookahead", type=float, default=RoutingConfig().dispatch_lookahead, help="for /longest"
     )
     parser.add_argument(
-        "--prefix-cache-blocks", type=int, default=SimEngineConfig().prefix_cache_blocks, help="each engine's"
+        "--prefix-cache-blocks",
+        type=int,
+        default=SimEngineConfig().prefix_cache_blocks,
+        help="most free blocks each engine's prefix cache keeps (default: all its free KV blocks)",
     )
     parser.add_argument("--workloads", nargs="*", choices=list(WORKLOADS), default=list(WORKLOADS))
     parser.add_argument("--policies", nargs="*", choices=POLICIES, default=list(POLICIES))

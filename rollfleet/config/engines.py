@@ -34,8 +34,12 @@ class SimEngineConfig(_Section):
     )
     kv_capacity_tokens: int = Field(110_000, ge=16, description="KV-cache capacity in tokens.")
     block_size: int = Field(16, ge=1, description="Tokens per KV block (unit of prefix caching).")
-    prefix_cache_blocks: int = Field(
-        4096, ge=0, description="Bound of the prefix cache (LRU over token blocks); 0 disables it."
+    prefix_cache_blocks: Optional[int] = Field(
+        None,
+        ge=0,
+        description="Most cached blocks no running request holds (an LRU over token blocks). None: as many "
+        "as the KV cache has free, as in vLLM, whose cached blocks are its free ones (a block is evicted "
+        "when a new one is needed); a number bounds them further; 0 disables the prefix cache.",
     )
     max_num_seqs: int = Field(256, ge=1, description="Most sequences in one running batch.")
     cache_on_prefill: bool = Field(

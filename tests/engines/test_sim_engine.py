@@ -66,6 +66,41 @@ async def test_prefix_cache_is_bounded():
     await eng.shutdown()
 
 
+async def test_prefix_cache_holds_the_free_kv_blocks_and_evicts_a_prompt_last():
+    """As vLLM: cached blocks are the free ones, so a request that takes KV evicts them; a finished
+    request's blocks are freed tail first, so its prompt (what siblings and next turns share) goes
+    last. 64 blocks of KV; ``a`` leaves 40 cached; ``b`` takes 51, leaving room for 13."""
+    eng = await started(block_size=16, kv_capacity_tokens=64 * 16)
+    prompt_a = list(range(1, 641))  # 40 blocks
+    await eng.generate("a", prompt_a, {"max_tokens": 2, "ignore_eos": True})
+    assert len(eng._prefix_cache) == 40
+    await eng.generate("b", list(range(100, 900)), {"max_tokens": 10, "ignore_eos": True})
+    before = eng.stats()["prefix_cache_hit_tokens"]
+    await eng.generate("a2", prompt_a + [5], {"max_tokens": 1})
+    assert eng.stats()["prefix_cache_hit_tokens"] - before == 13 * 16  # a's first 13 blocks
+    await eng.shutdown()
+
+
+async def test_a_running_request_keeps_its_prompt_cached_under_any_pressure():
+    """A block a running request holds is shared with later requests and never evicted, however
+    small the bound on the free ones: the 8th sibling of a group finds the prompt the first one
+    prefilled while it still runs."""
+    eng = await started(block_size=16, prefix_cache_blocks=4, cache_on_prefill=True)
+    prompt = list(range(1, 321))  # 20 blocks
+    first = asyncio.create_task(eng.generate("first", prompt, {"max_tokens": 3000, "ignore_eos": True}))
+    while eng.stats()["prompt_tokens"] == 0:
+        await asyncio.sleep(0.001)
+    for i in range(3):  # others finish and insert their blocks: the free LRU keeps 4 of them
+        await eng.generate(f"other{i}", list(range(400 + 50 * i, 700 + 50 * i)), {"max_tokens": 2, "ignore_eos": True})
+    assert len(eng._prefix_cache) == 4 and not first.done()
+    before = eng.stats()["prefix_cache_hit_tokens"]
+    await eng.generate("sibling", prompt, {"max_tokens": 1, "ignore_eos": True})
+    assert eng.stats()["prefix_cache_hit_tokens"] - before == 320
+    await eng.abort("first")
+    assert (await first).stop_reason == "aborted"
+    await eng.shutdown()
+
+
 async def test_cached_prefill_is_faster_in_simulated_time():
     eng = await started(block_size=16, prefill_per_token_ms=1.0)
     prompt = list(range(1, 900))

@@ -12,13 +12,16 @@ It is a discrete-time model of a continuous-batching engine (vLLM-like), run on 
   next one that may change the batch at one wake and produces their tokens when a request leaves
   the batch; the results are those of one step at a time (tests compare them), far cheaper to
   compute: what ``rollfleet plan`` runs.
-* **Prefix cache.** A bounded LRU over full KV blocks, keyed by a chained hash of the block's
-  tokens (as vLLM's automatic prefix caching does). A request's prefill only pays for the tokens
-  after its longest cached prefix, so the cache really decides the cost of the next turn of a
-  session: route a session elsewhere and it pays the whole prefill again. Finished (and aborted)
-  requests insert their blocks; with ``cache_on_prefill`` a request's prompt blocks go in once it
-  is prefilled (as in vLLM: GRPO siblings and sessions that run at once share their prompt). A
-  weight update or ``clear_kv_cache`` empties it.
+* **Prefix cache.** Full KV blocks keyed by a chained hash of the block's tokens (as vLLM's
+  automatic prefix caching does). A request's prefill only pays for the tokens after its longest
+  cached prefix, so the cache really decides the cost of the next turn of a session: route a
+  session elsewhere and it pays the whole prefill again. As in vLLM, cached blocks are the KV
+  cache's free ones: a block a running request holds is shared with every later request with
+  that prefix and never evicted; a finished (or aborted) request frees its blocks tail first into
+  an LRU, and a block is evicted when KV is taken for another (``prefix_cache_blocks`` can bound
+  the free ones further). Finished requests insert their blocks; with ``cache_on_prefill`` a
+  request's prompt blocks are shared once it is prefilled (as in vLLM: GRPO siblings and sessions
+  that run at once share their prompt). A weight update or ``clear_kv_cache`` empties it.
 * **KV capacity and preemption.** Running sequences hold ``ceil(tokens / block_size)`` blocks of
   ``kv_capacity_tokens``. When a sequence needs a block and none is free, the most recently
   admitted sequence is preempted (recompute mode: its blocks are freed, it goes back to the head
@@ -34,8 +37,8 @@ It is a discrete-time model of a continuous-batching engine (vLLM-like), run on 
   (agent-loop tests use it to make tool calls appear).
 
 What was traded away: no chunked prefill, no speculative decoding, one token per step for every
-sequence, and the prefix cache is accounted apart from KV capacity (it models cached blocks that
-stay in free memory).
+sequence, and a running request holds KV blocks for its whole context even where it shares a
+cached prefix with another (vLLM holds shared blocks once).
 """
 
 from rollfleet.engines.sim.cost import StepCost

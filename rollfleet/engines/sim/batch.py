@@ -13,10 +13,11 @@ import math
 import random
 import zlib
 from array import array
-from collections import OrderedDict, deque
+from collections import deque
 from typing import Any, Optional, Sequence
 
 from rollfleet.config import SimEngineConfig
+from rollfleet.engines.sim.prefix import PrefixCache
 from rollfleet.engines.sim.tokens import _mix, next_token, tokens
 from rollfleet.types import StopReason, TokenOutput
 
@@ -68,6 +69,7 @@ class _Request:
         "pending",
         "end_at",
         "hashes",
+        "cache_hold",
     )
 
     def __init__(self, request_id: str, prompt_ids: list[int], max_tokens: int) -> None:
@@ -94,6 +96,7 @@ class _Request:
         self.pending = 0
         self.end_at = 0  # tokens it has when it ends at the latest (0: any step may end it)
         self.hashes: list[int] = []  # of its context's full blocks so far (its context only grows)
+        self.cache_hold = (0, 0)  # what the prefix cache holds for it while it runs (PrefixCache.hold)
 
     @property
     def context_len(self) -> int:
@@ -115,7 +118,7 @@ class BatchModel:
     _requests: dict[str, _Request]
     _waiting: deque[_Request]
     _running: list[_Request]
-    _prefix_cache: OrderedDict[int, None]
+    _prefix_cache: PrefixCache
     _admit_counter: int
     _stats: dict[str, Any]
     _version_label: Optional[int]
@@ -165,6 +168,9 @@ class BatchModel:
     def _release(self, req: _Request) -> None:
         self._kv_blocks_free += req.blocks
         req.blocks = 0
+        if req.cache_hold[0]:
+            self._prefix_cache.release(req.hashes, req.cache_hold, self._kv_blocks_free)
+            req.cache_hold = (0, 0)
 
     def _finish(self, req: _Request, reason: StopReason) -> None:
         if self._requests.pop(req.request_id, None) is None:
@@ -209,26 +215,11 @@ class BatchModel:
             hashes.append(h)
         return hashes
 
-    def _cached_prefix_tokens(self, hashes: list[int]) -> int:
-        if self.config.prefix_cache_blocks == 0:
-            return 0
-        hits = 0
-        for h in hashes:
-            if h not in self._prefix_cache:
-                break
-            self._prefix_cache.move_to_end(h)
-            hits += 1
-        return hits * self.config.block_size
-
     def _insert_prefix(self, hashes: list[int]) -> None:
-        cap = self.config.prefix_cache_blocks
-        if cap == 0:
-            return
-        for h in hashes:
-            self._prefix_cache[h] = None
-            self._prefix_cache.move_to_end(h)
-        while len(self._prefix_cache) > cap:
-            self._prefix_cache.popitem(last=False)
+        self._prefix_cache.insert(hashes, self._kv_blocks_free)
+
+    def _evict(self) -> None:
+        self._prefix_cache.evict(self._kv_blocks_free)
 
     def _blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.config.block_size)
@@ -250,7 +241,7 @@ class BatchModel:
             self._kv_blocks_free -= need
             context = req.prompt_ids + req.generated
             hashes = self._hashes_of(req)
-            cached = self._cached_prefix_tokens(hashes)
+            cached = self._prefix_cache.hit_blocks(hashes) * self.config.block_size
             self._stats["prefix_cache_query_tokens"] += len(context)
             self._stats["prefix_cache_hit_tokens"] += cached
             if not req.prefilled:
@@ -258,7 +249,8 @@ class BatchModel:
             req.prefilled = True
             prefill += len(context) - cached
             if self.config.cache_on_prefill:  # its blocks are computed now: later requests reuse them
-                self._insert_prefix(hashes)
+                req.cache_hold = self._prefix_cache.hold(hashes)
+            self._evict()  # after the lookup, as vLLM takes the blocks it hit before allocating
             self._admit_counter += 1
             req.admitted_seq = self._admit_counter
             self._running.append(req)
@@ -350,6 +342,7 @@ class BatchModel:
                     continue
                 req.blocks += 1
                 self._kv_blocks_free -= 1
+                self._evict()
             tok, lp = self._next_token(req)
             req.generated.append(tok)
             req.log_probs.append(lp)

@@ -14,13 +14,14 @@ import os
 import random
 import tempfile
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from typing import Any, AsyncIterator, Callable, Optional, Sequence, Union
 
 from rollfleet.config import RolloutConfig, SimEngineConfig
 from rollfleet.engines.base import CommitMode, Engine, EngineHealth, EngineLimits, EngineLoad
 from rollfleet.engines.sim.batch import _fingerprint, _Request
 from rollfleet.engines.sim.cost import StepCost
+from rollfleet.engines.sim.prefix import PrefixCache
 from rollfleet.engines.sim.steps import StepLoop, _Run
 from rollfleet.engines.sim.tokens import _mix
 from rollfleet.errors import EngineDead, NotSupported
@@ -48,7 +49,7 @@ class SimEngine(StepLoop, Engine):
         self._requests: dict[str, _Request] = {}
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
-        self._prefix_cache: OrderedDict[int, None] = OrderedDict()
+        self._prefix_cache = PrefixCache(config.prefix_cache_blocks)
         self._weights_seed = _mix(config.seed, 0)
         self._num_updates = 0
         self._weights_fp = 0  # the fingerprint of the weights last loaded (0: the boot weights)

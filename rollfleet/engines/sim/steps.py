@@ -29,7 +29,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from rollfleet.engines.sim.batch import BatchModel
+from rollfleet.engines.sim.batch import BatchModel, _Request
 from rollfleet.engines.sim.cost import StepCost
 from rollfleet.errors import EngineDead
 
@@ -196,20 +196,29 @@ class StepLoop(BatchModel):
 
     def _advance(self, steps: int) -> None:
         """``steps`` steps of a fast-forward: every running sequence counts its tokens and takes
-        the KV blocks they fill (free: checked when planned); a sequence ends at its planned end."""
+        the KV blocks they fill (free: checked when planned); a sequence ends at its planned end.
+        The last step runs sequence by sequence, as one step at a time would: a sequence that ends
+        frees its blocks to the prefix cache before the next takes one (which may evict)."""
         running = list(self._running)
         self._stats["generation_tokens"] += steps * len(running)
+        if steps > 1:
+            for req in running:
+                self._take_blocks(req, steps - 1)
         for req in running:
-            req.pending += steps
-            need = self._blocks_for(req.context_len)
-            if need > req.blocks:
-                self._kv_blocks_free -= need - req.blocks
-                req.blocks = need
+            self._take_blocks(req, 1)
             if len(req.generated) + req.pending >= req.end_at:
                 self._materialize(req)
                 reason = self._stop_reason(req, req.generated[-1])
                 if reason is not None:
                     self._finish(req, reason)
+
+    def _take_blocks(self, req: _Request, steps: int) -> None:
+        req.pending += steps
+        need = self._blocks_for(req.context_len)
+        if need > req.blocks:
+            self._kv_blocks_free -= need - req.blocks
+            req.blocks = need
+            self._evict()
 
     def _catch_up(self, interrupt: bool = True) -> None:
         """Settle the steps of a fast-forward that ended by now, before something reads or changes
