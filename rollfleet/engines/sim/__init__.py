@@ -19,9 +19,9 @@ It is a discrete-time model of a continuous-batching engine (vLLM-like), run on 
   cache's free ones: a block a running request holds is shared with every later request with
   that prefix and never evicted; a finished (or aborted) request frees its blocks tail first into
   an LRU, and a block is evicted when KV is taken for another (``prefix_cache_blocks`` can bound
-  the free ones further). Finished requests insert their blocks; with ``cache_on_prefill`` a
-  request's prompt blocks are shared once it is prefilled (as in vLLM: GRPO siblings and sessions
-  that run at once share their prompt). A weight update or ``clear_kv_cache`` empties it.
+  the free ones further). With ``cache_on_prefill`` a request's prompt blocks are shared once it
+  is prefilled (as in vLLM: GRPO siblings and sessions that run at once share their prompt);
+  without it, only once it ends. A weight update or ``clear_kv_cache`` empties it.
 * **KV capacity and preemption.** Running sequences hold ``ceil(tokens / block_size)`` blocks of
   ``kv_capacity_tokens``. When a sequence needs a block and none is free, the most recently
   admitted sequence is preempted (recompute mode: its blocks are freed, it goes back to the head
