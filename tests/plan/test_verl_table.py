@@ -1,0 +1,68 @@
+"""The plans of verl's fully-async table: the learner fitted to verl's columns, priced as fitted."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rollfleet.plan.verl_table import (
+    ASYNC_LOCAL_STEPS,
+    VERL_ROWS,
+    Assumed,
+    LearnerFit,
+    fit_learner,
+    learner_fits,
+    row_specs,
+)
+from rollfleet.trainer.config import TrainConfig
+from rollfleet.trainer.sim_learner import SimulatedLearner
+
+pytestmark = pytest.mark.unit
+
+
+def test_the_fit_recovers_a_fixed_and_a_splitting_cost():
+    exact = LearnerFit(a=40.0, b=6000.0)
+    fit = fit_learner([16, 32, 64], [exact.seconds(g) for g in (16, 32, 64)])
+    assert fit.a == pytest.approx(40.0) and fit.b == pytest.approx(6000.0)
+    with pytest.raises(ValueError, match="two different"):
+        fit_learner([32, 32], [10.0, 12.0])
+
+
+def test_verl_rows_add_up_and_the_fits_follow_its_columns():
+    speedups = [round(r.speedup, 2) for r in VERL_ROWS]
+    assert speedups == [2.68, 1.93, 2.37]
+    assert [round(100 * r.trainer_idle) for r in VERL_ROWS] == [7, 15, 22]
+    fits = learner_fits()
+    for row in VERL_ROWS:  # two constants over three rows: async within 10% of each, sync within 25%
+        assert fits["separate_async"].seconds(row.gpus / 2) == pytest.approx(row.async_update, rel=0.1)
+        assert fits["sync"].seconds(row.gpus) == pytest.approx(row.sync_update + row.sync_old_log_prob, rel=0.25)
+
+
+@pytest.mark.parametrize("scale", [0.25, 0.5])
+def test_a_step_of_the_mean_length_costs_the_fitted_seconds_at_any_scale(scale):
+    """The plan's learner charges a + b / GPUs for a 512-prompt step of the assumed mean length,
+    whatever fraction of verl's cluster it runs (the async one over its four local steps, on half
+    the accelerators)."""
+    assumed = Assumed(prompt_tokens=256, mean_response_tokens=1000)
+    row = VERL_ROWS[1]
+    fits = learner_fits()
+    specs = row_specs(row, assumed, scale=scale, fits=fits)
+    sample = assumed.prompt_tokens + int(assumed.mean_response_tokens)
+    for mode, spec in specs.items():
+        local_steps = 1 if mode == "sync" else ASYNC_LOCAL_STEPS
+        train = TrainConfig.model_validate(spec.config_for(mode, 0).trainer.model_dump())
+        samples = train.train_batch_size * 16
+        assert samples == 512 * 16 * scale / local_steps
+        batch = SimpleNamespace(attention_mask=torch.ones(samples, sample))
+        seconds, _ = SimulatedLearner(train.sim_learner).step(batch)
+        gpus = row.gpus if mode == "sync" else row.gpus / 2
+        assert seconds * local_steps == pytest.approx(fits[mode].seconds(gpus), rel=1e-6)
+        replicas, _ = spec.share_of(mode)
+        assert replicas == (row.gpus * scale // 4 if mode == "sync" else row.gpus * scale // 8)
+
+
+def test_a_scale_too_small_for_two_replicas_is_refused():
+    with pytest.raises(ValueError, match="too few"):
+        row_specs(VERL_ROWS[0], scale=0.125)
