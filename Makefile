@@ -39,7 +39,7 @@ simulate: install
 plan: install
 	$(PY) -m rollfleet.cli.main plan --config configs/plan.yaml --gpus 4 --warmup-steps 2 --out runs/plan
 
-# verl's fully-async table beside rollfleet's plan of it (six plans, a few minutes on two cores).
+# verl's fully-async table beside rollfleet's plan of it (twelve plans, under 5 minutes on two cores).
 verl-table: install
 	$(PY) benchmarks/verl_fully_async.py --json runs/verl_fully_async.json --png runs/verl_fully_async.png
 
