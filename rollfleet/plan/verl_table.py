@@ -9,9 +9,10 @@ both (the async trainer syncs weights after 4 local steps of 4 x 32 prompts; its
 :func:`row_specs` builds the two plans of one row, sync and ``separate_async``, from three kinds
 of input, kept apart so that a reader can tell what the prediction rests on:
 
-* **verl's setup** (from its scripts): the model's shape, H20s, rollout tensor parallelism 4,
-  512 x 16 samples, 28K-token responses, the async row's batches, sync interval, staleness
-  threshold and partial rollout;
+* **verl's setup** (from its scripts and rollouter): the model's shape, H20s, rollout tensor
+  parallelism 4, 512 x 16 samples, 28K-token responses, the async row's batches, sync interval,
+  staleness threshold and partial rollout, 16 prompts in flight per server and at most
+  (1 + staleness) x a sync's prompts finished ahead of the trainer;
 * **the learner, fitted to verl's own training columns**: a learner step costs ``a + b / gpus``
   (``b`` the work that splits over accelerators, ``a`` what does not: optimizer steps, collectives,
   the slowest micro-batch), fitted by least squares over the three rows, once for the colocated
@@ -144,8 +145,12 @@ def row_specs(
     512-prompt steps each (the first left out). An async plan's step is one local step (a
     quarter of verl's): multiply its step time by :data:`ASYNC_LOCAL_STEPS`."""
     gpus = round(row.gpus * scale)
-    if gpus < 2 * TP or round(PROMPTS * scale) % ASYNC_LOCAL_STEPS:
+    if gpus < 2 * TP:
         raise ValueError(f"scale {scale}: {row.gpus} accelerators become {gpus}, too few for two tp={TP} halves")
+    if round(PROMPTS * scale) % ASYNC_LOCAL_STEPS:
+        raise ValueError(
+            f"scale {scale}: {PROMPTS} prompts become {round(PROMPTS * scale)}, not {ASYNC_LOCAL_STEPS} equal local steps"
+        )
     fits = fits or learner_fits()
     device = accelerator("h20")
     costs = engine_costs(PARAMS_B, device, tp=TP, kv_bytes_per_token=KV_BYTES_PER_TOKEN, layers=LAYERS, hidden=HIDDEN)

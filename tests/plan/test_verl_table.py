@@ -63,6 +63,8 @@ def test_a_step_of_the_mean_length_costs_the_fitted_seconds_at_any_scale(scale):
         assert replicas == (row.gpus * scale // 4 if mode == "sync" else row.gpus * scale // 8)
 
 
-def test_a_scale_too_small_for_two_replicas_is_refused():
+def test_a_scale_too_small_for_two_replicas_or_uneven_local_steps_is_refused():
     with pytest.raises(ValueError, match="too few"):
         row_specs(VERL_ROWS[0], scale=0.125)
+    with pytest.raises(ValueError, match="local steps"):
+        row_specs(VERL_ROWS[2], scale=0.2)  # 102 prompts
