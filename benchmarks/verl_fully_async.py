@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import statistics
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from typing import Any
 
@@ -36,7 +37,7 @@ def _plan(spec: PlanSpec) -> list[ModeRun]:
 
 
 def _mean(runs: list[ModeRun], key: str) -> float:
-    return sum(getattr(r, key) for r in runs) / len(runs)
+    return statistics.fmean(getattr(r, key) for r in runs)
 
 
 def main() -> None:
@@ -85,6 +86,7 @@ def main() -> None:
         async_step = _mean(asyn, "step_s") * ASYNC_LOCAL_STEPS
         speedup = sync_step / async_step
         idle = _mean(asyn, "trainer_idle")
+        speedup_error = speedup / row.speedup - 1
         rows.append(
             {
                 "gpus": row.gpus,
@@ -106,12 +108,11 @@ def main() -> None:
                     "staleness_mean": _mean(asyn, "staleness_mean"),
                     "dropped_groups": sum(r.dropped_groups for r in asyn),
                 },
-                "speedup_error": speedup / row.speedup - 1,
+                "speedup_error": speedup_error,
                 "idle_error_points": 100 * (idle - row.trainer_idle),
+                "within": abs(speedup_error) <= SPEEDUP_TOLERANCE and abs(idle - row.trainer_idle) <= IDLE_TOLERANCE,
             }
         )
-        r = rows[-1]
-        r["within"] = abs(r["speedup_error"]) <= SPEEDUP_TOLERANCE and abs(idle - row.trainer_idle) <= IDLE_TOLERANCE
 
     table = Table(
         title=f"verl's fully-async table (H20, Qwen2.5-Math-7B) beside rollfleet's plan "

@@ -99,7 +99,8 @@ class LearnerFit:
 
 
 def fit_learner(gpus: list[float], seconds: list[float]) -> LearnerFit:
-    """Least squares of ``a + b / gpus`` through (gpus, seconds); both constants kept >= 0."""
+    """Least squares of ``a + b / gpus`` through (gpus, seconds), both constants >= 0: a constant
+    that would come out negative is 0 and the other is fitted alone."""
     if len(gpus) != len(seconds) or len(gpus) < 2 or min(gpus) <= 0:
         raise ValueError("fit_learner needs two or more (gpus > 0, seconds) points")
     xs = [1.0 / g for g in gpus]
@@ -108,8 +109,9 @@ def fit_learner(gpus: list[float], seconds: list[float]) -> LearnerFit:
     if sxx == 0:
         raise ValueError("fit_learner needs two different accelerator counts")
     b = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, seconds)) / sxx)
-    a = max(0.0, my - b * mx)
-    return LearnerFit(a, b)
+    if my - b * mx < 0:  # through the origin: b alone
+        return LearnerFit(0.0, sum(x * y for x, y in zip(xs, seconds)) / sum(x * x for x in xs))
+    return LearnerFit(my - b * mx, b)
 
 
 def learner_fits(rows: tuple[VerlRow, ...] = VERL_ROWS) -> dict[str, LearnerFit]:

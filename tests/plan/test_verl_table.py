@@ -26,6 +26,10 @@ def test_the_fit_recovers_a_fixed_and_a_splitting_cost():
     exact = LearnerFit(a=40.0, b=6000.0)
     fit = fit_learner([16, 32, 64], [exact.seconds(g) for g in (16, 32, 64)])
     assert fit.a == pytest.approx(40.0) and fit.b == pytest.approx(6000.0)
+    # a fixed cost that would come out negative is 0, and b is fitted through the origin
+    through_origin = fit_learner([16, 32, 64], [100.0, 45.0, 20.0])
+    assert through_origin.a == 0.0
+    assert through_origin.b == pytest.approx((100 / 16 + 45 / 32 + 20 / 64) / (1 / 16**2 + 1 / 32**2 + 1 / 64**2))
     with pytest.raises(ValueError, match="two different"):
         fit_learner([32, 32], [10.0, 12.0])
 
