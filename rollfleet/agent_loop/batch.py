@@ -34,6 +34,8 @@ metrics                dict                   timing metrics (see :func:`timing_
 =====================  ===========  ========  ===================================================
 
 A sample with an empty response has its reward only in ``scores`` (there is no last token).
+The ``[B, P]``, ``[B, R]`` and ``[B, P+R]`` fields are built when one of them is first read (see
+:class:`RolloutBatch`); the rest with the batch.
 """
 
 from __future__ import annotations
@@ -47,16 +49,45 @@ if TYPE_CHECKING:  # torch is imported where batches are built: workers never ne
     import torch
 
 
+#: The fields of shape [B, P], [B, R] or [B, P+R], built together on first read (see RolloutBatch).
+PADDED_FIELDS: tuple[str, ...] = (
+    "prompts",
+    "responses",
+    "response_mask",
+    "input_ids",
+    "attention_mask",
+    "position_ids",
+    "rollout_log_probs",
+    "rm_scores",
+    "token_versions",
+)
+
+
+class _Padded:
+    """A padded field of :class:`RolloutBatch`: read from the padded tensors, built on first read."""
+
+    name: str
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, batch: Optional["RolloutBatch"], owner: type) -> Any:
+        if batch is None:
+            return self
+        return batch.padded()[self.name]
+
+
 @dataclass
 class RolloutBatch:
-    prompts: torch.Tensor
-    responses: torch.Tensor
-    response_mask: torch.Tensor
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    position_ids: torch.Tensor
-    rollout_log_probs: Optional[torch.Tensor]
-    rm_scores: torch.Tensor
+    """A batch of trajectories. The per-sample fields are built with the batch; the padded ones
+    (:data:`PADDED_FIELDS`) when one is first read, all at once. Why: they hold ``B x R`` elements
+    whatever the responses' lengths, most of a batch's cost when ``R`` is long (2,048 responses
+    padded to 28K tokens are 0.46 GB per int64 field, and collating them took over half of a plan's
+    wall time), and a consumer that needs only lengths and rewards (the simulated learner, the
+    trainer's bookkeeping) never pays for them. Once built they are ordinary tensors: a change to
+    one (the trainer zeroing ``response_mask`` rows) stays. Pickling builds them first, so a remote
+    learner receives tensors."""
+
     scores: torch.Tensor
     has_score: torch.Tensor
     prompt_lengths: torch.Tensor
@@ -64,21 +95,44 @@ class RolloutBatch:
     num_turns: torch.Tensor
     min_global_steps: torch.Tensor
     max_global_steps: torch.Tensor
-    token_versions: torch.Tensor
     resume_exhausted: torch.Tensor
     group_index: torch.Tensor
     uid: list[str]
     extra_fields: list[dict[str, Any]] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
+    rows: Optional["_Rows"] = field(default=None, repr=False, compare=False)
+    padded_tensors: Optional[dict[str, Any]] = field(default=None, repr=False, compare=False)
+
+    prompts = _Padded()
+    responses = _Padded()
+    response_mask = _Padded()
+    input_ids = _Padded()
+    attention_mask = _Padded()
+    position_ids = _Padded()
+    rollout_log_probs = _Padded()
+    rm_scores = _Padded()
+    token_versions = _Padded()
 
     def __len__(self) -> int:
-        return int(self.prompts.shape[0])
+        return len(self.uid)
+
+    def padded(self) -> dict[str, Any]:
+        """The padded fields by name, built on the first call (the trajectories are let go then)."""
+        if self.padded_tensors is None:
+            assert self.rows is not None, "a RolloutBatch without padded tensors needs its rows"
+            self.padded_tensors = self.rows.pad()
+            self.rows = None
+        return self.padded_tensors
+
+    def __getstate__(self) -> dict[str, Any]:
+        self.padded()
+        return dict(self.__dict__)
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The tensor fields by name (``rollout_log_probs`` left out when None)."""
+        """The tensor fields by name, padded ones included (``rollout_log_probs`` left out when None)."""
         import torch
 
-        out = {}
+        out = {name: value for name, value in self.padded().items() if value is not None}
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, torch.Tensor):
@@ -90,6 +144,85 @@ def _version(value: Any) -> int:
     return -1 if value is None else int(value)
 
 
+@dataclass
+class _Rows:
+    """What the padded fields are built from: the trajectories, the widths, and the per-sample
+    values they use (copies: a consumer may change the batch's own tensors first)."""
+
+    outputs: tuple[AgentLoopOutput, ...]
+    prompt_length: int
+    response_length: int
+    pad_token_id: int
+    prompt_lengths: Any  # numpy int64 [B]
+    response_lengths: Any
+    scores: Any  # numpy float32 [B]
+    has_score: Any
+    min_steps: Any
+    with_logprobs: bool
+
+    def pad(self) -> dict[str, Any]:
+        import numpy as np
+        import torch
+
+        b, p, r = len(self.outputs), self.prompt_length, self.response_length
+        # Filled row by row in numpy (a list into a numpy slice is several times cheaper than a
+        # torch tensor built per row; it adds up at thousands of rows), shared with torch at the end.
+        prompts = np.full((b, p), self.pad_token_id, dtype=np.int64)
+        responses = np.full((b, r), self.pad_token_id, dtype=np.int64)
+        response_mask = np.zeros((b, r), dtype=np.int64)
+        logprobs = np.zeros((b, r), dtype=np.float32) if self.with_logprobs else None
+        token_versions = np.full((b, r), -1, dtype=np.int64)
+        # Copying a list into numpy converts it one element at a time (~50 ns each, several arrays
+        # of a million tokens a step); rows that repeat the row before (GRPO siblings' prompts) or
+        # hold one value (an all-model mask, one weight version) are filled in C instead.
+        previous: list[int] = []
+        for i, out in enumerate(self.outputs):
+            prompt = out.prompt_ids[-p:] if p else []
+            lp, lr = int(self.prompt_lengths[i]), int(self.response_lengths[i])
+            if lp:
+                if i and prompt == previous:
+                    prompts[i] = prompts[i - 1]
+                else:
+                    prompts[i, p - lp :] = prompt
+            previous = prompt
+            if not lr:
+                continue
+            responses[i, :lr] = out.response_ids[:lr]
+            mask = out.response_mask[:lr]
+            response_mask[i, :lr] = 1 if mask.count(1) == lr else mask
+            if logprobs is not None:
+                logprobs[i, :lr] = out.response_logprobs[:lr]  # type: ignore[index]
+            if out.response_versions is not None:
+                labels = out.response_versions[:lr]
+                token_versions[i, :lr] = labels[0] if labels.count(labels[0]) == lr else labels
+            row = token_versions[i, :lr]
+            row[row < 0] = self.min_steps[i]
+
+        # One comparison per side gives the whole [B, P+R] mask (no halves to concatenate).
+        columns = np.arange(p + r)
+        attention = (columns >= p - self.prompt_lengths[:, None]) & (columns < p + self.response_lengths[:, None])
+        response_mask *= attention[:, p:]
+        token_versions[response_mask == 0] = -1
+        if logprobs is not None:
+            logprobs *= response_mask
+        rm_scores = np.zeros((b, r), dtype=np.float32)
+        scored = np.flatnonzero(self.has_score & (self.response_lengths > 0))
+        rm_scores[scored, self.response_lengths[scored] - 1] = self.scores[scored]
+        arrays = {
+            "prompts": prompts,
+            "responses": responses,
+            "response_mask": response_mask,
+            "input_ids": np.concatenate([prompts, responses], axis=1),
+            "attention_mask": attention.astype(np.int64),
+            "rm_scores": rm_scores,
+            "token_versions": token_versions,
+        }
+        tensors: dict[str, Any] = {name: torch.from_numpy(a) for name, a in arrays.items()}  # shared, not copied
+        tensors["position_ids"] = (torch.cumsum(tensors["attention_mask"], dim=1) - 1).clamp(min=0)
+        tensors["rollout_log_probs"] = None if logprobs is None else torch.from_numpy(logprobs)
+        return tensors
+
+
 def collate(
     outputs: Sequence[AgentLoopOutput],
     uids: Sequence[str],
@@ -98,102 +231,52 @@ def collate(
     response_length: int,
     pad_token_id: int,
 ) -> RolloutBatch:
-    """Pad trajectories into a :class:`RolloutBatch` (prompts cut on the left and responses on the
-    right if a loop returned more than the widths allow)."""
+    """Batch trajectories into a :class:`RolloutBatch` (prompts cut on the left and responses on
+    the right if a loop returned more than the widths allow). The per-sample fields are built
+    here; the padded ones when first read."""
     import numpy as np
     import torch
 
     if len(outputs) != len(uids):
         raise ValueError(f"{len(outputs)} outputs for {len(uids)} uids")
     b, p, r = len(outputs), prompt_length, response_length
-    # Filled row by row in numpy (a list into a numpy slice is several times cheaper than a torch
-    # tensor built per row; it adds up at thousands of rows), shared with torch at the end.
-    prompts = np.full((b, p), pad_token_id, dtype=np.int64)
-    responses = np.full((b, r), pad_token_id, dtype=np.int64)
-    response_mask = np.zeros((b, r), dtype=np.int64)
-    prompt_lengths = np.zeros(b, dtype=np.int64)
-    response_lengths = np.zeros(b, dtype=np.int64)
-    with_logprobs = bool(outputs) and all(o.response_logprobs is not None for o in outputs)
-    logprobs = np.zeros((b, r), dtype=np.float32) if with_logprobs else None
-    rm_scores = np.zeros((b, r), dtype=np.float32)
-    scores = np.zeros(b, dtype=np.float32)
-    has_score = np.zeros(b, dtype=bool)
-    num_turns = np.zeros(b, dtype=np.int64)
-    min_steps = np.full(b, -1, dtype=np.int64)
-    max_steps = np.full(b, -1, dtype=np.int64)
-    token_versions = np.full((b, r), -1, dtype=np.int64)
-    exhausted = np.zeros(b, dtype=bool)
+    prompt_lengths = np.array([min(len(o.prompt_ids), p) for o in outputs], dtype=np.int64)
+    response_lengths = np.array([min(len(o.response_ids), r) for o in outputs], dtype=np.int64)
+    has_score = np.array([o.reward_score is not None for o in outputs], dtype=bool)
+    scores = np.array([0.0 if o.reward_score is None else float(o.reward_score) for o in outputs], dtype=np.float32)
+    min_steps = np.array([_version(o.extra_fields.get("min_global_steps")) for o in outputs], dtype=np.int64)
+    max_steps = np.array([_version(o.extra_fields.get("max_global_steps")) for o in outputs], dtype=np.int64)
     group_of: dict[str, int] = {}
-    group_index = np.array([group_of.setdefault(u, len(group_of)) for u in uids], dtype=np.int64)
-
-    # Copying a list into numpy converts it one element at a time (~50 ns each, several arrays of
-    # a million tokens a step); rows that repeat the row before (GRPO siblings' prompts) or hold
-    # one value (an all-model mask, one weight version) are filled in C instead.
-    previous: list[int] = []
-    for i, out in enumerate(outputs):
-        prompt = out.prompt_ids[-p:] if p else []
-        lp, lr = len(prompt), min(len(out.response_ids), r)
-        if lp:
-            if i and prompt == previous:
-                prompts[i] = prompts[i - 1]
-            else:
-                prompts[i, p - lp :] = prompt
-        previous = prompt
-        if lr:
-            responses[i, :lr] = out.response_ids[:lr]
-            mask = out.response_mask[:lr]
-            response_mask[i, :lr] = 1 if mask.count(1) == lr else mask
-            if logprobs is not None:
-                logprobs[i, :lr] = out.response_logprobs[:lr]  # type: ignore[index]
-        if out.reward_score is not None:
-            scores[i] = float(out.reward_score)
-            has_score[i] = True
-            if lr:
-                rm_scores[i, lr - 1] = float(out.reward_score)
-        prompt_lengths[i], response_lengths[i] = lp, lr
-        num_turns[i] = out.num_turns
-        min_steps[i] = _version(out.extra_fields.get("min_global_steps"))
-        max_steps[i] = _version(out.extra_fields.get("max_global_steps"))
-        exhausted[i] = bool(out.extra_fields.get("resume_exhausted"))
-        if lr:
-            if out.response_versions is not None:
-                labels = out.response_versions[:lr]
-                token_versions[i, :lr] = labels[0] if labels.count(labels[0]) == lr else labels
-            row = token_versions[i, :lr]
-            row[row < 0] = min_steps[i]
-
-    prompt_attn = (np.arange(p) >= p - prompt_lengths[:, None]).astype(np.int64)
-    response_attn = (np.arange(r) < response_lengths[:, None]).astype(np.int64)
-    response_mask *= response_attn
-    token_versions[response_mask == 0] = -1
-    if logprobs is not None:
-        logprobs *= response_mask
     arrays = {
-        "prompts": prompts,
-        "responses": responses,
-        "response_mask": response_mask,
-        "input_ids": np.concatenate([prompts, responses], axis=1),
-        "attention_mask": np.concatenate([prompt_attn, response_attn], axis=1),
-        "rm_scores": rm_scores,
         "scores": scores,
         "has_score": has_score,
         "prompt_lengths": prompt_lengths,
         "response_lengths": response_lengths,
-        "num_turns": num_turns,
+        "num_turns": np.array([o.num_turns for o in outputs], dtype=np.int64),
         "min_global_steps": min_steps,
         "max_global_steps": max_steps,
-        "token_versions": token_versions,
-        "resume_exhausted": exhausted,
-        "group_index": group_index,
+        "resume_exhausted": np.array([bool(o.extra_fields.get("resume_exhausted")) for o in outputs], dtype=bool),
+        "group_index": np.array([group_of.setdefault(u, len(group_of)) for u in uids], dtype=np.int64),
     }
-    tensors = {name: torch.from_numpy(a) for name, a in arrays.items()}  # shared, not copied
+    rows = _Rows(
+        outputs=tuple(outputs),
+        prompt_length=p,
+        response_length=r,
+        pad_token_id=pad_token_id,
+        prompt_lengths=prompt_lengths.copy(),
+        response_lengths=response_lengths.copy(),
+        scores=scores.copy(),
+        has_score=has_score.copy(),
+        min_steps=min_steps.copy(),
+        with_logprobs=b > 0 and all(o.response_logprobs is not None for o in outputs),
+    )
+    tensors: dict[str, Any] = {name: torch.from_numpy(a) for name, a in arrays.items()}  # shared, not copied
     return RolloutBatch(
         **tensors,
-        position_ids=(torch.cumsum(tensors["attention_mask"], dim=1) - 1).clamp(min=0),
-        rollout_log_probs=None if logprobs is None else torch.from_numpy(logprobs),
         uid=list(uids),
         extra_fields=[dict(o.extra_fields) for o in outputs],
         metrics=timing_metrics(outputs),
+        rows=rows,
     )
 
 
@@ -220,4 +303,4 @@ def timing_metrics(outputs: Sequence[AgentLoopOutput]) -> dict[str, float]:
     return out
 
 
-__all__ = ["RolloutBatch", "collate", "timing_metrics"]
+__all__ = ["RolloutBatch", "PADDED_FIELDS", "collate", "timing_metrics"]

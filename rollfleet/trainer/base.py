@@ -217,7 +217,8 @@ class Trainer(abc.ABC):
         gave up (never trained as if complete) and, with ``max_off_policy_strategy: mask``, every
         token sampled more than the bound ago (its exact version: ``batch.token_versions``)."""
         out = {"rollout/resume_exhausted_masked": float(batch.resume_exhausted.sum())}
-        batch.response_mask[batch.resume_exhausted] = 0
+        if batch.resume_exhausted.any():  # reading response_mask builds the padded tensors
+            batch.response_mask[batch.resume_exhausted] = 0
         if self.train.max_off_policy_strategy == "mask":
             limit = math.ceil(self.train.max_off_policy_steps)
             stale = (batch.response_mask > 0) & (batch.token_versions >= 0)

@@ -20,6 +20,18 @@ from rollfleet.trainer.checkpoint import checkpoint_name, find_latest
 from rollfleet.trainer.config import SimLearnerConfig
 
 
+def _sample_lengths(batch: Any) -> Any:
+    """Each sample's real tokens (prompt + response), as float64: from the per-sample lengths
+    where the batch has them (a ``RolloutBatch``: its padded tensors are then never built), else
+    from the attention mask (any verl-style batch); None for a batch with neither."""
+    prompt, response = getattr(batch, "prompt_lengths", None), getattr(batch, "response_lengths", None)
+    if prompt is not None and response is not None:
+        return (prompt + response).double()
+    if hasattr(batch, "attention_mask"):
+        return batch.attention_mask.sum(dim=1).double()
+    return None
+
+
 class SimulatedLearner:
     def __init__(self, config: SimLearnerConfig) -> None:
         self.config = config
@@ -35,8 +47,8 @@ class SimulatedLearner:
         """Count a step on ``batch`` and say how long it takes, without taking it (a caller on a
         virtual clock sleeps there instead of in wall time)."""
         cfg = self.config
-        if hasattr(batch, "attention_mask"):
-            lengths = batch.attention_mask.sum(dim=1).double()
+        lengths = _sample_lengths(batch)
+        if lengths is not None:
             tokens, squares = int(lengths.sum().item()), float((lengths * lengths).sum().item())
         else:
             tokens, squares = 0, 0.0

@@ -123,3 +123,26 @@ def test_rows_filled_in_one_go_equal_rows_copied_token_by_token():
     assert batch.prompts.tolist() == [[PAD, PAD, 10, 11, 12]] * 3
     assert batch.response_mask.tolist() == [[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 1, 0]]
     assert batch.token_versions.tolist() == [[7, 7, 7, -1], [7, 7, 7, 7], [7, -1, 7, -1]]
+
+
+def test_padded_fields_are_built_on_first_read_and_a_change_to_them_stays():
+    outs = [traj(2, [1, 1, 0], reward=1.0), traj(3, [1], reward=0.0)]
+    batch = collate(outs, ["g", "g"], prompt_length=4, response_length=5, pad_token_id=PAD)
+    assert batch.padded_tensors is None  # the per-sample fields alone so far
+    assert batch.response_lengths.tolist() == [3, 1] and batch.scores.tolist() == [1.0, 0.0]
+    batch.response_mask[1] = 0  # the trainer masks a sample out
+    assert batch.padded_tensors is not None and batch.rows is None
+    assert batch.response_mask.tolist() == [[1, 1, 0, 0, 0], [0] * 5]  # kept, not rebuilt
+    assert batch.attention_mask.sum(dim=1).tolist() == [5, 4]
+    assert set(batch.tensors()) >= {"input_ids", "token_versions", "scores", "group_index"}
+
+
+def test_a_pickled_batch_carries_its_padded_tensors():
+    import pickle
+
+    batch = collate([traj(2, [1, 1], reward=1.0)], ["g"], prompt_length=3, response_length=4, pad_token_id=PAD)
+    copy = pickle.loads(pickle.dumps(batch))
+    assert copy.rows is None and copy.padded_tensors is not None
+    assert copy.responses.tolist() == [[100, 101, PAD, PAD]]
+    assert copy.rm_scores.tolist() == [[0.0, 1.0, 0.0, 0.0]]
+    assert torch.equal(copy.input_ids, batch.input_ids)

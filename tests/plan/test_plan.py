@@ -150,6 +150,18 @@ def test_the_learner_pays_for_prompts_for_attention_quadratically_and_per_step()
     assert SimulatedLearner(config).step(SimpleNamespace(attention_mask=one_long))[0] > seconds
 
 
+def test_the_learner_counts_a_rollout_batch_by_its_lengths_without_padding_it():
+    from rollfleet.agent_loop import AgentLoopOutput, collate
+
+    config = SimLearnerConfig(enabled=True, seconds_per_token=1e-4, seconds_per_token_squared=1e-7)
+    outputs = [AgentLoopOutput(list(range(p)), [7] * r, [1] * r) for p, r in ((5, 30), (2, 900))]
+    batch = collate(outputs, ["a", "b"], prompt_length=8, response_length=1024, pad_token_id=0)
+    seconds, _ = SimulatedLearner(config).step(batch)
+    assert batch.padded_tensors is None  # priced from the lengths: the [2, 1032] tensors never built
+    assert seconds == pytest.approx(937 * 1e-4 + (35**2 + 902**2) * 1e-7)
+    assert seconds == SimulatedLearner(config).step(SimpleNamespace(attention_mask=batch.attention_mask))[0]
+
+
 def test_learner_cost_from_model_size():
     # 7B, 6 FLOPs per parameter and token, 64 accelerators at 989 TFLOPS and 35% MFU
     assert learner_seconds_per_token(7, 64, 989, 0.35) == pytest.approx(6 * 7e9 / (64 * 989e12 * 0.35))
