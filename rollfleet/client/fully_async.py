@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 from rollfleet.client.budget import token_budget
 from rollfleet.client.llm_client import LLMServerClient
-from rollfleet.types import SamplingParams, TokenOutput
+from rollfleet.types import SamplingParams, StopReason, TokenOutput
 
 
 class FullyAsyncLLMServerClient(LLMServerClient):
@@ -59,7 +59,7 @@ class FullyAsyncLLMServerClient(LLMServerClient):
         attempts: list[dict[str, Any]] = []
         num_preempted = 0
         first_version = last_version = None
-        stop_reason = "aborted"
+        stop_reason: StopReason = "aborted"
         last_extra: dict[str, Any] = {}
         attempt = 0
         stalled = 0  # aborted attempts in a row with no new token and no weight change
@@ -123,7 +123,8 @@ class FullyAsyncLLMServerClient(LLMServerClient):
         extra["attempts"] = attempts
         if exhausted:
             extra["resume_exhausted"] = True
-        return TokenOutput(
+        # model_construct: every part was validated when its attempt's TokenOutput was built.
+        return TokenOutput.model_construct(
             token_ids=token_ids,
             log_probs=log_probs,
             stop_reason=stop_reason,

@@ -4,6 +4,7 @@ simulated seconds cost no wall time, and a run repeats exactly whatever the host
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 
 import pytest
@@ -46,6 +47,37 @@ def test_a_threads_result_wakes_the_loop_and_waiting_on_nothing_is_an_error():
 
     with pytest.raises(virtual_time.Stalled, match="no timer is scheduled"):
         virtual_time.run(forever(), idle_timeout_s=0.2)
+
+
+def test_real_io_is_delivered_while_the_loop_stays_busy():
+    """The selector polls real descriptors only every BUSY_POLL_EVERY-th busy iteration: data on a
+    socket still arrives while other tasks keep the ready queue full (never polling would hang)."""
+
+    async def main() -> tuple[bytes, int]:
+        reader, writer = await asyncio.open_unix_connection(sock=left)
+        spins = 0
+        done = asyncio.Event()
+
+        async def spin() -> None:
+            nonlocal spins
+            while not done.is_set():
+                spins += 1
+                await asyncio.sleep(0)  # ready again at once: the loop never waits for a timer
+
+        spinner = asyncio.create_task(spin())
+        threading.Timer(0.05, right.sendall, args=(b"ping",)).start()
+        data = await reader.readexactly(4)
+        done.set()
+        await spinner
+        writer.close()
+        return data, spins
+
+    left, right = socket.socketpair()
+    try:
+        data, spins = virtual_time.run(main(), idle_timeout_s=5)
+    finally:
+        right.close()
+    assert data == b"ping" and spins > virtual_time.BUSY_POLL_EVERY
 
 
 def rollout(**sim) -> RolloutConfig:
