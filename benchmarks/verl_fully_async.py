@@ -8,8 +8,8 @@ within 10 points, on every row. What the plans take from verl, what they fit to 
 columns and what they assume is in ``rollfleet/plan/verl_table.py``; the assumptions are flags.
 
 Run: ``python benchmarks/verl_fully_async.py`` (twelve plans, three rows x two modes x two seeds,
-at a quarter of verl's size, on two processes: under 5 minutes here); ``--json F`` and ``--png F``
-write the numbers and a plot.
+at verl's size, on two processes: under 5 minutes here; ``--scale 0.25``, a quarter of the
+accelerators and prompts: 76 s); ``--json F`` and ``--png F`` write the numbers and a plot.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def _mean(runs: list[ModeRun], key: str) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     defaults = Assumed()
-    parser.add_argument("--scale", type=float, default=0.25, help="accelerators and prompts per step, of verl's")
+    parser.add_argument("--scale", type=float, default=1.0, help="accelerators and prompts per step, of verl's")
     parser.add_argument("--steps", type=int, default=4, help="512-prompt steps per plan (the first left out)")
     parser.add_argument("--seeds", default="0,1", help="comma-separated; results are means over them")
     parser.add_argument("--prompt-tokens", type=int, default=defaults.prompt_tokens, help="assumed")

@@ -137,7 +137,7 @@ def row_specs(
     row: VerlRow,
     assumed: Assumed = Assumed(),
     *,
-    scale: float = 0.25,
+    scale: float = 1.0,
     steps: int = 4,
     seeds: tuple[int, ...] = (0,),
     output_dir: str = "runs/verl_table",
