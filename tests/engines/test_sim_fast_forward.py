@@ -162,3 +162,31 @@ def test_a_result_reaches_its_caller_request_overhead_ms_late_but_its_slot_is_fr
     # each result arrives 50 ms late; r1 took r0's slot when r0 ended, not when r0's result arrived
     assert late["r0"] - none["r0"] == pytest.approx(0.05)
     assert late["r1"] - none["r1"] == pytest.approx(0.05)
+
+
+def test_a_one_step_wake_counts_its_tokens_instead_of_producing_every_sequences(monkeypatch):
+    """Sequences ending one step apart make one-step wakes; those are counted like any
+    fast-forward, so each request's tokens are produced once, when it ends (emitting the step
+    would produce every running sequence's tokens so far, at every such wake)."""
+    produced: list[tuple[str, int]] = []
+    materialize = SimEngine._materialize
+
+    def counting(self, req):
+        if req.pending:
+            produced.append((req.request_id, req.pending))
+        materialize(self, req)
+
+    monkeypatch.setattr(SimEngine, "_materialize", counting)
+
+    async def run() -> list[int]:
+        engine = SimEngine(SimEngineConfig(vocab_size=500, max_num_seqs=8, max_steps_per_wake=10_000))
+        await engine.start()
+        params = {"ignore_eos": True, "seed": 1}
+        outs = await asyncio.gather(
+            *(engine.generate(f"r{n}", [5] * 16, {**params, "max_tokens": n}) for n in (10, 11, 12, 40))
+        )
+        await engine.shutdown()
+        return [len(o.token_ids) for o in outs]
+
+    assert virtual_time.run(run()) == [10, 11, 12, 40]
+    assert sorted(produced) == [("r10", 10), ("r11", 11), ("r12", 12), ("r40", 40)]

@@ -41,6 +41,7 @@ class _Run:
     ends: list[float]
     costs_ms: list[float]
     prefill: int
+    counted: bool = False  # the tokens are counted and produced later (a fast-forward), not emitted
     done: int = 0  # steps settled so far
     started: float = field(default_factory=time.perf_counter)
 
@@ -120,14 +121,14 @@ class StepLoop(BatchModel):
 
     def _plan(self, prefill: int, anchor: tuple[float, float]) -> _Run:
         """The steps to take at this wake: up to the first that may change the batch."""
-        steps = self._steps_ahead()
+        steps, counted = self._steps_ahead()
         running = len(self._running)
         context = sum(r.context_len for r in self._running)  # KV the first step reads
         scale = self.config.time_scale
         self._stats["num_wakes"] += 1
         if steps == 1:
             ms = self._cost.step_ms(running, context, prefill) * self._slow_factor
-            return _Run([anchor[0] + (self._sim_clock + ms / 1000.0 - anchor[1]) / scale], [ms], prefill)
+            return _Run([anchor[0] + (self._sim_clock + ms / 1000.0 - anchor[1]) / scale], [ms], prefill, counted)
         # The same arithmetic, a step per element; cumsum adds in order, as a loop would.
         cost = self._cost
         contexts = context + np.arange(steps, dtype=np.float64) * running
@@ -137,19 +138,26 @@ class StepLoop(BatchModel):
         sims = costs / 1000.0
         sims[0] += self._sim_clock
         ends = anchor[0] + (np.cumsum(sims) - anchor[1]) / scale
-        return _Run(ends.tolist(), costs.tolist(), prefill)
+        return _Run(ends.tolist(), costs.tolist(), prefill, True)
 
-    def _steps_ahead(self) -> int:
-        """How many steps can run before one may change the batch: none of them ends a sequence
-        (but the last), none needs a KV block that is not free, no sequence streams."""
+    def _steps_ahead(self) -> tuple[int, bool]:
+        """How many steps can run before one may change the batch (none of them ends a sequence
+        but the last, none needs a KV block that is not free, no sequence streams), and whether
+        they can be counted rather than emitted token by token. A single step is counted too
+        unless it must be emitted (a stream, an end not known ahead, a block only preemption can
+        free): emitting materializes every running sequence's tokens, a tenth of a plan's wall
+        time when most wakes are one step long (a sequence ends at every step of a big batch)."""
         limit = self.config.max_steps_per_wake
         if limit == 1:
-            return 1
+            return 1, False
         for req in self._running:
             if req.progress is not None or not req.end_at:
-                return 1
+                return 1, False
             limit = min(limit, req.end_at - len(req.generated) - req.pending)
-        if limit > 1 and self._blocks_needed(limit) > self._kv_blocks_free:
+        limit = max(1, limit)
+        if self._blocks_needed(limit) > self._kv_blocks_free:
+            if limit == 1:
+                return 1, False
             low, high = 1, limit - 1  # the most steps whose blocks are free (needs grow with steps)
             while low < high:
                 mid = (low + high + 1) // 2
@@ -158,7 +166,9 @@ class StepLoop(BatchModel):
                 else:
                     high = mid - 1
             limit = low
-        return max(1, limit)
+            if self._blocks_needed(limit) > self._kv_blocks_free:
+                return 1, False
+        return limit, True
 
     def _blocks_needed(self, steps: int) -> int:
         size = self.config.block_size
@@ -172,10 +182,10 @@ class StepLoop(BatchModel):
         steps = upto - run.done
         if steps <= 0:
             return
-        if run.planned == 1:
-            self._emit()
-        else:
+        if run.counted:
             self._advance(steps)
+        else:
+            self._emit()
         ms = sum(run.costs_ms[run.done : upto])
         run.done = upto
         self._sim_clock += ms / 1000.0
