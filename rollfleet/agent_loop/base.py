@@ -13,7 +13,6 @@ manager or Ray.
 
 from __future__ import annotations
 
-import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Mapping, Optional
@@ -22,6 +21,7 @@ from rollfleet.agent_loop.chat import ChatRenderer
 from rollfleet.config import AgentConfig, RolloutConfig
 from rollfleet.types import SamplingParams, TokenOutput
 from rollfleet.utils import lists
+from rollfleet.utils.ids import unique_hex
 
 
 @dataclass(slots=True)
@@ -133,8 +133,8 @@ class AgentLoopBase(ABC):
 
     # ------------------------------------------------------------------ helpers for subclasses
     def request_id_for(self, sample: Mapping[str, Any]) -> str:
-        """The session key of a trajectory: the sample's ``request_id``, else a fresh uuid."""
-        return str(sample.get("request_id") or uuid.uuid4().hex)
+        """The session key of a trajectory: the sample's ``request_id``, else a fresh id."""
+        return str(sample.get("request_id") or unique_hex())
 
     def prompt_ids_of(self, sample: Mapping[str, Any], tools: Optional[list[dict]] = None) -> tuple[list[int], bool]:
         """The prompt's token ids (``prompt_ids`` as given, else ``raw_prompt`` rendered with the chat

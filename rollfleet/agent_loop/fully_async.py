@@ -14,7 +14,6 @@ to the first worker).
 from __future__ import annotations
 
 import asyncio
-import uuid
 from typing import Any, AsyncIterator, Mapping, Optional
 
 from rollfleet.agent_loop.base import AgentLoopOutput
@@ -22,6 +21,7 @@ from rollfleet.agent_loop.batch import RolloutBatch
 from rollfleet.agent_loop.manager import AgentLoopManager, Batch
 from rollfleet.client import FullyAsyncLLMServerClient
 from rollfleet.utils.aio import auto_await
+from rollfleet.utils.ids import unique_hex
 
 
 class FullyAsyncAgentLoopManager(AgentLoopManager):
@@ -48,7 +48,8 @@ class FullyAsyncAgentLoopManager(AgentLoopManager):
     async def generate_sequences_single(self, sample: Mapping[str, Any]) -> AgentLoopOutput:
         """Run one sample (no repetition by ``n``) on the least busy worker."""
         sample = dict(sample)
-        sample.setdefault("uid", uuid.uuid4().hex)
+        if "uid" not in sample:
+            sample["uid"] = unique_hex()
         w = self._select_best_worker()
         self.inflight[w] += 1
         try:

@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import os
 import time
-import uuid
 from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Optional, Union, cast
 
 from rollfleet.config import RolloutConfig
@@ -25,6 +24,7 @@ from rollfleet.server.inflight import InflightBook
 from rollfleet.server.liveness import EngineLiveness
 from rollfleet.server.validation import validate_prompt, validate_sampling_params
 from rollfleet.types import LoadReport, ReplicaResponse, SamplingParams, TokenDelta, TokenOutput
+from rollfleet.utils.ids import unique_hex
 
 if TYPE_CHECKING:
     from rollfleet.server.dataplane import DataPlaneServer
@@ -191,7 +191,7 @@ class Replica:
         except Exception:
             self._counters["invalid"] += 1
             raise
-        engine_id = f"{request_id}-{uuid.uuid4().hex[:12]}"
+        engine_id = f"{request_id}-{unique_hex()[-12:]}"  # the counter: unique in this process
         self._counters["requests"] += 1
         with self._book.entry(request_id, engine_id, len(prompt), client_id):
             try:
