@@ -77,24 +77,31 @@ def default_grid() -> list[Probe]:
     return [Probe(b, p, t) for b, p, t in itertools.product((1, 4, 16, 32), (32, 512), (16, 96))]
 
 
+def nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares of ``x @ coef ~ y`` with every coefficient >= 0, by elimination: fit, drop
+    the most negative term (it is 0), refit the rest. Cost terms cannot be negative, and a term
+    the data cannot support is better left out than fitted below zero."""
+    active = list(range(x.shape[1]))
+    while True:
+        coef, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        if coef.min() >= 0 or len(active) == 1:
+            break
+        active.pop(int(np.argmin(coef)))
+    out = np.zeros(x.shape[1])
+    out[active] = np.maximum(coef, 0.0)
+    return out
+
+
 def fit(measurements: Sequence[Measurement]) -> Profile:
-    """Non-negative least squares by elimination: fit, drop the most negative term, refit."""
+    """The profile's constants: :func:`nonnegative_lstsq` over the measurements."""
     if len(measurements) < len(TERMS):
         raise ValueError(f"need at least {len(TERMS)} measurements to fit {len(TERMS)} terms, got {len(measurements)}")
     x = np.array([m.probe.features() for m in measurements], dtype=float)
     y = np.array([m.seconds * 1000.0 for m in measurements], dtype=float)
     # Relative errors matter (a 10 ms probe and a 3 s probe alike): weight each row by 1/y.
     w = 1.0 / np.maximum(y, 1e-6)
-    active = list(range(len(TERMS)))
-    while True:
-        coef, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
-        if coef.min() >= 0 or len(active) == 1:
-            break
-        active.pop(int(np.argmin(coef)))
-    constants = dict.fromkeys(TERMS, 0.0)
-    for i, c in zip(active, coef):
-        constants[TERMS[i]] = max(0.0, float(c))
-    return Profile(constants, list(measurements))
+    coef = nonnegative_lstsq(x * w[:, None], y * w)
+    return Profile({term: float(c) for term, c in zip(TERMS, coef)}, list(measurements))
 
 
 def probe_prompt(probe: Probe, index: int, salt: int) -> list[int]:

@@ -37,7 +37,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from rollfleet.config import load_config
+from rollfleet.plan.calibrate import nonnegative_lstsq
 from rollfleet.plan.planner import PlanSpec
 from rollfleet.plan.roofline import accelerator, engine_costs
 
@@ -99,19 +102,16 @@ class LearnerFit:
 
 
 def fit_learner(gpus: list[float], seconds: list[float]) -> LearnerFit:
-    """Least squares of ``a + b / gpus`` through (gpus, seconds), both constants >= 0: a constant
-    that would come out negative is 0 and the other is fitted alone."""
+    """Least squares of ``a + b / gpus`` through (gpus, seconds), both constants >= 0
+    (:func:`~rollfleet.plan.calibrate.nonnegative_lstsq`: a constant that would come out negative
+    is 0 and the other is fitted alone)."""
     if len(gpus) != len(seconds) or len(gpus) < 2 or min(gpus) <= 0:
         raise ValueError("fit_learner needs two or more (gpus > 0, seconds) points")
-    xs = [1.0 / g for g in gpus]
-    mx, my = sum(xs) / len(xs), sum(seconds) / len(seconds)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    if sxx == 0:
+    if len(set(gpus)) < 2:
         raise ValueError("fit_learner needs two different accelerator counts")
-    b = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, seconds)) / sxx)
-    if my - b * mx < 0:  # through the origin: b alone
-        return LearnerFit(0.0, sum(x * y for x, y in zip(xs, seconds)) / sum(x * x for x in xs))
-    return LearnerFit(my - b * mx, b)
+    x = np.column_stack([np.ones(len(gpus)), 1.0 / np.asarray(gpus, dtype=float)])
+    a, b = nonnegative_lstsq(x, np.asarray(seconds, dtype=float))
+    return LearnerFit(float(a), float(b))
 
 
 def learner_fits(rows: tuple[VerlRow, ...] = VERL_ROWS) -> dict[str, LearnerFit]:

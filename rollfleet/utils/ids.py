@@ -4,7 +4,8 @@ Why: every request takes an id (the agent loop's session key, the replica's engi
 ``uuid.uuid4()`` reads the OS's random source each time: 3% of a plan's wall time, where a plan
 makes hundreds of thousands of requests. An id here is as wide as ``uuid4().hex`` (32 hex digits):
 80 random bits drawn once per process (again in a forked child) and a 48-bit counter, so ids of
-different processes differ as uuid4's do and ids of one process never repeat.
+different processes differ as uuid4's do and ids of one process do not repeat before 2**48 of
+them.
 """
 
 from __future__ import annotations
