@@ -49,20 +49,6 @@ if TYPE_CHECKING:  # torch is imported where batches are built: workers never ne
     import torch
 
 
-#: The fields of shape [B, P], [B, R] or [B, P+R], built together on first read (see RolloutBatch).
-PADDED_FIELDS: tuple[str, ...] = (
-    "prompts",
-    "responses",
-    "response_mask",
-    "input_ids",
-    "attention_mask",
-    "position_ids",
-    "rollout_log_probs",
-    "rm_scores",
-    "token_versions",
-)
-
-
 class _Padded:
     """A padded field of :class:`RolloutBatch`: read from the padded tensors, built on first read."""
 
@@ -138,6 +124,10 @@ class RolloutBatch:
             if isinstance(value, torch.Tensor):
                 out[f.name] = value
         return out
+
+
+#: The fields of shape [B, P], [B, R] or [B, P+R], built together on first read (see RolloutBatch).
+PADDED_FIELDS: tuple[str, ...] = tuple(name for name, v in vars(RolloutBatch).items() if isinstance(v, _Padded))
 
 
 def _version(value: Any) -> int:

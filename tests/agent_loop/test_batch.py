@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from rollfleet.agent_loop import AgentLoopOutput, collate
 from rollfleet.agent_loop.base import AgentLoopMetrics
+from rollfleet.agent_loop.batch import PADDED_FIELDS
 from rollfleet.agent_loop.manager import as_samples, expand_groups
 
 pytestmark = pytest.mark.unit
@@ -135,6 +136,7 @@ def test_padded_fields_are_built_on_first_read_and_a_change_to_them_stays():
     assert batch.response_mask.tolist() == [[1, 1, 0, 0, 0], [0] * 5]  # kept, not rebuilt
     assert batch.attention_mask.sum(dim=1).tolist() == [5, 4]
     assert set(batch.tensors()) >= {"input_ids", "token_versions", "scores", "group_index"}
+    assert set(batch.padded()) == set(PADDED_FIELDS)  # every padded field is built, and only those
 
 
 def test_a_pickled_batch_carries_its_padded_tensors():
