@@ -45,6 +45,10 @@ def test_tokens_made_at_once_equal_tokens_made_one_by_one(stop_ids, ignore_eos, 
             req.generated.append(tok)
             one_by_one.append((tok, lp))
         assert list(zip(ids, logprobs)) == one_by_one
+        # in pieces from any start (a fast-forward produces what it counted since the last wake),
+        # across the drawn end (target_len 90: position 89 is the end, those after it too)
+        pieces = [tokens(req, a, b - a, 16, 2) for a, b in ((0, 37), (37, 89), (89, 90), (90, 95), (95, 100))]
+        assert [t for p in pieces for t in zip(*p)] == one_by_one
 
     virtual_time.run(check())
 

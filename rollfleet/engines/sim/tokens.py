@@ -33,8 +33,16 @@ def _mix(*values: int) -> int:
 def _mix_round(state: Any, values: Any) -> Any:
     """One more value into :func:`_mix`'s state, elementwise over numpy uint64 arrays:
     ``_mix(*prefix, v) == _mix_round(_mix(*prefix), v)`` (the products wrap modulo 2**64)."""
-    x = (state ^ values) * np.uint64(_MULT)
-    return x ^ (x >> np.uint64(31))
+    x = state ^ values
+    x *= _MULT_U64
+    x ^= x >> _SHIFT_U64
+    return x
+
+
+_MULT_U64 = np.uint64(_MULT)
+_SHIFT_U64 = np.uint64(31)
+_SEVEN_U64 = np.uint64(7)
+_LOGPROB_BINS_U64 = np.uint64(10_000)
 
 
 def next_token(req: "_Request", vocab_size: int, eos: int) -> tuple[int, float]:
@@ -60,7 +68,9 @@ def tokens(req: "_Request", start: int, count: int, vocab_size: int, eos: int) -
     computed for all of them at once."""
     pos = np.arange(start, start + count, dtype=np.uint64)
     h = _mix_round(np.uint64(_mix(req.token_seed)), pos)
-    logprobs = -((_mix_round(h, np.uint64(7)) % np.uint64(10_000)) / 2_000.0)
+    bins = _mix_round(h, _SEVEN_U64)
+    bins %= _LOGPROB_BINS_U64
+    logprobs = bins / -2_000.0  # -(bins / 2000): IEEE division rounds the same for either sign
     if req.scripted is not None:
         return req.scripted[start : start + count], logprobs.tolist()
     ids = (h % np.uint64(vocab_size)).astype(np.int64)
@@ -77,7 +87,7 @@ def tokens(req: "_Request", start: int, count: int, vocab_size: int, eos: int) -
         again = hit & avoided(ids)
         ids[again] = (ids[again] + 1) % vocab_size
     if not req.ignore_eos:
-        ids[pos + np.uint64(1) >= np.uint64(req.target_len)] = eos
+        ids[max(0, req.target_len - 1 - start) :] = eos  # every position p with p + 1 >= target_len
     return ids.tolist(), logprobs.tolist()
 
 
