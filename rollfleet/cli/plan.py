@@ -202,6 +202,13 @@ def render(result: PlanResult, console: Console) -> None:
             f"{r['tokens_per_s']:,.0f}",
         )
     console.print(table)
+    # Apart, to keep the main table narrow: what each mode's fleet served beyond what was trained.
+    served = Table(title="what the fleet served per trained token and sample (whole run)")
+    for col in ("mode", "tokens generated / trained", "requests / trained sample"):
+        served.add_column(col, justify="left" if col == "mode" else "right")
+    for r in result.summary():
+        served.add_row(r["mode"], f"{r['generated_per_trained']:.2f}", f"{r['requests_per_sample']:.2f}")
+    console.print(served)
 
 
 def write_outputs(result: PlanResult, out: str) -> list[Path]:

@@ -150,6 +150,13 @@ class ModeRun:
     dropped_groups: int
     tokens_per_s: float
     run_dir: str
+    # What the fleet served for the samples trained on (whole run, warm-up included): tokens
+    # generated per token trained (1.0: nothing generated in vain; groups dropped as stale, and
+    # groups finished but not trained when the run ends, add) and requests per trained sample (1.0:
+    # one each; every resume after an abort, a weight sync's in colocate_async, and every sample of
+    # a dropped group add one). A resume re-sends the prompt and the tokens so far.
+    generated_per_trained: float = 1.0
+    requests_per_sample: float = 1.0
 
 
 @dataclass
@@ -185,6 +192,8 @@ class PlanResult:
                     "staleness_max": max(r.staleness_max for r in runs),
                     "dropped_groups": sum(r.dropped_groups for r in runs),
                     "tokens_per_s": statistics.fmean(r.tokens_per_s for r in runs),
+                    "generated_per_trained": statistics.fmean(r.generated_per_trained for r in runs),
+                    "requests_per_sample": statistics.fmean(r.requests_per_sample for r in runs),
                 }
             )
         return rows
@@ -200,6 +209,8 @@ async def run_mode(spec: PlanSpec, mode: str, seed: int) -> ModeRun:
         assert runtime.fleet is not None and runtime.learner is not None and trainer.tracker is not None
         report = await runtime.fleet.report()
         learner_busy = runtime.learner.busy_s
+        trained_tokens = trainer.generated_tokens  # response tokens of every trained group
+        trained_samples = sum(len(t["task_indices"]) for t in trainer.trained_log) * trainer.config.rollout.n
     finally:
         await trainer.close()
     rows = trainer.tracker.history[spec.warmup_steps :]
@@ -224,6 +235,8 @@ async def run_mode(spec: PlanSpec, mode: str, seed: int) -> ModeRun:
         dropped_groups=int(sum(r.get("staleness/dropped", 0) for r in trainer.tracker.history)),
         tokens_per_s=sum(r["perf/tokens_per_s"] * r["step_s"] for r in rows) / steps_s if steps_s else 0.0,
         run_dir=str(trainer.run_dir),
+        generated_per_trained=report.output_tokens / trained_tokens if trained_tokens else 0.0,
+        requests_per_sample=sum(report.requests.values()) / trained_samples if trained_samples else 0.0,
     )
 
 

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -19,6 +20,7 @@ from rollfleet.plan.planner import PlanSpec, learner_seconds_per_token, run_mode
 from rollfleet.trainer import get_trainer_cls
 from rollfleet.trainer.config import SimLearnerConfig, TrainConfig
 from rollfleet.trainer.sim_learner import SimulatedLearner
+from rollfleet.trainer.tracking import read_jsonl
 from rollfleet.utils import virtual_time
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(300)]
@@ -86,6 +88,30 @@ def test_every_mode_runs_on_its_share_of_the_cluster_and_a_plan_repeats_exactly(
         assert r["speedup_vs_sync"] > 1.2, rows
     # sync's learner waits for every trajectory of its batch: it idles more than either async mode
     assert sync["trainer_idle"] > max(rows["colocate_async"]["trainer_idle"], rows["separate_async"]["trainer_idle"])
+
+
+def test_a_plan_counts_what_the_fleet_served_beyond_the_samples_trained(tmp_path):
+    """``sync`` trains every token it generates from one request per sample; ``colocate_async``
+    aborts what is in flight at each sync and resumes it (more requests, no token lost);
+    ``separate_async`` drops stale groups (more tokens than it trains), by its own step metrics."""
+    config = workload_config()
+    spec = PlanSpec(config, gpus=4, seeds=(0,), output_dir=str(tmp_path))
+    runs = {r.mode: r for r in run_plan(spec).runs}
+    assert runs["sync"].generated_per_trained == 1.0 and runs["sync"].requests_per_sample == 1.0
+
+    colocated = runs["colocate_async"]
+    assert colocated.requests_per_sample > 1.0  # resumed after the syncs' aborts
+
+    separate = runs["separate_async"]
+    rows = read_jsonl(Path(separate.run_dir) / "metrics.jsonl")
+    dropped_samples = sum(r["staleness/dropped_samples"] for r in rows)
+    dropped_tokens = sum(r["staleness/dropped_samples"] * r["staleness/dropped_response_len_mean"] for r in rows)
+    trained_tokens = sum(r["perf/tokens_per_s"] * r["step_s"] for r in rows)
+    trained_samples = len(rows) * config.trainer.train_batch_size * config.rollout.n
+    assert dropped_samples > 0, "the workload should drop stale groups"
+    # the dropped groups' tokens and samples at least (groups finished but never trained add)
+    assert separate.generated_per_trained >= (trained_tokens + dropped_tokens) / trained_tokens - 1e-9
+    assert separate.requests_per_sample >= (trained_samples + dropped_samples) / trained_samples
 
 
 def test_spread_over_processes_the_longest_runs_start_first():
@@ -206,6 +232,7 @@ def test_the_command_writes_the_table_the_json_and_the_pngs(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert code == 0, printed
     assert "speed-up vs sync" in printed and "separate_async" in printed
+    assert "requests / trained sample" in printed
     doc = json.loads((out / "plan.json").read_text())
     assert [r["mode"] for r in doc["summary"]] == ["sync", "colocate_async", "separate_async"]
     assert doc["gpus"] == 4 and len(doc["runs"]) == 3
