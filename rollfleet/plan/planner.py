@@ -23,7 +23,7 @@ from __future__ import annotations
 import gc
 import multiprocessing
 import statistics
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -284,7 +284,18 @@ def run_plan(
     (:data:`RELATIVE_RUN_COST`; ``longest_first=False`` starts them in the spec's order, which
     ``benchmarks/plan_speed.py`` times beside it). Every run is deterministic, so the plan is the
     same either way, in the same order; ``on_run`` sees runs as they finish."""
-    jobs = [(mode, seed) for mode in spec.modes for seed in spec.seeds]
+    return run_plans([spec], on_run, workers, longest_first)[0]
+
+
+def run_plans(
+    specs: Sequence[PlanSpec],
+    on_run: Optional[Callable[[ModeRun], None]] = None,
+    workers: int = 1,
+    longest_first: bool = True,
+) -> list[PlanResult]:
+    """:func:`run_plan` of several specs (a config each: another staleness strategy, another
+    cluster) on one pool of processes, so that no worker idles between one plan and the next."""
+    jobs = [(k, mode, seed) for k, spec in enumerate(specs) for mode in spec.modes for seed in spec.seeds]
     runs: list[Optional[ModeRun]] = [None] * len(jobs)
 
     def finished(i: int, run: ModeRun) -> None:
@@ -293,18 +304,21 @@ def run_plan(
             on_run(run)
 
     if workers <= 1 or len(jobs) == 1:
-        for i, (mode, seed) in enumerate(jobs):
-            finished(i, _run_one(spec, mode, seed))
+        for i, (k, mode, seed) in enumerate(jobs):
+            finished(i, _run_one(specs[k], mode, seed))
     else:
         pool = ProcessPoolExecutor(min(workers, len(jobs)), mp_context=multiprocessing.get_context("spawn"))
         try:
-            order = start_order(jobs) if longest_first else range(len(jobs))
-            futures = {pool.submit(_run_one, spec, *jobs[i]): i for i in order}
+            order = start_order([(mode, seed) for _, mode, seed in jobs]) if longest_first else range(len(jobs))
+            futures = {pool.submit(_run_one, specs[jobs[i][0]], *jobs[i][1:]): i for i in order}
             for future in as_completed(futures):
                 finished(futures[future], future.result())
         finally:  # a failed run fails the plan at once: the runs not started are dropped
             pool.shutdown(wait=True, cancel_futures=True)
-    return PlanResult(spec, [r for r in runs if r is not None])
+    return [
+        PlanResult(spec, [r for (k, _, _), r in zip(jobs, runs) if k == index and r is not None])
+        for index, spec in enumerate(specs)
+    ]
 
 
 def write_plan(result: PlanResult, out: str | Path) -> list[Path]:
@@ -369,6 +383,7 @@ __all__ = [
     "RELATIVE_RUN_COST",
     "learner_seconds_per_token",
     "run_plan",
+    "run_plans",
     "run_mode",
     "start_order",
     "write_plan",

@@ -16,7 +16,14 @@ from rollfleet.cli.main import main
 from rollfleet.config import RollfleetConfig, load_config
 from rollfleet.models.vocab import fit_sim_to_model
 from rollfleet.plan import VirtualRuntime
-from rollfleet.plan.planner import PlanSpec, learner_seconds_per_token, run_mode, run_plan, start_order
+from rollfleet.plan.planner import (
+    PlanSpec,
+    learner_seconds_per_token,
+    run_mode,
+    run_plan,
+    run_plans,
+    start_order,
+)
 from rollfleet.trainer import get_trainer_cls
 from rollfleet.trainer.config import SimLearnerConfig, TrainConfig
 from rollfleet.trainer.sim_learner import SimulatedLearner
@@ -43,9 +50,10 @@ WORKLOAD = {
 }
 
 
-def workload_config() -> RollfleetConfig:
+def workload_config(**extra: object) -> RollfleetConfig:
+    """The test workload; ``extra``: dotted overrides on top (``**{"trainer.seed": 1}``)."""
     overrides = {f"{section}.{key}": value for section, keys in WORKLOAD.items() for key, value in _flat(keys).items()}
-    return fit_sim_to_model(load_config(None, {"rollout.name": "sim", **overrides}))
+    return fit_sim_to_model(load_config(None, {"rollout.name": "sim", **overrides, **extra}))
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -112,6 +120,28 @@ def test_a_plan_counts_what_the_fleet_served_beyond_the_samples_trained(tmp_path
     # the dropped groups' tokens and samples at least (groups finished but never trained add)
     assert separate.generated_per_trained >= (trained_tokens + dropped_tokens) / trained_tokens - 1e-9
     assert separate.requests_per_sample >= (trained_samples + dropped_samples) / trained_samples
+
+
+def test_several_plans_on_one_pool_each_get_their_own_runs(tmp_path):
+    """``run_plans`` spreads the runs of several specs over one pool; each result holds its own
+    spec's runs, the same as that spec planned alone."""
+    specs = [
+        PlanSpec(
+            workload_config(**{"trainer.max_off_policy_strategy": s}),
+            gpus=4,
+            modes=("separate_async",),
+            seeds=(0,),
+            output_dir=str(tmp_path / s),
+        )
+        for s in ("drop", "wait")
+    ]
+    together = run_plans(specs, workers=2)
+    assert [r.spec for r in together] == specs
+    for spec, result in zip(specs, together):
+        alone = run_plan(dataclasses.replace(spec, output_dir=str(tmp_path / "alone")))
+        strip = [{k: v for k, v in vars(r).items() if k != "run_dir"} for r in result.runs]
+        assert strip == [{k: v for k, v in vars(r).items() if k != "run_dir"} for r in alone.runs]
+    assert together[0].runs[0].dropped_groups > 0 and together[1].runs[0].dropped_groups == 0  # wait drops none
 
 
 def test_spread_over_processes_the_longest_runs_start_first():
