@@ -16,24 +16,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import statistics
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from typing import Any
 
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from rollfleet.plan.planner import ModeRun, PlanSpec, run_plan
+from rollfleet.plan.planner import ModeRun, run_plans
 from rollfleet.plan.verl_table import ASYNC_LOCAL_STEPS, VERL_ROWS, Assumed, learner_fits, row_specs
 
 SPEEDUP_TOLERANCE = 0.15
 IDLE_TOLERANCE = 0.10
-
-
-def _plan(spec: PlanSpec) -> list[ModeRun]:
-    return run_plan(spec, workers=1).runs
 
 
 def _mean(runs: list[ModeRun], key: str) -> float:
@@ -52,6 +46,12 @@ def main() -> None:
     parser.add_argument(
         "--weight-load-ms", type=float, default=defaults.weight_load_ms, help="assumed: a weight sync's stall"
     )
+    parser.add_argument(
+        "--strategy",
+        default="drop",
+        choices=("drop", "wait", "mask"),
+        help="the async plans' trainer.max_off_policy_strategy",
+    )
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--out", default="runs/verl_table", help="the plans' run folders")
     parser.add_argument("--json", help="write the numbers here")
@@ -65,19 +65,27 @@ def main() -> None:
         (row.gpus, mode): spec
         for row in VERL_ROWS
         for mode, spec in row_specs(
-            row, assumed, scale=args.scale, steps=args.steps, seeds=seeds, output_dir=args.out, fits=fits
+            row,
+            assumed,
+            scale=args.scale,
+            steps=args.steps,
+            seeds=seeds,
+            output_dir=args.out,
+            fits=fits,
+            strategy=args.strategy,
         ).items()
     }
-    results: dict[tuple[int, str], list[ModeRun]] = {}
     with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("planning verl's rows", total=len(jobs))
-        pool = ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context("spawn"))
-        with pool:
-            futures = {pool.submit(_plan, spec): key for key, spec in jobs.items()}
-            for future in as_completed(futures):
-                key = futures[future]
-                results[key] = future.result()
-                progress.update(task, advance=1, description=f"{key[0]} accelerators, {key[1]} done")
+        task = progress.add_task("planning verl's rows", total=len(jobs) * len(seeds))
+        # one pool for every row's runs, the longest first
+        plans = run_plans(
+            list(jobs.values()),
+            on_run=lambda r: progress.update(
+                task, advance=1, description=f"{r.mode} on {r.replicas} replicas, seed {r.seed} done"
+            ),
+            workers=args.workers,
+        )
+    results: dict[tuple[int, str], list[ModeRun]] = {key: plan.runs for key, plan in zip(jobs, plans)}
 
     rows: list[dict[str, Any]] = []
     for row in VERL_ROWS:

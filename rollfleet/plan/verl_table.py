@@ -142,10 +142,12 @@ def row_specs(
     seeds: tuple[int, ...] = (0,),
     output_dir: str = "runs/verl_table",
     fits: dict[str, LearnerFit] | None = None,
+    strategy: str = "drop",
 ) -> dict[str, PlanSpec]:
     """The row's two plans, ``sync`` and ``separate_async``, at ``scale`` of verl's size; ``steps``
     512-prompt steps each (the first left out). An async plan's step is one local step (a
-    quarter of verl's): multiply its step time by :data:`ASYNC_LOCAL_STEPS`."""
+    quarter of verl's): multiply its step time by :data:`ASYNC_LOCAL_STEPS`. ``strategy``: the
+    async plan's ``trainer.max_off_policy_strategy``."""
     gpus = round(row.gpus * scale)
     if gpus < 2 * TP:
         raise ValueError(f"scale {scale}: {row.gpus} accelerators become {gpus}, too few for two tp={TP} halves")
@@ -189,6 +191,7 @@ def row_specs(
             overrides.update(
                 {
                     "trainer.max_off_policy_steps": row.staleness,
+                    "trainer.max_off_policy_strategy": strategy,
                     "trainer.partial_rollout": True,
                     "trainer.max_inflight_groups": replicas * PROMPTS_IN_FLIGHT_PER_SERVER,
                     "trainer.max_queue_groups": math.ceil((1 + row.staleness) * round(PROMPTS * scale)),
