@@ -155,8 +155,8 @@ class ModeRun:
     # groups finished but not trained when the run ends, add) and requests per trained sample (1.0:
     # one each; every resume after an abort, a weight sync's in colocate_async, and every sample of
     # a dropped group add one). A resume re-sends the prompt and the tokens so far.
-    generated_per_trained: float = 1.0
-    requests_per_sample: float = 1.0
+    generated_per_trained: float
+    requests_per_sample: float
 
 
 @dataclass
