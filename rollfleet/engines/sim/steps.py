@@ -123,8 +123,7 @@ class StepLoop(BatchModel):
         """The steps to take at this wake: up to the first that may change the batch."""
         steps, counted = self._steps_ahead()
         running = len(self._running)
-        # KV the first step reads (context_len written out: a property call per sequence and wake)
-        context = sum(len(r.prompt_ids) + len(r.generated) + r.pending for r in self._running)
+        context = sum(r.context_len for r in self._running)  # KV the first step reads
         scale = self.config.time_scale
         self._stats["num_wakes"] += 1
         if steps == 1:
@@ -224,10 +223,8 @@ class StepLoop(BatchModel):
                     self._finish(req, reason)
 
     def _take_blocks(self, req: _Request, steps: int) -> None:
-        # Called for every running sequence at every wake: context_len and _blocks_for written out
-        # (their two calls were a third of this method's cost).
         req.pending += steps
-        need = -(-(len(req.prompt_ids) + len(req.generated) + req.pending) // self.config.block_size)
+        need = self._blocks_for(req.context_len)
         if need > req.blocks:
             self._kv_blocks_free -= need - req.blocks
             req.blocks = need

@@ -19,6 +19,11 @@ if TYPE_CHECKING:
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 _MULT = 0xBF58476D1CE4E5B9
+# the same constants as numpy scalars, for the vectorised rounds
+_MULT_U64 = np.uint64(_MULT)
+_SHIFT_U64 = np.uint64(31)
+_SEVEN_U64 = np.uint64(7)
+_LOGPROB_BINS_U64 = np.uint64(10_000)
 
 
 def _mix(*values: int) -> int:
@@ -37,12 +42,6 @@ def _mix_round(state: Any, values: Any) -> Any:
     x *= _MULT_U64
     x ^= x >> _SHIFT_U64
     return x
-
-
-_MULT_U64 = np.uint64(_MULT)
-_SHIFT_U64 = np.uint64(31)
-_SEVEN_U64 = np.uint64(7)
-_LOGPROB_BINS_U64 = np.uint64(10_000)
 
 
 def next_token(req: "_Request", vocab_size: int, eos: int) -> tuple[int, float]:
