@@ -16,27 +16,19 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import asdict
-from typing import Any
 
-from plan_speed import WORKLOAD
+from plan_speed import WORKLOAD, config
 from rich.console import Console
 from rich.table import Table
 
-from rollfleet.config import load_config
-from rollfleet.models.vocab import fit_sim_to_model
 from rollfleet.plan.planner import MODES, PlanSpec, run_plans
 
 STRATEGIES = ("drop", "wait", "mask")
 
 
 def spec(strategy: str, modes: tuple[str, ...], steps: int, gpus: int) -> PlanSpec:
-    overrides: dict[str, Any] = {
-        **WORKLOAD,
-        "trainer.total_steps": steps,
-        "trainer.max_off_policy_strategy": strategy,
-    }
-    config = fit_sim_to_model(load_config(None, overrides))
-    return PlanSpec(config, gpus=gpus, modes=modes, seeds=(0,), output_dir=f"runs/plan_served/{strategy}")
+    cfg = config(steps, None, **{"trainer.max_off_policy_strategy": strategy})
+    return PlanSpec(cfg, gpus=gpus, modes=modes, seeds=(0,), output_dir=f"runs/plan_served/{strategy}")
 
 
 def main() -> None:

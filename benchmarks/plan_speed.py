@@ -49,8 +49,9 @@ WORKLOAD = {
 }
 
 
-def config(steps: int, steps_per_wake: int | None) -> RollfleetConfig:
-    overrides: dict[str, Any] = {**WORKLOAD, "trainer.total_steps": steps}
+def config(steps: int, steps_per_wake: int | None, **extra: Any) -> RollfleetConfig:
+    """The workload for ``steps`` steps; ``extra``: dotted overrides on top of it."""
+    overrides: dict[str, Any] = {**WORKLOAD, "trainer.total_steps": steps, **extra}
     if steps_per_wake is not None:
         overrides["rollout.sim.max_steps_per_wake"] = steps_per_wake
     return fit_sim_to_model(load_config(None, overrides))
