@@ -209,7 +209,7 @@ class LongestGroupFirstGate(DispatchGate):
                         self._pool.discard(group)
             elif not waiter.future.cancelled():  # picked, then cancelled before its try
                 self._ungrant(waiter)
-                self.finished(request_id)  # a cancelled probe shows nothing of its group
+                self._unprobe(request_id)
                 self._drain()  # the slot goes to the next
             raise
         self._ungrant(waiter)
@@ -233,6 +233,20 @@ class LongestGroupFirstGate(DispatchGate):
             self._longest = max(self._longest, group.duration)
             if group.waiters:
                 self._enqueue(group)  # its siblings now rank by the probe's duration
+
+    def _unprobe(self, request_id: str) -> None:
+        """A probe cancelled before it ran shows nothing of its group: the group is unprobed
+        again, first in line, so that its next sample probes it (its probe's age, counted in the
+        heaps, is void)."""
+        group = self._probes.pop(request_id, None)
+        if group is None or group.duration is not None:
+            return
+        group.probe_start = None
+        if group.waiters:
+            if group in self._pool:
+                self._pool.discard(group)
+                self._pool_samples -= len(group.waiters)
+            self._fresh.appendleft(group)
 
     # ------------------------------------------------------------------ ordering
     def _group(self, key: int) -> _Group:
@@ -342,7 +356,11 @@ class LongestGroupFirstGate(DispatchGate):
         for heap, done in ((queue.running, False), (queue.done, True)):
             while heap:
                 group = heap[0][2]
-                if group.waiters and group.home == home and (group.duration is not None) == done:
+                if done:
+                    current = group.duration is not None
+                else:  # a probe cancelled before it ran voids its entries
+                    current = group.duration is None and group.probe_start == heap[0][0]
+                if group.waiters and group.home == home and current:
                     estimate = -heap[0][0] if done else now - heap[0][0]
                     if best is None or estimate > best[0]:
                         best = (estimate, heap)

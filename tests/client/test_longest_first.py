@@ -144,16 +144,50 @@ def test_two_wakes_in_one_tick_hand_out_a_slot_once_and_cancelled_waiters_pass_t
         tasks["A0"].cancel()  # picked, cancelled before it ran: its slot goes on to the next
         await asyncio.sleep(0)
         await asyncio.sleep(0)
-        assert order == ["B0"], order
+        assert order == ["A1"], order  # A's next sample, A still unprobed and first in line
         tasks["B1"].cancel()  # cancelled while held
         await asyncio.sleep(0)
-        assert gate.waiting == 1  # A1
+        assert gate.waiting == 1  # B0
         slots.free["r0"] = 5
         gate.wake(everyone=False)
         await asyncio.gather(tasks["A1"], tasks["B0"])
-        assert order == ["B0", "A1"] and gate.waiting == 0 and tasks["B1"].cancelled()
+        assert order == ["A1", "B0"] and gate.waiting == 0 and tasks["B1"].cancelled()
 
     virtual_time.run(main())
+
+
+def test_a_probe_cancelled_before_it_ran_leaves_its_group_unprobed_and_its_sibling_probes_it():
+    async def main() -> list[str]:
+        slots = Slots(r0=0)
+        gate = LongestGroupFirstGate(room=slots, limit=10)
+        order: list[str] = []
+        sample = sampler(gate, slots, order, {})
+        tasks = {f"{g}{i}": asyncio.ensure_future(sample(g, i)) for g in "AB" for i in range(3)}
+        await asyncio.sleep(0)
+        slots.free["r0"] = 1
+        gate.wake(everyone=False)  # A0 is picked as A's probe...
+        tasks["A0"].cancel()  # ...and cancelled before its try
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert order == ["A1"]  # A's next sample is its probe, ahead of B's
+        slots.free["r0"] = 1
+        gate.wake(everyone=False)
+        await asyncio.sleep(0)
+        assert order == ["A1", "B0"]
+        await asyncio.sleep(1)
+        gate.finished("B0")  # B's probe ran 1 s
+        await asyncio.sleep(2)  # A's still runs, 3 s old: A is the longer group, not a 0 s one
+        slots.free["r0"] = 2
+        gate.wake(everyone=False)
+        await asyncio.sleep(0)
+        assert order[2:] == ["A2", "B1"]
+        slots.free["r0"] = 1
+        gate.wake(everyone=False)
+        await asyncio.gather(*(t for name, t in tasks.items() if name != "A0"))
+        assert gate.waiting == 0
+        return order
+
+    assert virtual_time.run(main()) == ["A1", "B0", "A2", "B1", "B2"]
 
 
 def test_the_balancer_holds_placed_siblings_when_the_order_decides_but_never_a_session_turn():
