@@ -97,8 +97,10 @@ class DispatchGate:
     def dispatched(self, request_id: str, prompt_ids: Sequence[int], replica_id: str) -> None:
         """A request woken here got ``replica_id``."""
 
-    def finished(self, request_id: str) -> None:
-        """A request of this client is done, whatever its outcome."""
+    def finished(self, request_id: str, ended: bool = True) -> None:
+        """An attempt of a request of this client is over, whatever its outcome (``ended``: it
+        returned an output that was not aborted; an aborted or failed attempt may be resumed or
+        retried under the same id)."""
 
 
 @dataclass(eq=False)
@@ -164,7 +166,8 @@ class LongestGroupFirstGate(DispatchGate):
         self._probes_done = 0
         self._longest = 0.0  # the longest probe so far
         self._groups: LRUCache[int, _Group] = LRUCache(maxsize=max_groups)
-        self._probes: dict[str, _Group] = {}  # a probe's request id -> its group
+        # a probe's request id -> its group (bounded: a probe given up on never ends)
+        self._probes: LRUCache[str, _Group] = LRUCache(maxsize=max_groups)
         self._fresh: deque[_Group] = deque()
         self._queues: dict[Optional[str], _Queue] = {}  # by home (None: its probe has not landed yet)
         self._seq = count()
@@ -224,7 +227,9 @@ class LongestGroupFirstGate(DispatchGate):
             if group.waiters:
                 self._enqueue(group)
 
-    def finished(self, request_id: str) -> None:
+    def finished(self, request_id: str, ended: bool = True) -> None:
+        if not ended:  # resumed or retried under its id, or given up: its age keeps counting
+            return
         group = self._probes.pop(request_id, None)
         if group is not None and group.duration is None and group.probe_start is not None:
             group.duration = virtual_time.now() - group.probe_start

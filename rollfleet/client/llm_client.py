@@ -230,6 +230,7 @@ class LLMServerClient:
         kwargs: dict[str, Any],
     ) -> ReplicaResponse:
         server_id: Optional[str] = None
+        ended = False
         try:
             server_id, handle = await self._acquire(request_id, prompt_len, prompt_ids)
             ref = handle.generate_with_load.remote(
@@ -253,9 +254,10 @@ class LLMServerClient:
                         _cancel(ref)
                 raise
             self.balancer.report_load(response.load)
+            ended = response.output.stop_reason != "aborted"
             return response
         finally:
-            await self._release(server_id, prompt_len, request_id)
+            await self._release(server_id, prompt_len, request_id, ended)
 
     async def _acquire(self, request_id: str, prompt_len: int, prompt_ids: list[int]) -> tuple[str, Any]:
         if self._remote_balancer is not None:
@@ -277,10 +279,11 @@ class LLMServerClient:
             woken = True
             self.fleet.expire_quarantine()
 
-    async def _release(self, server_id: Optional[str], prompt_len: int, request_id: str) -> None:
-        """Uncount a request (``server_id`` None: it never got a replica; only the gate hears)."""
+    async def _release(self, server_id: Optional[str], prompt_len: int, request_id: str, ended: bool) -> None:
+        """Uncount an attempt (``server_id`` None: it never got a replica; only the gate hears;
+        ``ended``: it returned an output that was not aborted)."""
         if self._gate is not None:
-            self._gate.finished(request_id)
+            self._gate.finished(request_id, ended)
         if server_id is None:
             return
         if self._remote_balancer is not None:

@@ -134,15 +134,17 @@ async def _attempt(
     try:
         server_id, handle = await client._acquire(request_id, len(prompt), prompt)
     except BaseException:
-        await client._release(None, len(prompt), request_id)
+        await client._release(None, len(prompt), request_id, ended=False)
         raise
     kwargs = {**kwargs, "client_id": client.balancer.client_id}
+    ended = False  # an output came back that was not aborted (the gate times probes by it)
     try:
         stream_call = getattr(handle, "stream_generate", None)
         try:
             if stream_call is None:
                 response = await handle.generate_with_load.remote(request_id, prompt, params, **kwargs)
                 client.balancer.report_load(response.load)
+                ended = response.output.stop_reason != "aborted"
                 yield response.output
                 return
             stream = cast(AsyncGenerator, stream_call(request_id, prompt, params, **kwargs))
@@ -150,6 +152,7 @@ async def _attempt(
                 async for item in stream:
                     if isinstance(item, ReplicaResponse):
                         client.balancer.report_load(item.load)
+                        ended = item.output.stop_reason != "aborted"
                         yield item.output
                     else:
                         yield item
@@ -162,7 +165,7 @@ async def _attempt(
                 client.balancer.finish_session(request_id)  # the session moves on to another replica
             raise
     finally:
-        await client._release(server_id, len(prompt), request_id)
+        await client._release(server_id, len(prompt), request_id, ended)
 
 
 def _whole(sofar: _Sofar, last: Optional[TokenOutput], stop_reason: str, budget: int) -> TokenOutput:

@@ -190,6 +190,33 @@ def test_a_probe_cancelled_before_it_ran_leaves_its_group_unprobed_and_its_sibli
     assert virtual_time.run(main()) == ["A1", "B0", "A2", "B1", "B2"]
 
 
+def test_a_probe_aborted_mid_way_and_resumed_is_timed_to_its_end_not_to_the_abort():
+    async def main() -> list[str]:
+        slots = Slots(r0=2)
+        gate = LongestGroupFirstGate(room=slots, limit=10)
+        order: list[str] = []
+        sample = sampler(gate, slots, order, {})
+        tasks = [asyncio.ensure_future(sample(g, i)) for g in "AB" for i in range(2)]
+        await asyncio.sleep(0.001)
+        assert order == ["A0", "B0"]
+        await asyncio.sleep(1)
+        gate.finished("A0", ended=False)  # a weight sync aborted A's probe at 1 s; it resumes
+        gate.finished("B0", ended=False)  # and B's
+        await asyncio.sleep(1)
+        gate.finished("B0")  # B's ended at 2 s
+        await asyncio.sleep(2)
+        gate.finished("A0")  # A's at 4 s: A is the longer group
+        slots.free["r0"] = 1
+        gate.wake(everyone=False)
+        await asyncio.sleep(0)
+        slots.free["r0"] = 1
+        gate.wake(everyone=False)
+        await asyncio.gather(*tasks)
+        return order
+
+    assert virtual_time.run(main()) == ["A0", "B0", "A1", "B1"]
+
+
 def test_the_balancer_holds_placed_siblings_when_the_order_decides_but_never_a_session_turn():
     lb = GlobalRequestLoadBalancer(
         {"s0": "h0", "s1": "h1"}, policy="prefix_affinity", seed=0, max_inflight_per_replica=1
@@ -267,3 +294,38 @@ def test_on_a_virtual_fleet_the_ordered_rollout_ends_sooner_and_leaks_nothing():
     assert fifo[2:] == (0, 0) and ordered[2:] == (0, 0)  # every sample finished, no count left over
     assert ordered[0] < fifo[0], (ordered, fifo)
     assert ordered[1] < fifo[1], (ordered, fifo)  # what runs last is shorter
+
+
+def test_a_resuming_client_tells_the_gate_an_aborted_attempt_did_not_end_its_sample():
+    async def main() -> list[tuple[str, bool]]:
+        fleet = await VirtualFleet(grpo_config("longest_group_first")).start()
+        client = fleet.client
+        gate = client._gate
+        assert gate is not None
+        calls: list[tuple[str, bool]] = []
+        heard = gate.finished
+        gate.finished = lambda rid, ended=True: (calls.append((rid, ended)), heard(rid, ended))[1]  # type: ignore[method-assign]
+        rng = random.Random(1)
+        prompts = [[rng.randrange(3, 1000) for _ in range(64)] for _ in range(8)]
+        try:
+            samples = asyncio.gather(
+                *(
+                    client.generate(f"g{g}-{i}", prompt_ids=prompts[g], sampling_params={"max_tokens": 256, "seed": i})
+                    for g in range(8)
+                    for i in range(4)
+                )
+            )
+            await asyncio.sleep(0.5)
+            await fleet.update_weights(mode="abort")  # aborts what runs; the client resumes it
+            outs = await samples
+            assert all(out.stop_reason != "aborted" for out in outs)
+            return calls
+        finally:
+            await fleet.shutdown()
+
+    calls = virtual_time.run(main())
+    aborted = {rid for rid, ended in calls if not ended}
+    ends = [rid for rid, ended in calls if ended]
+    assert aborted, "the weight update aborted nothing: the test proves nothing"
+    assert sorted(ends) == sorted({rid for rid, _ in calls})  # each sample ended once, aborted or not
+    assert all(calls.index((rid, False)) < calls.index((rid, True)) for rid in aborted)
