@@ -194,3 +194,30 @@ def test_a_one_step_wake_counts_its_tokens_instead_of_producing_every_sequences(
 
     assert virtual_time.run(run()) == [10, 11, 12, 40]
     assert sorted(produced) == [("r10", 10), ("r11", 11), ("r12", 12), ("r40", 40)]
+
+
+@pytest.mark.parametrize("steps_per_wake", [1, 10_000])
+def test_an_engine_restarted_after_a_shutdown_mid_run_counts_only_the_steps_it_takes(steps_per_wake):
+    async def main() -> tuple[dict, dict]:
+        engine = SimEngine(
+            SimEngineConfig(
+                vocab_size=500, step_base_ms=10.0, step_per_seq_ms=0, prefill_per_token_ms=0,
+                max_steps_per_wake=steps_per_wake,
+            )
+        )  # fmt: skip
+        await engine.start()
+        long = asyncio.ensure_future(engine.generate("a", [5] * 16, {"max_tokens": 1000, "ignore_eos": True}))
+        await asyncio.sleep(0.105)  # ten steps into a thousand
+        await engine.shutdown()
+        await asyncio.gather(long, return_exceptions=True)
+        before = engine.stats()
+        await asyncio.sleep(20.0)
+        await engine.start()
+        await engine.generate("b", [6] * 16, {"max_tokens": 10, "ignore_eos": True})
+        after = engine.stats()
+        await engine.shutdown()
+        return before, after
+
+    before, after = virtual_time.run(main())
+    assert after["num_steps"] == before["num_steps"] + 10
+    assert after["sim_busy_s"] == pytest.approx(before["sim_busy_s"] + 0.1)

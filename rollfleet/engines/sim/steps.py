@@ -108,11 +108,13 @@ class StepLoop(BatchModel):
                 anchor = (loop.time(), self._sim_clock)
             run = self._plan(prefill, anchor)
             self._run_now = run
-            if run.planned == 1:
-                await asyncio.sleep(max(0.0, run.ends[0] - loop.time()))
-            else:
-                await self._sleep_until(run.ends[-1])
-            self._run_now = None
+            try:
+                if run.planned == 1:
+                    await asyncio.sleep(max(0.0, run.ends[0] - loop.time()))
+                else:
+                    await self._sleep_until(run.ends[-1])
+            finally:  # cancelled (a shutdown), it must not be settled by a restarted engine
+                self._run_now = None
             if self._stopped():
                 continue  # the step in progress was interrupted; its tokens are not emitted
             if self._slow_factor != 1.0:
