@@ -10,6 +10,7 @@ import pytest
 from rollfleet.config import SimEngineConfig
 from rollfleet.engines.sim import SimEngine
 from rollfleet.errors import EngineDead
+from rollfleet.utils import virtual_time
 
 pytestmark = pytest.mark.unit
 
@@ -79,6 +80,33 @@ async def test_prefix_cache_holds_the_free_kv_blocks_and_evicts_a_prompt_last():
     await eng.generate("a2", prompt_a + [5], {"max_tokens": 1})
     assert eng.stats()["prefix_cache_hit_tokens"] - before == 13 * 16  # a's first 13 blocks
     await eng.shutdown()
+
+
+def test_a_prompt_hit_from_the_free_blocks_is_evicted_tail_first_too():
+    """A hit makes a prompt's free blocks most recent, its head last of all (as a finished request
+    frees them): an eviction takes its tail, and the rest still hits. Refreshed head first, the
+    head went first and the blocks left could never be hit again (a lookup stops at a miss)."""
+
+    async def main() -> tuple[int, int]:
+        eng = SimEngine(SimEngineConfig(vocab_size=500, block_size=4, kv_capacity_tokens=64))  # 16 blocks
+        await eng.start()
+        prompt = list(range(10, 26))  # 4 blocks
+        await eng.generate("a", prompt, {"max_tokens": 1, "ignore_eos": True})  # leaves them cached, free
+        running = asyncio.create_task(eng.generate("b", prompt, {"max_tokens": 30, "ignore_eos": True}))
+        await asyncio.sleep(0.001)  # b hit all 4 (without holding them) and runs
+        assert eng.stats()["prefix_cache_hit_tokens"] == 16
+        await eng.generate("c", [400] * 31, {"max_tokens": 1, "ignore_eos": True})  # its 8 blocks evict some
+        cache, hashes = eng._prefix_cache, eng._hashes_of(eng._requests["b"])[:4]
+        cached = sum(h in cache._free for h in hashes)  # the prompt's blocks still cached
+        hit = cache.hit_blocks(hashes)
+        assert not running.done()
+        await eng.abort("b")
+        await running
+        await eng.shutdown()
+        return cached, hit
+
+    cached, hit = virtual_time.run(main())
+    assert 0 < cached < 4 and hit == cached
 
 
 async def test_a_running_request_keeps_its_prompt_cached_under_any_pressure():

@@ -42,13 +42,15 @@ class PrefixCache:
         """How many of ``hashes``, from the first, are cached (the free ones become most recent)."""
         if not self.enabled:
             return 0
+        free = self._free
         hits = 0
         for h in hashes:
-            if h not in self._held:
-                if h not in self._free:
-                    break
-                self._free.move_to_end(h)
+            if h not in self._held and h not in free:
+                break
             hits += 1
+        for h in reversed(hashes[:hits]):  # tail first, as insert: the head goes last
+            if h in free:
+                free.move_to_end(h)
         return hits
 
     def hold(self, hashes: list[int]) -> tuple[int, int]:
