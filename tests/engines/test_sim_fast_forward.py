@@ -221,3 +221,32 @@ def test_an_engine_restarted_after_a_shutdown_mid_run_counts_only_the_steps_it_t
     before, after = virtual_time.run(main())
     assert after["num_steps"] == before["num_steps"] + 10
     assert after["sim_busy_s"] == pytest.approx(before["sim_busy_s"] + 0.1)
+
+
+@pytest.mark.parametrize("steps_per_wake", [1, 10_000])
+def test_a_request_arriving_exactly_at_a_step_end_waits_for_the_next_step_in_both_loops(steps_per_wake):
+    """On a virtual clock events land exactly on step ends (round step costs, a client answering a
+    finished request at once). A step ending exactly now is still in progress to a new arrival, as
+    one step at a time: the arrival joins the step after it (fast-forward counted the step as
+    ended and admitted it one step later than the stepped engine)."""
+    step = 1 / 128  # exact in binary: step ends are exact multiples
+
+    async def main() -> float:
+        engine = SimEngine(
+            SimEngineConfig(
+                vocab_size=500, step_base_ms=step * 1000, step_per_seq_ms=0.0, prefill_per_token_ms=0.0,
+                max_steps_per_wake=steps_per_wake,
+            )
+        )  # fmt: skip
+        await engine.start()
+        loop = asyncio.get_running_loop()
+        other = asyncio.ensure_future(engine.generate("c", [7] * 16, {"max_tokens": 50, "ignore_eos": True}))
+        await asyncio.sleep(10 * step)  # exactly the end of c's tenth step
+        arrived = loop.time()
+        await engine.generate("b", [6] * 16, {"max_tokens": 3, "ignore_eos": True})
+        took = (loop.time() - arrived) / step
+        await other
+        await engine.shutdown()
+        return took
+
+    assert virtual_time.run(main()) == pytest.approx(3)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from bisect import bisect_right
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -243,7 +243,7 @@ class StepLoop(BatchModel):
             loop = asyncio.get_running_loop()
         except RuntimeError:  # read from outside the loop (a test, a report): nothing has ended yet
             return
-        ended = bisect_right(run.ends, loop.time(), run.done, run.planned)
+        ended = bisect_left(run.ends, loop.time(), run.done, run.planned)
         self._settle(run, ended)
         if interrupt and ended < run.planned:
             del run.ends[ended + 1 :]
