@@ -294,3 +294,42 @@ async def test_response_lengths_are_drawn_from_the_given_samples():
     assert set(lengths) == {7, 300}  # only the given lengths, and both of them
     with pytest.raises(ValueError, match="response_lengths"):
         cfg(response_lengths=[5, 0])
+
+
+def test_a_pause_or_resume_during_a_weight_load_holds_after_it():
+    """A commit stops the steps while it loads; what the operator does meanwhile is theirs: a pause
+    stays paused after the load, a resume runs again (the commit used to restore the pause flag it
+    found, undoing both)."""
+    params = {"max_tokens": 20, "ignore_eos": True}
+
+    async def main() -> tuple[str, bool, bool]:
+        paused = SimEngine(SimEngineConfig(vocab_size=500, weight_load_ms=50.0, step_base_ms=10.0))
+        await paused.start()
+        await paused.stage_weights({"w": 1}, 1)
+        commit = asyncio.ensure_future(paused.commit_weights(1, "keep"))
+        await asyncio.sleep(0.01)  # loading
+        await paused.pause()
+        await commit
+        health = (await paused.health()).detail
+        held = asyncio.ensure_future(paused.generate("x", [5] * 16, params))
+        await asyncio.sleep(1.0)
+        held_ran = held.done()
+        await paused.resume()
+        await held
+        await paused.shutdown()
+
+        resumed = SimEngine(SimEngineConfig(vocab_size=500, weight_load_ms=50.0, step_base_ms=10.0))
+        await resumed.start()
+        await resumed.pause()
+        await resumed.stage_weights({"w": 1}, 1)
+        commit = asyncio.ensure_future(resumed.commit_weights(1, "abort"))
+        await asyncio.sleep(0.01)
+        await resumed.resume()
+        sent = asyncio.ensure_future(resumed.generate("y", [5] * 16, params))
+        await commit
+        await asyncio.sleep(1.0)
+        ran = sent.done()
+        await resumed.shutdown()
+        return health, held_ran, ran
+
+    assert virtual_time.run(main()) == ("paused", False, True)

@@ -57,6 +57,7 @@ class SimEngine(StepLoop, Engine):
         self._version_label: Optional[int] = None
         self._admit_counter = 0
         self._paused = False
+        self._loading = 0  # weight loads in progress (commit_weights)
         self._sleeping = False
         self._started = False
         self._dead: Optional[str] = None
@@ -259,9 +260,8 @@ class SimEngine(StepLoop, Engine):
             raise KeyError(f"no weights staged under version {version} (staged: {sorted(staged)})")
         self._catch_up()
         self._materialize_all()
-        was_paused = self._paused
-        self._paused = True  # the step loop emits nothing until the load is done
-        try:
+        self._loading += 1  # the step loop emits nothing until the load is done (a pause or resume
+        try:  # meanwhile is the operator's: it holds after the load)
             if self.config.weight_load_ms:
                 await asyncio.sleep(self.config.weight_load_ms / 1000.0 / self.config.time_scale)
             await self.update_weights(staged.pop(version))
@@ -269,7 +269,7 @@ class SimEngine(StepLoop, Engine):
             for req in self._requests.values():  # in flight: the rest comes from the new weights
                 req.token_seed = _mix(self._weights_seed, *req.sample_key)
         finally:
-            self._paused = was_paused
+            self._loading -= 1
             if self._work is not None:
                 self._work.set()
 

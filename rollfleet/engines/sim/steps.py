@@ -60,6 +60,7 @@ class StepLoop(BatchModel):
 
     _cost: StepCost
     _paused: bool
+    _loading: int
     _sleeping: bool
     _hung: bool
     _dead: Optional[str]
@@ -82,7 +83,7 @@ class StepLoop(BatchModel):
             self._fail_all(EngineDead(f"sim-{self.replica_index}", self._dead))
 
     def _stopped(self) -> bool:
-        return self._paused or self._sleeping or self._hung or self._dead is not None
+        return self._paused or self._loading > 0 or self._sleeping or self._hung or self._dead is not None
 
     async def _steps(self) -> None:
         assert self._work is not None
