@@ -20,6 +20,8 @@ sent as one delta.
 
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Optional, Union, cast
 
@@ -32,30 +34,59 @@ from rollfleet.utils import virtual_time
 if TYPE_CHECKING:  # pragma: no cover
     from rollfleet.client.llm_client import LLMServerClient
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class _Sofar:
-    """What the stream has delivered, over every attempt."""
+    """What the stream has delivered, over every attempt, kept as :meth:`generate` would give it
+    for the same attempts: logprobs or versions that some attempt did not give are unknown (None)
+    for the whole output, never made up."""
 
     token_ids: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     versions: list[Optional[int]] = field(default_factory=list)
     num_preempted: int = 0
     attempts: list[dict[str, Any]] = field(default_factory=list)
+    #: Every token has its logprob (a delta or an output without them makes them unknown).
+    log_probs_known: bool = True
+    #: Every token's version is known (a replica's output may say they are not: None).
+    versions_known: bool = True
+    #: ``min_global_steps`` of the first attempt that brought tokens, ``max_global_steps`` of the
+    #: last: the versions of the first and last token when the per-token list is unknown.
+    first_version: Optional[int] = None
+    last_version: Optional[int] = None
 
     def add(self, delta: TokenDelta) -> None:
+        n = len(delta.token_ids)
         self.token_ids += delta.token_ids
-        self.log_probs += delta.log_probs
-        self.versions += delta.token_versions
+        if len(delta.log_probs) == n:
+            self.log_probs += delta.log_probs
+        else:  # kept aligned with the tokens; the output may still bring them
+            self.log_probs += [math.nan] * n
+        if len(delta.token_versions) == n:
+            self.versions += delta.token_versions
+        else:
+            self.versions += [None] * n
 
     def settle(self, start: int, out: TokenOutput) -> None:
         """The attempt's whole output is the authority for its span: its logprobs and versions (an
-        engine may learn a token's version only at the end) replace what the deltas said."""
+        engine may learn a token's version only at the end) replace what the deltas said, and where
+        it has none, none are known."""
         n = len(out.token_ids)
         if out.log_probs is not None and len(out.log_probs) == n:
             self.log_probs[start : start + n] = out.log_probs
+        elif n:
+            self.log_probs_known = False
         if out.token_versions is not None and len(out.token_versions) == n:
             self.versions[start : start + n] = out.token_versions
+        elif n:
+            self.versions_known = False
+        if n:
+            extra = out.extra_fields
+            if self.first_version is None:
+                self.first_version = extra.get("min_global_steps", extra.get("global_steps"))
+            self.last_version = extra.get("max_global_steps", extra.get("global_steps"))
         self.num_preempted += out.num_preempted or 0
         self.attempts.append(dict(out.extra_fields))
 
@@ -83,6 +114,7 @@ async def stream_generate(
         attempt = cast(
             AsyncGenerator, _attempt(client, request_id, list(prompt_ids) + sofar.token_ids, attempt_params, kwargs)
         )
+        settled = False  # the attempt's output is in: the attempt is over, whatever follows
         try:
             async for item in attempt:
                 if isinstance(item, TokenDelta):
@@ -93,26 +125,37 @@ async def stream_generate(
                 rest = out.token_ids[len(sofar.token_ids) - before :]  # what no delta carried
                 if rest:
                     n = len(rest)
-                    lps, vs = out.log_probs or [0.0] * n, out.token_versions or [None] * n
+                    lps = out.log_probs if out.log_probs is not None and len(out.log_probs) >= n else [math.nan] * n
+                    vs = (
+                        out.token_versions
+                        if out.token_versions is not None and len(out.token_versions) >= n
+                        else [None] * n
+                    )
                     tail = TokenDelta(rest, list(lps[-n:]), list(vs[-n:]))
                     sofar.add(tail)
                     yield tail
                 sofar.settle(before, out)
+                settled = True
                 last, stop_reason = out, out.stop_reason
         except Exception as raw:
             exc = unwrap(raw)
-            if not is_retryable(exc):
-                raise exc from (None if exc is raw else raw)
-            if isinstance(exc, NoServerAvailable):
-                no_server_since = no_server_since or virtual_time.now()
-                if virtual_time.now() - no_server_since > client.config.retry.no_server_wait_s:
-                    raise RetriesExhausted(request_id, failures + 1, exc) from exc
-            elif len(sofar.token_ids) == before:
-                failures += 1  # a failure that brought nothing: bounded; one that did is a resume
-                if failures >= client.retry.max_attempts:
-                    raise RetriesExhausted(request_id, failures, exc) from exc
-            await client.retry.wait(max(1, failures))
-            continue
+            if settled:
+                # e.g. the connection dropped after the last frame: the generation had ended (the
+                # replica is quarantined all the same); resending it would run past its stop.
+                logger.debug("request %s: %r after its output; the output stands", request_id, exc)
+            else:
+                if not is_retryable(exc):
+                    raise exc from (None if exc is raw else raw)
+                if isinstance(exc, NoServerAvailable):
+                    no_server_since = no_server_since or virtual_time.now()
+                    if virtual_time.now() - no_server_since > client.config.retry.no_server_wait_s:
+                        raise RetriesExhausted(request_id, failures + 1, exc) from exc
+                elif len(sofar.token_ids) == before:
+                    failures += 1  # a failure that brought nothing: bounded; one that did is a resume
+                    if failures >= client.retry.max_attempts:
+                        raise RetriesExhausted(request_id, failures, exc) from exc
+                await client.retry.wait(max(1, failures))
+                continue
         finally:
             await attempt.aclose()  # at once: it releases the replica and cancels its request
         no_server_since = None
@@ -172,17 +215,23 @@ def _whole(sofar: _Sofar, last: Optional[TokenOutput], stop_reason: str, budget:
     if len(sofar.token_ids) >= budget and stop_reason == "aborted":
         stop_reason = "length"
     extra = dict(last.extra_fields) if last is not None else {}
-    known = [v for v in sofar.versions if v is not None]
+    log_probs: Optional[list[float]] = sofar.log_probs
+    if not sofar.log_probs_known or any(math.isnan(x) for x in sofar.log_probs):
+        log_probs = None
+    versions: Optional[list[Optional[int]]] = sofar.versions if sofar.versions_known else None
+    known = [v for v in versions if v is not None] if versions is not None else []
     if known:
         extra["min_global_steps"], extra["max_global_steps"] = min(known), max(known)
+    elif sofar.first_version is not None or sofar.last_version is not None:
+        extra["min_global_steps"], extra["max_global_steps"] = sofar.first_version, sofar.last_version
     extra["num_resumes"] = max(0, len(sofar.attempts) - 1)
     extra["attempts"] = sofar.attempts
     return TokenOutput(
         token_ids=sofar.token_ids,
-        log_probs=sofar.log_probs,
+        log_probs=log_probs,
         stop_reason=stop_reason,
         num_preempted=sofar.num_preempted,
-        token_versions=sofar.versions,
+        token_versions=versions,
         extra_fields=extra,
     )
 

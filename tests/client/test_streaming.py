@@ -1,6 +1,8 @@
 """Streamed generation through the client, on in-process sim replicas (no Ray): tokens arrive as
 the engine samples them, and a stream cut short by a dead replica or an abort goes on elsewhere
-from the tokens already received, never repeating one."""
+from the tokens already received, never repeating one. On scripted replicas: a stream that fails
+after its output is over, and a streamed output says of logprobs and versions what generate()
+says."""
 
 from __future__ import annotations
 
@@ -12,9 +14,10 @@ import pytest
 
 from rollfleet.client import FullyAsyncLLMServerClient, LLMServerClient
 from rollfleet.config import RolloutConfig, SimEngineConfig
+from rollfleet.errors import ReplicaUnavailable
 from rollfleet.server.local import LocalHandle
 from rollfleet.server.replica import Replica
-from rollfleet.types import TokenDelta, TokenOutput
+from rollfleet.types import LoadReport, ReplicaResponse, TokenDelta, TokenOutput
 
 pytestmark = pytest.mark.unit
 
@@ -138,3 +141,95 @@ async def test_leaving_a_stream_early_aborts_the_generation_and_frees_the_replic
     assert replicas[0].engine.stats()["num_aborted"] == 1 and replicas[0]._book.requests == 0
     for r in replicas:
         await r.shutdown()
+
+
+# ---------------------------------------------------------------- handles that script one attempt
+def _output(log_probs: Any, versions: Any, first: int = 0, last: int = 0, stop: str = "stop") -> TokenOutput:
+    extra = {"global_steps": last, "min_global_steps": first, "max_global_steps": last}
+    return TokenOutput(
+        token_ids=[11, 12, 13], log_probs=log_probs, token_versions=versions, stop_reason=stop, extra_fields=extra
+    )
+
+
+class _Scripted:
+    """A streaming handle: one delta, then the output; optionally a replica failure after both
+    (the connection dropping while the end of the stream is read)."""
+
+    def __init__(self, name: str, delta: TokenDelta, final: TokenOutput, fail_after: bool = False) -> None:
+        self.name, self.delta, self.final, self.fail_after = name, delta, final, fail_after
+        self.calls: list[list[int]] = []
+
+    async def stream_generate(self, request_id: str, prompt_ids: list[int], params: Any, **kwargs: Any):
+        self.calls.append(list(prompt_ids))
+        yield self.delta
+        yield ReplicaResponse(self.final, LoadReport(replica_id=self.name))
+        if self.fail_after:
+            raise ReplicaUnavailable(self.name, "connection dropped after the last frame")
+
+
+class _Whole:
+    """A handle without a data plane (a Ray actor): the whole output at once."""
+
+    def __init__(self, final: TokenOutput) -> None:
+        self.final = final
+
+    async def generate_with_load(self, request_id: str, prompt_ids: list[int], params: Any, **kwargs: Any):
+        return ReplicaResponse(self.final, LoadReport(replica_id="s0"))
+
+
+async def _stream_once(servers: dict[str, Any]) -> tuple[LLMServerClient, TokenOutput]:
+    config = RolloutConfig(response_length=64, retry={"initial_backoff_s": 0.0, "jitter": 0.0})
+    client = LLMServerClient(config, servers=servers)
+    _, final, _ = await collect(client.generate_stream("r", prompt_ids=[1, 2], sampling_params={"max_tokens": 64}))
+    return client, final
+
+
+async def test_a_failure_after_the_output_ends_nothing_and_resends_nothing():
+    # Every replica drops its connection after its last frame: the first output is the answer.
+    delta = TokenDelta([11, 12, 13], [-0.1] * 3, [0] * 3)
+    handles = {n: _Scripted(n, delta, _output([-0.1] * 3, [0] * 3), fail_after=True) for n in ("a", "b")}
+    client, final = await _stream_once(handles)
+    assert sum(len(h.calls) for h in handles.values()) == 1
+    assert final.token_ids == [11, 12, 13] and final.stop_reason == "stop"
+    assert final.extra_fields["num_resumes"] == 0
+    assert client.balancer.get_total_inflight() == 0
+
+
+async def test_a_stream_makes_up_no_logprob_or_version_that_generate_would_not_give():
+    # (a) no logprobs at all, from a handle that does not stream: None, as generate() gives
+    client = LLMServerClient(
+        RolloutConfig(response_length=64), servers={"s0": LocalHandle(_Whole(_output(None, [0] * 3)))}
+    )
+    plain = await client.generate("r", prompt_ids=[1], sampling_params={"max_tokens": 64})
+    _, streamed = await _stream_once({"s0": RayLike(_Whole(_output(None, [0] * 3)))})
+    assert plain.log_probs is None and streamed.log_probs is None
+    assert streamed.token_ids == [11, 12, 13]
+    # (b) deltas without logprobs and an output without them: unknown, not a shorter list
+    _, streamed = await _stream_once(
+        {"s0": _Scripted("s0", TokenDelta([11, 12, 13], [], [0] * 3), _output(None, [0] * 3))}
+    )
+    assert streamed.log_probs is None
+    # (c) the output says the versions are unknown (a keep-mode commit in the attempt): so is
+    # the stream's, and its first/last versions are the replica's, not the deltas' guesses
+    delta = TokenDelta([11, 12, 13], [-0.1] * 3, [0] * 3)
+    _, streamed = await _stream_once({"s0": _Scripted("s0", delta, _output([-0.1] * 3, None, first=0, last=1))})
+    assert streamed.token_versions is None
+    assert (streamed.extra_fields["min_global_steps"], streamed.extra_fields["max_global_steps"]) == (0, 1)
+    assert streamed.log_probs == [-0.1] * 3
+
+
+class RayLike:
+    """Calls a target the way a Ray actor handle is called: ``handle.generate_with_load.remote(...)``."""
+
+    def __init__(self, target: Any) -> None:
+        self.target = target
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.target, name)
+
+        class _Method:
+            @staticmethod
+            def remote(*args: Any, **kwargs: Any) -> Any:
+                return asyncio.ensure_future(method(*args, **kwargs))
+
+        return _Method()
