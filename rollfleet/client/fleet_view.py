@@ -169,6 +169,10 @@ class FleetView:
         """Stop routing to a replica that just failed a call, and tell the controller."""
         self._quarantined[server_id] = virtual_time.now() + self.quarantine_s
         self.balancer.set_routable(server_id, False)
+        try:  # let it back in on time, not on the next acquire: requests held for room wait on it
+            asyncio.get_running_loop().call_later(self.quarantine_s, self.expire_quarantine)
+        except RuntimeError:  # no loop (a synchronous caller): the next acquire lets it back in
+            pass
         if self.controller is not None:
             try:
                 self.controller.report_failure.remote(server_id, reason)

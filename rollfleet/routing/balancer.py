@@ -123,7 +123,8 @@ class GlobalRequestLoadBalancer:
         self.hold_placed = False
         #: Called when a held-back request may find room: ``on_room(False)`` after one of this
         #: balancer's requests finished (one slot), ``on_room(True)`` after a load report or a
-        #: membership change (any number).
+        #: membership change (any number), or when no replica is left to wait for (held requests
+        #: then wait out the outage in the client's retry policy, which bounds it).
         self.on_room: Optional[Callable[[bool], None]] = None
         self._servers: dict[str, _ServerState] = {}
         self._views: Optional[list[ReplicaView]] = None  # of the routable replicas (None: to rebuild)
@@ -221,7 +222,9 @@ class GlobalRequestLoadBalancer:
     def release_server(self, server_id: str, prompt_len: int = 0) -> None:
         """Uncount one request; unknown ids and extra releases are ignored (counts floor at 0)."""
         state = self._servers.get(server_id)
-        if state is None:
+        if state is None:  # removed meanwhile: nothing to uncount, but a held request may now go
+            if self.on_room is not None:
+                self.on_room(False)
             return
         if state.local > 0:
             state.local -= 1
@@ -270,7 +273,9 @@ class GlobalRequestLoadBalancer:
             if state.routable != routable:
                 self._views = None
             state.routable = routable
-            if routable and self.on_room is not None:
+            if self.on_room is not None and (routable or not self._placeable()[0]):
+                # room, or none anywhere: held requests then fail over to the retry policy's wait
+                # for a routable replica (bounded by retry.no_server_wait_s), not hang on this one
                 self.on_room(True)
 
     def set_preferred(self, server_ids: Optional[Iterable[str]]) -> None:
@@ -309,10 +314,11 @@ class GlobalRequestLoadBalancer:
 
     def remove_servers(self, server_ids: Iterable[str]) -> None:
         """Remove replicas; their sticky sessions are invalidated (lazily, on the next acquire)."""
-        for server_id in server_ids:
-            self._servers.pop(server_id, None)
+        removed = [server_id for server_id in server_ids if self._servers.pop(server_id, None) is not None]
         self._views = None
         self._policy.on_servers_changed(list(self._servers))
+        if removed and self.on_room is not None:
+            self.on_room(True)  # held requests re-place (or, with no replica left, fail over)
 
     def clear_sticky_cache(self) -> dict[str, Any]:
         cleared = len(self._request_id_to_server)
