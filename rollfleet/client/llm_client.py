@@ -118,6 +118,8 @@ class LLMServerClient:
         )
         self.retry = retry_policy or RetryPolicy(self.config.retry, seed=seed)
         self.extra_options = kwargs
+        #: Acquires whose callers were cancelled mid-call, and their releases (:meth:`_acquire_remote`).
+        self._orphans: set[asyncio.Future[Any]] = set()
         #: Constructor keyword arguments a copy in another process is rebuilt with (``__reduce__``).
         self.init_kwargs: dict[str, Any] = dict(kwargs)
         if load_balancer_handle is not None:
@@ -261,7 +263,7 @@ class LLMServerClient:
 
     async def _acquire(self, request_id: str, prompt_len: int, prompt_ids: list[int]) -> tuple[str, Any]:
         if self._remote_balancer is not None:
-            return await self._remote_balancer.acquire_server.remote(request_id)
+            return await self._acquire_remote(request_id)
         self.fleet.expire_quarantine()
         if self._gate is None:
             return self.balancer.acquire_server(request_id, prompt_len, prompt_ids)
@@ -279,6 +281,36 @@ class LLMServerClient:
             woken = True
             self.fleet.expire_quarantine()
 
+    async def _acquire_remote(self, request_id: str) -> tuple[str, Any]:
+        """Acquire through the shared balancer actor. A caller cancelled while the call is in
+        flight does not undo it (the actor counts the request all the same), so the replica it
+        picked is released as soon as the answer comes."""
+        call = asyncio.ensure_future(_await(self._remote_balancer.acquire_server.remote(request_id)))
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            self._orphans.add(call)
+            call.add_done_callback(self._orphans.discard)
+            call.add_done_callback(self._release_orphan)
+            raise
+
+    def _release_orphan(self, call: "asyncio.Future[tuple[str, Any]]") -> None:
+        if call.cancelled() or call.exception() is not None:
+            return  # nothing was counted
+        server_id, _ = call.result()
+        task = asyncio.ensure_future(self._release_remote(server_id))
+        self._orphans.add(task)  # held until done: the loop keeps only a weak reference
+        task.add_done_callback(self._orphans.discard)
+
+    async def _release_remote(self, server_id: str) -> None:
+        """Uncount on the shared balancer actor. Awaited, unlike verl's fire-and-forget (counts must
+        not drift), but never raised: the output is already in hand, and an error here would
+        regenerate it. A call that fails went to an actor that is gone, and its counts with it."""
+        try:
+            await self._remote_balancer.release_server.remote(server_id)
+        except Exception as exc:
+            logger.warning("release of %s on the shared load balancer failed: %r", server_id, exc)
+
     async def _release(self, server_id: Optional[str], prompt_len: int, request_id: str, ended: bool) -> None:
         """Uncount an attempt (``server_id`` None: it never got a replica; only the gate hears;
         ``ended``: it returned an output that was not aborted)."""
@@ -287,8 +319,7 @@ class LLMServerClient:
         if server_id is None:
             return
         if self._remote_balancer is not None:
-            # Awaited, unlike verl's fire-and-forget: counts must not drift.
-            await self._remote_balancer.release_server.remote(server_id)
+            await self._release_remote(server_id)
             return
         self.balancer.release_server(server_id, prompt_len)
 
