@@ -12,10 +12,14 @@ to everything that cuts a stream short:
   twice;
 * the attempt comes back ``aborted`` (a weight update in ``abort`` mode): with a resuming client
   (``partial_rollout``) it goes on likewise, on the new weights;
-* failures that bring no token count against ``retry.max_attempts``; bad input is raised at once.
+* failures that bring no token count against ``retry.max_attempts``; bad input is raised at once;
+* a failure after an attempt's output (the connection drops as the stream's end is read) ends
+  nothing: that generation is over, and resending it would run past its stop.
 
 Handles without a streaming call (a Ray actor without a data plane) answer with the whole output,
-sent as one delta.
+sent as one delta. The whole output says what :meth:`~rollfleet.client.LLMServerClient.generate`
+says of the same attempts: logprobs or per-token versions that an attempt's output lacks are
+None for the whole, not filled in.
 """
 
 from __future__ import annotations
