@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
+from rollfleet.trainer.rollouter import Rollouter
 from rollfleet.trainer.staleness import Group, GroupBuffer
 
 pytestmark = pytest.mark.unit
@@ -114,3 +116,47 @@ def test_mask_strategy_takes_stale_tokens_and_exhausted_partials_out_of_the_loss
     owner.train.max_off_policy_strategy = "drop"  # other strategies leave tokens alone
     batch.response_mask = torch.ones(3, 4, dtype=torch.long)
     assert Trainer._mask_off_policy(owner, batch) == {"rollout/resume_exhausted_masked": 1.0}
+
+
+async def test_a_failed_sample_stops_its_siblings_and_its_prompt_is_reissued():
+    """One sample of a group fails: its siblings are cancelled (not left generating, unseen and past
+    max_inflight_groups, while the prompt runs again) and the prompt is re-issued once."""
+    running: set[str] = set()
+    starts: list[int] = []
+
+    class Agents:
+        def expand(self, batch: list[dict], n: int) -> list[dict]:
+            return [{**batch[0], "uid": f"u{batch[0]['task_index']}", "k": k} for k in range(n)]
+
+        async def generate_sequences_single(self, sample: dict) -> Any:
+            key = f"{sample['task_index']}-{sample['k']}-{len(starts)}"
+            running.add(key)
+            try:
+                if sample["k"] == 0 and sample["task_index"] == 0 and starts.count(0) == 1:
+                    await asyncio.sleep(0.01)
+                    raise RuntimeError("this sample's trajectory failed")
+                await asyncio.sleep(3600)
+            finally:
+                running.discard(key)
+
+    class Stream:
+        def __init__(self) -> None:
+            self.index = 0
+
+        def next(self) -> dict:
+            self.index += 1
+            starts.append(self.index - 1)
+            return {"task_index": self.index - 1}
+
+        def sample_at(self, index: int) -> dict:
+            starts.append(index)
+            return {"task_index": index}
+
+    buffer = GroupBuffer(capacity=8, max_off_policy_steps=1, strategy="drop", groups_per_version=1, version=Clock())
+    rollouter = Rollouter(Agents(), Stream(), buffer, n=4, max_inflight_groups=1, partial_rollout=True, version=Clock())
+    rollouter.start()
+    await asyncio.sleep(0.1)
+    assert rollouter.errors == 1 and starts == [0, 0]  # the failed prompt, then the same one again
+    assert sorted(running) == [f"0-{k}-2" for k in range(4)]  # only the re-issued group runs
+    await rollouter.stop()
+    assert not running
