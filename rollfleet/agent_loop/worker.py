@@ -36,6 +36,7 @@ from rollfleet.client import LLMServerClient
 from rollfleet.config import RollfleetConfig
 from rollfleet.reward import compute_reward
 from rollfleet.types import SamplingParams
+from rollfleet.utils.aio import gather_or_cancel
 
 
 def load_tokenizer(model: str) -> Any:
@@ -159,7 +160,7 @@ class AgentLoopWorker:
 
     async def generate_sequences(self, samples: Sequence[Mapping[str, Any]]) -> list[AgentLoopOutput]:
         """Run a chunk of samples concurrently (bounded); outputs in sample order."""
-        return list(await asyncio.gather(*(self.run_sample(s) for s in samples)))
+        return await gather_or_cancel(self.run_sample(s) for s in samples)
 
     def score(self, output: AgentLoopOutput, sample: Mapping[str, Any]) -> None:
         """Compute the sample's verifiable reward unless the loop already set one."""

@@ -22,6 +22,7 @@ from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Optional, Sequ
 from rollfleet.client import LLMServerClient
 from rollfleet.gateway.metrics import GatewayMetrics
 from rollfleet.types import SamplingParams, TokenDelta, TokenOutput
+from rollfleet.utils.aio import gather_or_cancel
 
 #: Request ids of session-less requests: unique across gateways (random prefix) and cheap (counter).
 _RID_PREFIX = f"gw-{os.urandom(6).hex()}-"
@@ -59,7 +60,7 @@ class GenerationService:
                     for prompt in prompts
                     for _ in range(n)
                 ]
-                outputs = await self._bounded(_all_or_nothing(jobs))
+                outputs = await self._bounded(gather_or_cancel(jobs))
         finally:
             if session_id is None:
                 client.finish_session(request_id)
@@ -103,18 +104,6 @@ class GenerationService:
     def finish_session(self, session_id: str) -> bool:
         """Forget a session's replica (its prefix cache stays warm for whoever comes next)."""
         return self.client.balancer.finish_session(session_id)
-
-
-async def _all_or_nothing(coros: Sequence[Awaitable[TokenOutput]]) -> list[TokenOutput]:
-    """Run concurrently; the first failure cancels the rest (no orphan generations) and raises."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        return list(await asyncio.gather(*tasks))
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
 
 
 __all__ = ["GenerationService"]

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Awaitable, Callable, Iterable, Optional
+from typing import Any, Callable, Optional
 
 from rollfleet.trainer.staleness import Group, GroupBuffer
 from rollfleet.trainer.tasks import TaskStream
+from rollfleet.utils.aio import gather_or_cancel
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ class Rollouter:
             resumes = 0
             while True:
                 samples = self.agent_manager.expand([sample], self.n)
-                outputs = await _all_or_none(self.agent_manager.generate_sequences_single(s) for s in samples)
+                outputs = await gather_or_cancel(self.agent_manager.generate_sequences_single(s) for s in samples)
                 if not self.partial_rollout and any(was_aborted(o) for o in outputs):
                     self.regenerated += 1
                     started = self._version()
@@ -139,20 +140,6 @@ class Rollouter:
         await asyncio.gather(*(t for t in [self._task, *self._groups] if t is not None), return_exceptions=True)
         self._task = None
         self._groups.clear()
-
-
-async def _all_or_none(calls: Iterable[Awaitable[Any]]) -> list[Any]:
-    """Every call's result; when one fails (or the caller is cancelled), the others are cancelled
-    before the error goes on. ``asyncio.gather`` leaves them running: a failed group's siblings
-    would go on generating, unseen and past ``max_inflight_groups``, while the prompt is re-issued."""
-    tasks = [asyncio.ensure_future(c) for c in calls]
-    try:
-        return await asyncio.gather(*tasks)
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
 
 
 __all__ = ["Rollouter", "was_aborted"]

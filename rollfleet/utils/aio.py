@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from typing import Any, Callable, Coroutine, TypeVar
+from typing import Any, Awaitable, Callable, Coroutine, Iterable, TypeVar
 
 T = TypeVar("T")
 
@@ -26,3 +26,18 @@ def auto_await(fn: Callable[..., Coroutine[Any, Any, T]]) -> Callable[..., Any]:
         return coro
 
     return wrapper
+
+
+async def gather_or_cancel(calls: Iterable[Awaitable[T]]) -> list[T]:
+    """Every call's result, in order; when one fails (or the caller is cancelled), the others are
+    cancelled and waited for before the error goes on. ``asyncio.gather`` leaves them running: the
+    rest of a failed GRPO group or ``n``-choice request would go on generating on the fleet, unseen,
+    while the caller retries or has given up."""
+    tasks = [asyncio.ensure_future(c) for c in calls]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise

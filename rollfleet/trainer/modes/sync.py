@@ -9,7 +9,6 @@ weights load (an engine loads weights awake) and resumes at the end of the step.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 from typing import Any, ClassVar
@@ -19,6 +18,7 @@ from rollfleet.trainer.base import Trainer
 from rollfleet.trainer.modes.turns import FleetTurns
 from rollfleet.trainer.registry import register_trainer
 from rollfleet.trainer.staleness import Group
+from rollfleet.utils.aio import gather_or_cancel
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class SyncTrainer(Trainer):
         ]
         samples = self.agent_manager.expand(prompts, n)
         with self.tracker.span("fleet", "generating", step=self.step):
-            outputs = await asyncio.gather(*(self.agent_manager.generate_sequences_single(s) for s in samples))
+            outputs = await gather_or_cancel(self.agent_manager.generate_sequences_single(s) for s in samples)
         groups: dict[str, Group] = {}
         for s, o in zip(samples, outputs):
             g = groups.setdefault(
