@@ -333,3 +333,35 @@ def test_a_pause_or_resume_during_a_weight_load_holds_after_it():
         return health, held_ran, ran
 
     assert virtual_time.run(main()) == ("paused", False, True)
+
+
+def test_a_keep_commit_salts_the_prefix_cache_as_the_vllm_engine_does():
+    """After a keep-mode commit, a request that arrived before it still shares its prompt with a
+    running sibling (the blocks are in use: vLLM cannot reset them, and their salt is the same),
+    and a request that arrives after it hits nothing the old weights computed (the salt differs),
+    not even blocks freed after the commit."""
+    prompt = list(range(1, 321))  # 20 blocks of 16
+
+    async def main() -> tuple[int, int]:
+        eng = SimEngine(SimEngineConfig(vocab_size=500, block_size=16, cache_on_prefill=True, step_base_ms=10.0))
+        await eng.start()
+        first = asyncio.ensure_future(eng.generate("first", prompt, {"max_tokens": 50, "ignore_eos": True}))
+        while eng.stats()["prompt_tokens"] == 0:
+            await asyncio.sleep(0.001)
+        await eng.pause()
+        sibling = asyncio.ensure_future(eng.generate("sibling", prompt, {"max_tokens": 1, "ignore_eos": True}))
+        await asyncio.sleep(0.01)  # it arrived under the old weights
+        await eng.stage_weights({"w": 1}, 1)
+        await eng.commit_weights(1, "keep")
+        await eng.resume()
+        before = eng.stats()["prefix_cache_hit_tokens"]
+        await sibling
+        sibling_hits = eng.stats()["prefix_cache_hit_tokens"] - before
+        await first  # its blocks are freed now, after the commit
+        before = eng.stats()["prefix_cache_hit_tokens"]
+        await eng.generate("new", prompt, {"max_tokens": 1, "ignore_eos": True})
+        new_hits = eng.stats()["prefix_cache_hit_tokens"] - before
+        await eng.shutdown()
+        return sibling_hits, new_hits
+
+    assert virtual_time.run(main()) == (320, 0)

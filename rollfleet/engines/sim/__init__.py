@@ -21,7 +21,11 @@ It is a discrete-time model of a continuous-batching engine (vLLM-like), run on 
   an LRU, and a block is evicted when KV is taken for another (``prefix_cache_blocks`` can bound
   the free ones further). With ``cache_on_prefill`` a request's prompt blocks are shared once it
   is prefilled (as in vLLM: GRPO siblings and sessions that run at once share their prompt);
-  without it, only once it ends. A weight update or ``clear_kv_cache`` empties it.
+  without it, only once it ends. Block hashes are salted with the weights a request arrived under
+  (as rollfleet's vLLM engine salts requests with the weights' label): no request hits a block
+  that other weights computed. A keep-mode commit leaves the cache as it is (vLLM cannot reset a
+  cache whose blocks are in use); a commit in ``abort`` mode, ``update_weights`` or
+  ``clear_kv_cache`` empties it.
 * **KV capacity and preemption.** Running sequences hold ``ceil(tokens / block_size)`` blocks of
   ``kv_capacity_tokens``. When a sequence needs a block and none is free, the most recently
   admitted sequence is preempted (recompute mode: its blocks are freed, it goes back to the head

@@ -70,6 +70,7 @@ class _Request:
         "end_at",
         "hashes",
         "cache_hold",
+        "cache_salt",
     )
 
     def __init__(self, request_id: str, prompt_ids: list[int], max_tokens: int) -> None:
@@ -97,6 +98,7 @@ class _Request:
         self.end_at = 0  # tokens it has when it ends at the latest (0: any step may end it)
         self.hashes: list[int] = []  # of its context's full blocks so far (its context only grows)
         self.cache_hold = (0, 0)  # what the prefix cache holds for it while it runs (PrefixCache.hold)
+        self.cache_salt = 0  # the weights it arrived under (0: the boot weights): its hashes' seed
 
     @property
     def context_len(self) -> int:
@@ -215,7 +217,7 @@ class BatchModel:
         hashes = req.hashes
         start = len(hashes) * bs
         tokens = (req.prompt_ids + req.generated)[start:]
-        h = hashes[-1] if hashes else 0
+        h = hashes[-1] if hashes else req.cache_salt  # blocks of other weights never match
         for i in range(0, len(tokens) - bs + 1, bs):
             h = hash((h, tuple(tokens[i : i + bs])))  # int tuples hash the same in every process
             hashes.append(h)

@@ -52,6 +52,7 @@ class SimEngine(StepLoop, Engine):
         self._prefix_cache = PrefixCache(config.prefix_cache_blocks)
         self._weights_seed = _mix(config.seed, 0)
         self._num_updates = 0
+        self._cache_salt = 0  # the weights new requests arrive under (see _load)
         self._weights_fp = 0  # the fingerprint of the weights last loaded (0: the boot weights)
         self._corrupt_next_load = False
         self._version_label: Optional[int] = None
@@ -177,6 +178,7 @@ class SimEngine(StepLoop, Engine):
             raise ValueError(f"request_id {request_id!r} is already in flight on this engine")
         max_tokens = int(sampling_params["max_tokens"])
         req = _Request(request_id, list(prompt_ids), max_tokens)
+        req.cache_salt = self._cache_salt
         req.stop_ids = frozenset(sampling_params.get("stop_token_ids") or ())
         req.ignore_eos = bool(sampling_params.get("ignore_eos", False))
         prompt_key, salt = self._seed_request(req, sampling_params)
@@ -237,6 +239,13 @@ class SimEngine(StepLoop, Engine):
             self._work.set()
 
     async def update_weights(self, weights: Any) -> None:
+        await self._load(weights, clear_cache=True)
+
+    async def _load(self, weights: Any, clear_cache: bool) -> None:
+        """Load ``weights``. Requests that arrive from now on salt their block hashes with them, as
+        rollfleet's vLLM engine salts each request with the weights' label: none hits a block
+        computed by other weights, whether or not the cache is cleared (``clear_cache``: a reset,
+        after which not even the requests already queued find their old blocks)."""
         self._check_alive()
         self._catch_up()
         self._materialize_all()  # the tokens counted so far came from the weights before these
@@ -246,7 +255,9 @@ class SimEngine(StepLoop, Engine):
             self._corrupt_next_load = False
             self._weights_fp = _mix(self._weights_fp, 0xBAD)
         self._weights_seed = _mix(self.config.seed, self._weights_fp, self._num_updates)
-        self._prefix_cache.clear()
+        self._cache_salt = self._num_updates
+        if clear_cache:
+            self._prefix_cache.clear()
 
     async def commit_weights(self, version: int, mode: CommitMode = "abort") -> None:
         """As a real engine: ``abort`` loads on a paused engine; ``keep`` stops stepping (the
@@ -264,7 +275,10 @@ class SimEngine(StepLoop, Engine):
         try:  # meanwhile is the operator's: it holds after the load)
             if self.config.weight_load_ms:
                 await asyncio.sleep(self.config.weight_load_ms / 1000.0 / self.config.time_scale)
-            await self.update_weights(staged.pop(version))
+            # keep: the running requests hold their blocks (computed by the old weights, as in
+            # vLLM, whose prefix cache cannot be reset while blocks are in use); the new salt keeps
+            # every later request off them. abort: the replica resets the cache after the load.
+            await self._load(staged.pop(version), clear_cache=mode != "keep")
             self._version_label = version
             for req in self._requests.values():  # in flight: the rest comes from the new weights
                 req.token_seed = _mix(self._weights_seed, *req.sample_key)
