@@ -52,8 +52,6 @@ class _Sofar:
     versions: list[Optional[int]] = field(default_factory=list)
     num_preempted: int = 0
     attempts: list[dict[str, Any]] = field(default_factory=list)
-    #: Every token has its logprob (a delta or an output without them makes them unknown).
-    log_probs_known: bool = True
     #: Every token's version is known (a replica's output may say they are not: None).
     versions_known: bool = True
     #: ``min_global_steps`` of the first attempt that brought tokens, ``max_global_steps`` of the
@@ -80,8 +78,8 @@ class _Sofar:
         n = len(out.token_ids)
         if out.log_probs is not None and len(out.log_probs) == n:
             self.log_probs[start : start + n] = out.log_probs
-        elif n:
-            self.log_probs_known = False
+        else:  # unknown (NaN, as a delta without them): the whole output then has none
+            self.log_probs[start : start + n] = [math.nan] * n
         if out.token_versions is not None and len(out.token_versions) == n:
             self.versions[start : start + n] = out.token_versions
         elif n:
@@ -220,7 +218,7 @@ def _whole(sofar: _Sofar, last: Optional[TokenOutput], stop_reason: str, budget:
         stop_reason = "length"
     extra = dict(last.extra_fields) if last is not None else {}
     log_probs: Optional[list[float]] = sofar.log_probs
-    if not sofar.log_probs_known or any(math.isnan(x) for x in sofar.log_probs):
+    if any(math.isnan(x) for x in sofar.log_probs):
         log_probs = None
     versions: Optional[list[Optional[int]]] = sofar.versions if sofar.versions_known else None
     known = [v for v in versions if v is not None] if versions is not None else []

@@ -52,7 +52,6 @@ class SimEngine(StepLoop, Engine):
         self._prefix_cache = PrefixCache(config.prefix_cache_blocks)
         self._weights_seed = _mix(config.seed, 0)
         self._num_updates = 0
-        self._cache_salt = 0  # the weights new requests arrive under (see _load)
         self._weights_fp = 0  # the fingerprint of the weights last loaded (0: the boot weights)
         self._corrupt_next_load = False
         self._version_label: Optional[int] = None
@@ -178,7 +177,7 @@ class SimEngine(StepLoop, Engine):
             raise ValueError(f"request_id {request_id!r} is already in flight on this engine")
         max_tokens = int(sampling_params["max_tokens"])
         req = _Request(request_id, list(prompt_ids), max_tokens)
-        req.cache_salt = self._cache_salt
+        req.cache_salt = self._num_updates  # the weights it arrives under (see _load)
         req.stop_ids = frozenset(sampling_params.get("stop_token_ids") or ())
         req.ignore_eos = bool(sampling_params.get("ignore_eos", False))
         prompt_key, salt = self._seed_request(req, sampling_params)
@@ -255,7 +254,6 @@ class SimEngine(StepLoop, Engine):
             self._corrupt_next_load = False
             self._weights_fp = _mix(self._weights_fp, 0xBAD)
         self._weights_seed = _mix(self.config.seed, self._weights_fp, self._num_updates)
-        self._cache_salt = self._num_updates
         if clear_cache:
             self._prefix_cache.clear()
 
