@@ -163,8 +163,8 @@ class Trainer(abc.ABC):
     async def on_train_end(self) -> None: ...
 
     def inflight_task_indices(self) -> list[int]:
-        """Prompts generated or queued but not trained on (re-issued after a resume)."""
-        return []
+        """Prompts taken from the stream but not trained on (re-issued after a resume)."""
+        return sorted(self._reissue)
 
     async def fit(self) -> dict[str, Any]:
         assert self.manager is not None and self.tracker is not None
@@ -250,11 +250,13 @@ class Trainer(abc.ABC):
         await self.on_sync_begin()
         with self.tracker.span("trainer", "sync", step=self.step):
             weights = await self.learner.state_dict_for_inference()  # an ObjectRef
-            self.version += 1
             generating = self._fleet_active_since is not None
             # Without partial rollout a response must come from one policy: interrupt, never keep.
             mode = None if self.train.partial_rollout else "abort"
-            result = await self.manager.update_weights(weights, self.version, mode)
+            result = await self.manager.update_weights(weights, self.version + 1, mode)
+            # Only now: the fleet generated on the old weights while the new ones staged, so a group
+            # started meanwhile must count as started under the old version (the staleness bound).
+            self.version += 1
             # The fleet generated through the staging; it stopped only while each commit wave ran,
             # and only when a wave was the whole fleet (not so in rolling mode).
             if generating and result.get("mode") != "rolling":

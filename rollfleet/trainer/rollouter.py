@@ -48,7 +48,9 @@ class Rollouter:
         self._reissue = list(reissue or [])
         self._task: Optional[asyncio.Task[None]] = None
         self._groups: set[asyncio.Task[None]] = set()
-        self.inflight: dict[int, int] = {}  # task_index -> version the group started at
+        #: task_index -> version the group started at, for every group neither delivered nor
+        #: failed (a stopped rollouter keeps its cancelled groups here, for the final checkpoint).
+        self.inflight: dict[int, int] = {}
         self.regenerated = 0
         self.errors = 0
         self.max_consecutive_errors = 3
@@ -60,8 +62,9 @@ class Rollouter:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="rollfleet-rollouter")
 
     def inflight_task_indices(self) -> list[int]:
-        """Prompts started but not yet delivered: re-issued first after a resume."""
-        return sorted(self.inflight)
+        """Prompts taken from the stream but not delivered (generating, stopped, or waiting to be
+        re-issued): what a checkpoint must re-issue first after a resume."""
+        return sorted(set(self.inflight) | set(self._reissue))
 
     async def _run(self) -> None:
         sem = asyncio.Semaphore(self.max_inflight_groups)
@@ -78,15 +81,16 @@ class Rollouter:
                 sem.release()
                 raise
             sample = self.stream.sample_at(self._reissue.pop(0)) if self._reissue else self.stream.next()
+            # Counted before the task runs: a task cancelled before its first step runs no code.
+            self.inflight[int(sample.get("task_index", -1))] = self._version()
             task = asyncio.get_running_loop().create_task(self._group(sample, ticket))
             self._groups.add(task)
             task.add_done_callback(group_done)
 
     async def _group(self, sample: dict[str, Any], ticket: int = -1) -> None:
         index = int(sample.get("task_index", -1))
-        started = self._version()
-        self.inflight[index] = started
-        delivered = False
+        started = self.inflight.setdefault(index, self._version())
+        delivered = stopped = False
         try:
             resumes = 0
             while True:
@@ -118,18 +122,20 @@ class Rollouter:
             delivered = True
             self._consecutive_errors = 0
         except asyncio.CancelledError:
+            stopped = True  # the run ends or fails: the prompt stays in flight for the final checkpoint
             raise
         except Exception as exc:
             self.errors += 1
             self._consecutive_errors += 1
+            self._reissue.append(index)  # a checkpoint keeps it, even when the run stops now
             if self._consecutive_errors >= self.max_consecutive_errors:
                 logger.error("rollout failed %d times in a row; stopping: %r", self._consecutive_errors, exc)
                 await self.buffer.fail(exc)
             else:
                 logger.warning("rollout of prompt %s failed (%r); it will be re-issued", index, exc)
-                self._reissue.append(index)
         finally:
-            self.inflight.pop(index, None)
+            if not stopped:
+                self.inflight.pop(index, None)
             if not delivered:
                 await asyncio.shield(self.buffer.abandon(ticket))
 

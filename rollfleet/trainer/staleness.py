@@ -11,8 +11,9 @@ three ways:
   biases training toward short answers, which is why it is not the only choice.
 * ``wait``: nothing is ever dropped. The rollouter is held back (:meth:`GroupBuffer.may_start`)
   so that the ``i``-th group starts only once ``i < (version + b + 1) x groups_per_version``
-  (AReaL's capacity rule), and the trainer receives groups *in the order they started*, waiting
-  for a straggler rather than overtaking it. Then group ``i`` is trained at version
+  (AReaL's capacity rule; ``i`` and ``version`` both counted from the buffer's start, past
+  version 0 in a resumed run), and the trainer receives groups *in the order they started*,
+  waiting for a straggler rather than overtaking it. Then group ``i`` is trained at version
   ``floor(i / groups_per_version)``, no more than ``ceil(b)`` after it started. A group that still
   exceeds the bound (a resumed run re-issuing old prompts) is trained and counted, never dropped.
 * ``mask``: groups are delivered as they finish and never dropped; the trainer masks each *token*
@@ -65,6 +66,8 @@ class GroupBuffer:
         self.strategy = strategy
         self.groups_per_version = groups_per_version
         self._version = version
+        #: The version this buffer's first group is trained at: a resumed run starts past 0.
+        self._base_version = version()
         self._queue: deque[Group] = deque()
         self._changed = asyncio.Condition()
         self.started = 0  # groups the rollouter has started
@@ -94,8 +97,10 @@ class GroupBuffer:
         if len(self._queue) >= self.capacity:
             return False
         if self.strategy == "wait":
-            # Groups that will be consumed at version v may start no earlier than v - bound.
-            return self.started - self.dropped < (self._version() + self.bound + 1) * self.groups_per_version
+            # Groups that will be consumed at version v may start no earlier than v - bound. The
+            # count starts with this buffer, so the versions are counted from its first one too.
+            versions = self._version() - self._base_version
+            return self.started - self.dropped < (versions + self.bound + 1) * self.groups_per_version
         return True
 
     async def wait_to_start(self) -> int:

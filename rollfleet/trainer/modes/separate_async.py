@@ -73,7 +73,7 @@ class SeparateAsyncTrainer(Trainer):
     def inflight_task_indices(self) -> list[int]:
         queued = [g.task_index for g in list(self.buffer._queue)] if hasattr(self, "buffer") else []
         running = self.rollouter.inflight_task_indices() if hasattr(self, "rollouter") else []
-        return sorted(set(queued) | set(running))
+        return sorted(set(queued) | set(running) | set(super().inflight_task_indices()))
 
     async def on_train_end(self) -> None:
         if hasattr(self, "rollouter"):

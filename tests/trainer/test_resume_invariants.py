@@ -1,0 +1,157 @@
+"""What a checkpoint and a resumed run must keep: every prompt taken from the stream is either
+trained or re-issued, and the ``wait`` strategy's staleness bound holds after a resume and while
+new weights stage. Driven by hand (fake agents and learner, real buffer, rollouter and trainer
+hooks), in real time but with short waits."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from rollfleet.trainer.modes.separate_async import SeparateAsyncTrainer
+from rollfleet.trainer.rollouter import Rollouter
+from rollfleet.trainer.staleness import GroupBuffer
+from rollfleet.trainer.tasks import make_task
+
+pytestmark = pytest.mark.unit
+
+
+class Agents:
+    """Prompt ``finish`` (a task index) finishes at once; every other one generates until cancelled."""
+
+    def __init__(self, finish: int = -1) -> None:
+        self.finish = finish
+
+    def expand(self, batch: list[dict], n: int) -> list[dict]:
+        return [{**batch[0], "uid": f"u{batch[0]['task_index']}", "k": k} for k in range(n)]
+
+    async def generate_sequences_single(self, sample: dict) -> Any:
+        if sample["task_index"] != self.finish:
+            await asyncio.sleep(3600)
+        return SimpleNamespace(
+            extra_fields={"min_global_steps": 0, "max_global_steps": 0},
+            metrics=SimpleNamespace(num_resumes=0),
+            response_mask=[1],
+            response_ids=[1],
+        )
+
+
+class Learner:
+    def __init__(self) -> None:
+        self.saved: list[dict] = []
+
+    async def save(self, root: Any, state: dict) -> Any:
+        self.saved.append(state)
+        return root
+
+    async def state_dict_for_inference(self) -> object:
+        return object()
+
+
+def _trainer(buffer: Any, rollouter: Any, stream: Any) -> SeparateAsyncTrainer:
+    """The async trainer's hooks and checkpoint state without a fleet (no ``init``)."""
+    t = SeparateAsyncTrainer.__new__(SeparateAsyncTrainer)
+    t.buffer, t.rollouter, t.stream = buffer, rollouter, stream
+    t.learner, t.run_dir, t.step, t.version, t.syncs = Learner(), Path("run"), 1, 0, 0
+    t._reissue, t._fleet_active_since = [], None
+    t.train = SimpleNamespace(partial_rollout=True)
+    t.tracker = SimpleNamespace(span=lambda *a, **k: contextlib.nullcontext())
+    return t
+
+
+async def test_the_final_checkpoint_keeps_the_prompts_the_stop_cancelled():
+    """fit() stops the rollouter (on_train_end) before its final checkpoint: the groups it cancels,
+    started or not yet run, are re-issued after a resume, not lost past the stream position."""
+    buffer = GroupBuffer(capacity=8, max_off_policy_steps=2, strategy="drop", groups_per_version=2, version=lambda: 0)
+    stream = make_task("count", 0)
+    rollouter = Rollouter(
+        Agents(finish=0), stream, buffer, n=2, max_inflight_groups=4, partial_rollout=True, version=lambda: 0
+    )
+    t = _trainer(buffer, rollouter, stream)
+    rollouter.start()
+    taken, _ = await asyncio.wait_for(buffer.take(1), 5)
+    assert [g.task_index for g in taken] == [0]
+    await asyncio.sleep(0.05)  # prompts 1..4 generate
+    await t.on_train_end()
+    await t.save_checkpoint()
+    saved = t.learner.saved[-1]
+    assert saved["data_position"] == stream.position == 5
+    assert saved["inflight_task_indices"] == [1, 2, 3, 4]  # every prompt taken but not trained
+
+
+async def test_a_group_cancelled_before_it_ran_is_kept_too():
+    buffer = GroupBuffer(capacity=8, max_off_policy_steps=2, strategy="drop", groups_per_version=2, version=lambda: 0)
+    stream = make_task("count", 0)
+    rollouter = Rollouter(Agents(), stream, buffer, n=1, max_inflight_groups=3, partial_rollout=True, version=lambda: 0)
+    rollouter.start()
+    for _ in range(8):  # the rollouter's loop takes prompts; stop before their tasks take a step
+        await asyncio.sleep(0)
+        if stream.position:
+            break
+    await rollouter.stop()
+    assert stream.position > 0
+    assert rollouter.inflight_task_indices() == list(range(stream.position))
+
+
+async def test_a_checkpoint_keeps_reissued_prompts_not_yet_started():
+    """After a resume, prompts queued for re-issue wait for room; a checkpoint taken meanwhile
+    (save_freq) must still list them."""
+    buffer = GroupBuffer(capacity=8, max_off_policy_steps=2, strategy="drop", groups_per_version=2, version=lambda: 0)
+    stream = make_task("count", 0, position=100)
+    reissue = [90, 91, 92, 93, 94, 95]
+    rollouter = Rollouter(
+        Agents(), stream, buffer, n=1, max_inflight_groups=2, partial_rollout=True, version=lambda: 0, reissue=reissue
+    )
+    t = _trainer(buffer, rollouter, stream)
+    rollouter.start()
+    await asyncio.sleep(0.05)
+    assert sorted(rollouter.inflight) == [90, 91] and rollouter._reissue == [92, 93, 94, 95]
+    await t.save_checkpoint()
+    assert t.learner.saved[-1]["inflight_task_indices"] == reissue
+    await rollouter.stop()
+    assert stream.position == 100  # nothing new was taken while re-issued prompts waited
+
+
+async def test_wait_bound_holds_in_a_resumed_run():
+    """A resumed run's buffer starts at the checkpoint's version, not 0: with b = 0 it admits one
+    version's worth of groups, as a fresh run's does (it admitted (6 + 1) x 4 at version 6)."""
+    for version in (0, 6):
+        buf = GroupBuffer(
+            capacity=99, max_off_policy_steps=0, strategy="wait", groups_per_version=4, version=lambda v=version: v
+        )
+        started = 0
+        while buf.may_start():
+            await buf.wait_to_start()
+            started += 1
+        assert started == 4, version
+
+
+async def test_the_version_moves_only_once_the_new_weights_are_committed():
+    """While new weights stage the fleet still generates on the old ones: a group started then
+    belongs to the old version, so ``wait`` must not admit the next version's groups yet."""
+    committed: list[int] = []
+    seen: list[tuple[int, bool]] = []
+
+    class Fleet:
+        async def update_weights(self, weights: Any, version: int, mode: Any = None) -> dict:
+            seen.append((t.version, t.buffer.may_start()))
+            await asyncio.sleep(0.01)  # staging: the replicas keep serving the old version
+            committed.append(version)
+            return {"mode": "keep"}
+
+    t = _trainer(None, rollouter=None, stream=None)
+    t.buffer = GroupBuffer(
+        capacity=99, max_off_policy_steps=0, strategy="wait", groups_per_version=2, version=lambda: t.version
+    )
+    t.manager = Fleet()
+    for _ in range(2):
+        await t.buffer.wait_to_start()
+    assert not t.buffer.may_start()
+    await t.sync_weights()
+    assert seen == [(0, False)]  # still version 0, and no room, while the weights staged
+    assert committed == [1] and t.version == 1 and t.buffer.may_start()
