@@ -195,11 +195,17 @@ class ControlFanOut:
             started = time.monotonic()
             records = self._live()
             fenced: dict[str, str] = {}
+            handles = {r.replica_id: r.handle for r in records}  # the actors this update talks to
             staged = await self._gather(records, "stage_weights", weights, version, timeout_s=sync.stage_timeout_s)
+            for res in staged:
+                # Weights every replica would refuse alike (a bad state dict, a version the engine
+                # rejects) are the caller's to fix: nothing is committed, nothing is fenced.
+                if isinstance(res, CALLER_ERRORS):
+                    raise res
             ready = []
             for r, res in zip(records, staged):
                 if isinstance(res, BaseException):
-                    self._fence(r, fenced, f"weight staging failed: {res!r}")
+                    self._fence(r, fenced, f"weight staging failed: {res!r}", handles)
                 else:
                     ready.append(r)
             stage_done = time.monotonic()
@@ -228,7 +234,7 @@ class ControlFanOut:
                     )
                     for r, res in zip(wave, results):
                         if isinstance(res, BaseException):
-                            self._fence(r, fenced, f"weight commit failed: {res!r}")
+                            self._fence(r, fenced, f"weight commit failed: {res!r}", handles)
                         else:
                             r.weight_version = version
                             modes[r.replica_id] = res["mode"]
@@ -236,7 +242,8 @@ class ControlFanOut:
                     if mode == "rolling":
                         self._notify()  # clients route new trajectories to this wave at once
                 verify_start = time.monotonic()
-                checksum = await self._verify([r for r in ready if r.replica_id not in fenced], fenced, version)
+                committed = [r for r in ready if r.replica_id not in fenced]
+                checksum = await self._verify(committed, fenced, version, handles)
                 verify_s = time.monotonic() - verify_start
             finally:
                 self._rolling_version = None
@@ -269,23 +276,32 @@ class ControlFanOut:
                 "total_s": done - started,
             }
 
-    async def _verify(self, committed: list[ReplicaRecord], fenced: dict[str, str], version: int) -> Optional[str]:
-        """Every committed replica must report ``version`` and the weight digest most of them
-        report; one that disagrees never serves on: it is restarted from the reference."""
+    async def _verify(
+        self, committed: list[ReplicaRecord], fenced: dict[str, str], version: int, handles: dict[str, Any]
+    ) -> Optional[str]:
+        """Every committed replica must report ``version`` and the weight digest more than half of
+        them report; one that disagrees never serves on: it is restarted from the reference. With
+        no strict majority (two replicas that differ, a three-way split) no digest can be trusted,
+        so none is kept: every committed replica is fenced and the update fails."""
         timeout = self.config.health.control_timeout_s
         reports = await self._gather(committed, "weights_checksum", timeout_s=timeout)
         digests = [rep["checksum"] for rep in reports if isinstance(rep, dict) and rep["checksum"] is not None]
-        majority = Counter(digests).most_common(1)[0][0] if digests else None
+        majority: Optional[str] = None
+        if digests:
+            digest, count = Counter(digests).most_common(1)[0]
+            majority = digest if 2 * count > len(digests) else None
         for r, rep in zip(committed, reports):
             if isinstance(rep, BaseException):
                 problem = f"weights check failed: {rep!r}"
             elif rep["version"] != version:
                 problem = f"reports version {rep['version']} after committing {version}"
+            elif rep["checksum"] is not None and majority is None:
+                problem = f"weights checksum {rep['checksum']}: no digest is shared by most replicas ({len(digests)})"
             elif rep["checksum"] is not None and rep["checksum"] != majority:
                 problem = f"weights checksum {rep['checksum']} differs from the fleet's {majority}"
             else:
                 continue
-            self._fence(r, fenced, problem)
+            self._fence(r, fenced, problem, handles)
         return majority
 
     async def weights_checksums(self) -> dict[str, Optional[str]]:
@@ -295,9 +311,18 @@ class ControlFanOut:
         report = self._settle(results, "weights_checksums")
         return {rid: res["checksum"] for rid, res in results.items() if rid in report["ok"]}
 
-    def _fence(self, record: ReplicaRecord, fenced: dict[str, str], detail: str) -> None:
+    def _fence(self, record: ReplicaRecord, fenced: dict[str, str], detail: str, handles: dict[str, Any]) -> None:
+        """Count ``record`` out of this update and, if it is still the actor the update talked to
+        and in service, restart it. One the prober already declared dead (its restart under way),
+        one being removed (draining) or one already restarted belongs to whoever moved it: failing
+        it again would leave a restarted replica dead with no restart pending, or respawn one being
+        removed."""
         fenced[record.replica_id] = detail
-        self._fail(record, detail)
+        if record.handle is handles.get(record.replica_id) and record.state in (
+            HealthState.HEALTHY,
+            HealthState.SUSPECT,
+        ):
+            self._fail(record, detail)
 
     def _fail(self, record: ReplicaRecord, detail: str) -> None:
         self._set_state(record, HealthState.DEAD, detail)

@@ -1,0 +1,111 @@
+"""Which replicas a weight update fences, and which it leaves to whoever owns them: a caller's
+mistake fences none, a replica the prober or a removal already took is not failed a second time,
+and a checksum vote without a strict majority trusts no digest. In-process sim replicas, no Ray
+(the helpers of ``test_control_faults``)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from rollfleet.config import WeightSyncConfig
+from rollfleet.errors import FleetOperationFailed
+from rollfleet.health import HealthState
+from tests.manager.test_control_faults import Faults, config, fleet, serving_on, wait_until
+
+pytestmark = pytest.mark.unit
+
+
+def _slow_stage_config() -> Any:
+    cfg = config()
+    sync = WeightSyncConfig(mode="keep", commit_timeout_s=0.5, stage_timeout_s=10.0)
+    return cfg.model_copy(update={"weight_sync": sync})
+
+
+async def test_weights_every_replica_refuses_raise_and_fence_nobody():
+    faults = Faults()
+    controller, replicas = fleet(config(), faults)
+    await controller.launch(3)
+    for replica in replicas.values():
+
+        async def refuse(weights: Any, version: int) -> float:
+            raise ValueError(f"weights must be a state dict, got {type(weights).__name__}")
+
+        replica.engine.stage_weights = refuse  # type: ignore[method-assign]
+    with pytest.raises(ValueError, match="state dict"):
+        await controller.update_weights(["not", "a", "state", "dict"], 1)
+    await asyncio.sleep(0.3)  # a fenced replica would be restarting by now
+    status = await controller.status()
+    assert {r.state for r in status.replicas.values()} == {HealthState.HEALTHY}
+    assert [r.restarts for r in status.replicas.values()] == [0, 0, 0]
+    assert controller.current_version in (None, 0)
+    await controller.shutdown()
+
+
+async def test_a_replica_declared_dead_during_the_update_comes_back_on_the_new_weights():
+    """The prober restarts a replica hung in staging; the update must not fail it again (it was
+    left dead, no restart pending, its new actor serving)."""
+    faults = Faults()
+    faults.hung_methods = {"stage_weights", "load"}
+    controller, _ = fleet(_slow_stage_config(), faults)
+    await controller.launch(3)
+    faults.hung.add("replica-1")
+    old = controller._records["replica-1"].handle
+
+    async def heal() -> None:  # the restarted actor is a healthy one
+        while controller._records["replica-1"].handle is old:
+            await asyncio.sleep(0.001)
+        faults.hung.clear()
+
+    healer = asyncio.ensure_future(heal())
+    result = await controller.update_weights({"step": 1}, 1)
+    await healer
+    assert result["failed"] == ["replica-1"]
+    await wait_until(lambda: serving_on(controller, "replica-1", 1), "replica-1 healthy on version 1")
+    await controller.shutdown()
+
+
+async def test_a_replica_removed_during_the_update_drains_and_is_not_restarted():
+    faults = Faults()
+    faults.hung_methods = {"stage_weights"}
+    controller, replicas = fleet(_slow_stage_config(), faults)
+    await controller.launch(3)
+    faults.hung.add("replica-1")
+    draining = replicas["replica-1"]
+    await draining.pause()  # a request held at its gate keeps the drain waiting
+    request = asyncio.ensure_future(draining.generate("r", [1, 2, 3], {"max_tokens": 4}))
+    update = asyncio.ensure_future(controller.update_weights({"step": 1}, 1))
+    await asyncio.sleep(0.1)
+    removal = asyncio.ensure_future(controller.remove_replicas(["replica-1"], drain_timeout_s=1.5))
+    await asyncio.sleep(0.5)
+    assert faults.starts["replica-1"] == 1  # no new engine for a replica being removed
+    assert not request.done()  # still draining (a restart stopped the old actor at once)
+    faults.hung.clear()
+    await removal
+    result = await update
+    assert result["failed"] == ["replica-1"] and faults.starts["replica-1"] == 1
+    await asyncio.gather(request, return_exceptions=True)  # cut at the drain's end
+    assert "replica-1" not in (await controller.status()).replicas
+    await controller.shutdown()
+
+
+async def test_two_replicas_that_disagree_on_the_digest_fail_the_update():
+    """A tie gives no majority: the first replica's digest (here a corrupt one) used to win, the
+    good replica was fenced and could never come back (its digest differed from the fleet's)."""
+    controller, replicas = fleet(config(), Faults())
+    await controller.launch(2)
+    engine = replicas["replica-0"].engine
+    digest = engine.weights_checksum
+
+    async def corrupt() -> Any:
+        return "corrupt-" + str(await digest())
+
+    engine.weights_checksum = corrupt  # type: ignore[method-assign]
+    with pytest.raises(FleetOperationFailed, match="no digest is shared by most replicas"):
+        await controller.update_weights({"step": 1}, 1)
+    assert controller.current_version in (None, 0)
+    for rid in ("replica-0", "replica-1"):  # restarted on the old weights
+        await wait_until(lambda rid=rid: serving_on(controller, rid, controller.current_version or 0), rid)
+    await controller.shutdown()
