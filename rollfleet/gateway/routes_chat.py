@@ -28,9 +28,15 @@ class ChatRoutes(RoutesBase):
         check_tools(req.tools, req.tool_choice)
         codec = self.codec
         messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
-        contents = [str(m.get("content", "")) for m in messages]
+        # Every string the template may render counts (tool calls, extra fields, the tools' JSON
+        # schemas), not only the contents: none of it may reach the tokenizer past the limits.
+        contents = list(_strings(messages))
         self.limits.check_prompt_text(contents, "messages")
         self._check_fits(contents, "messages")
+        if req.tools:
+            contents += _strings(req.tools)
+            self.limits.check_prompt_text(contents, "tools")
+            self._check_fits(contents, "tools")
         session = self._session(request, req)
         store = self.trajectories if session is not None else None
         plan = await self._plan(req, messages, store, session)
@@ -135,6 +141,17 @@ def _turn(prompt: list[int], outputs: Sequence[TokenOutput], replies: Sequence[r
     return Turn(list(prompt), choices, reused=plan.reused)
 
 
+def _strings(value: Any) -> list[str]:
+    """Every string in a JSON-like value (dict values, list items), for the prompt-size limits."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _strings(v)]
+    if isinstance(value, (list, tuple)):
+        return [s for v in value for s in _strings(v)]
+    return []
+
+
 def _message_dict(index: int, message: ChatMessage) -> dict[str, Any]:
     """A message as the chat template expects it: text content as one string, and a tool call's
     arguments as a JSON object (OpenAI sends them as a string; templates write them with tojson)."""
@@ -148,6 +165,10 @@ def _message_dict(index: int, message: ChatMessage) -> dict[str, Any]:
             except json.JSONDecodeError as exc:
                 raise bad_request(
                     f"messages[{index}].tool_calls[{j}].function.arguments", f"is not valid JSON: {exc.msg}"
+                ) from None
+            except RecursionError:
+                raise bad_request(
+                    f"messages[{index}].tool_calls[{j}].function.arguments", "is nested too deep to parse"
                 ) from None
 
     content = message.content

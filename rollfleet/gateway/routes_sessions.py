@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import TYPE_CHECKING, Awaitable, Callable, Optional
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -94,11 +94,23 @@ class SessionRoutes:
             data = json.loads(body or b"null")
         except json.JSONDecodeError as exc:
             raise bad_request(None, f"the body is not JSON: {exc.msg}") from None
+        except (ValueError, RecursionError):  # not UTF-8; nested past the parser's depth
+            raise bad_request(None, "the body is not JSON: not UTF-8 text, or nested too deep") from None
         value = data.get("reward") if isinstance(data, dict) else None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        if not _finite(value):
             raise bad_request("reward", 'the body must be {"reward": <a finite number>}')
         store.set_reward(session_id, float(value))
         return _json({"session_id": session_id, "reward": float(value)})
+
+
+def _finite(value: Any) -> bool:
+    """A JSON number that is a finite float (an integer of 400 digits overflows one)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 __all__ = ["SessionRoutes"]

@@ -32,15 +32,18 @@ class SessionKeys:
 
     def check(self, request: Request, session_id: str) -> None:
         """Raise 403 unless ``request`` holds ``session_id``'s key or the admin token."""
-        given = request.headers.get(SESSION_KEY_HEADER, "")
-        if given and hmac.compare_digest(given, self.key(session_id)):
+        # Compared as bytes: compare_digest refuses a str with non-ASCII characters (a header
+        # may carry any latin-1 byte), which would be a 500 rather than a 403.
+        given = request.headers.get(SESSION_KEY_HEADER, "").encode("latin-1", "replace")
+        if given and hmac.compare_digest(given, self.key(session_id).encode()):
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if self._admin and scheme.lower() == "bearer" and hmac.compare_digest(token, self._admin):
+        admin = token.encode("latin-1", "replace")
+        if self._admin and scheme.lower() == "bearer" and hmac.compare_digest(admin, self._admin.encode()):
             return
         raise GatewayError(
             403,
-            f"ending session {session_id!r} takes the {SESSION_KEY_HEADER} header its responses carried "
+            f"session {session_id!r} (its trajectory, reward and end) takes the {SESSION_KEY_HEADER} header its responses carried "
             "(or the admin token)",
             "permission_error",
             SESSION_KEY_HEADER,

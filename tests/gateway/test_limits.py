@@ -119,6 +119,11 @@ async def test_prompt_text_generations_and_session_ids_have_limits():
         gw.codec.encode = lambda *a, **k: encoded.append(1) or encode(*a, **k)  # type: ignore[method-assign]
         long = {**CHAT, "messages": [{"role": "user", "content": "x" * 1001}]}
         assert_error(await http.post("/v1/chat/completions", json=long), 400, "messages", "gateway.max_prompt_chars")
+        big_tool = {"type": "function", "function": {"name": "f", "description": "x" * 1001, "parameters": {}}}
+        tools = {**CHAT, "tools": [big_tool]}  # the tools' schemas are rendered into the prompt too
+        assert_error(await http.post("/v1/chat/completions", json=tools), 400, "tools", "gateway.max_prompt_chars")
+        extra = {**CHAT, "messages": [{"role": "user", "content": "hi", "reasoning_content": "x" * 1001}]}
+        assert_error(await http.post("/v1/chat/completions", json=extra), 400, "messages", "gateway.max_prompt_chars")
         batch = {"model": MODEL, "prompt": ["a b c"] * 3, "n": 3, "max_tokens": 2}
         assert_error(await http.post("/v1/completions", json=batch), 400, "prompt", "9 generations", "max_generations")
         assert encoded == []  # neither reached the tokenizer

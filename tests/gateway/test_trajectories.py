@@ -225,6 +225,12 @@ async def test_rewards_keys_and_bad_session_requests_get_clear_errors():
 
         await error(await http.post("/v1/sessions/mine/reward", json={"reward": "high"}, headers=mine), 400, "reward")
         await error(await http.post("/v1/sessions/mine/reward", json={"reward": None}, headers=mine), 400, "reward")
+        huge = b'{"reward": 1' + b"0" * 400 + b"}"  # a JSON integer no float holds
+        await error(await http.post("/v1/sessions/mine/reward", content=huge, headers=mine), 400, "reward")
+        for not_json in (b"\xff\xfe\xff", b"[" * 5000 + b"]" * 5000):  # not UTF-8; nested past the parser
+            await error(await http.post("/v1/sessions/mine/reward", content=not_json, headers=mine), 400, None)
+        for header in ({"X-Rollfleet-Session-Key": b"\xe9"}, {"Authorization": b"Bearer \xe9"}):  # non-ASCII
+            await error(await http.get("/v1/sessions/mine/trajectory", headers=header), 403, "X-Rollfleet-Session-Key")
         await error(
             await http.get("/v1/sessions/nobody/trajectory", headers=s.key("nobody")),
             404,
@@ -249,6 +255,12 @@ async def test_rewards_keys_and_bad_session_requests_get_clear_errors():
             {"id": "c", "type": "function", "function": {"name": "add", "arguments": "{not json"}}]}]}  # fmt: skip
         await error(
             await http.post("/v1/chat/completions", json=bad_args), 400, "messages[1].tool_calls[0].function.arguments"
+        )
+        deep = "[" * 5000 + "]" * 5000
+        deep_args = {**body, "messages": [*body["messages"], {"role": "assistant", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "add", "arguments": deep}}]}]}  # fmt: skip
+        await error(
+            await http.post("/v1/chat/completions", json=deep_args), 400, "messages[1].tool_calls[0].function.arguments"
         )
         for i in range(5):  # over max_sessions=3: the oldest are evicted, and say so
             await http.post("/v1/chat/completions", json=body, headers={"x-session-id": f"s{i}"})
