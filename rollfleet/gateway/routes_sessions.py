@@ -96,21 +96,22 @@ class SessionRoutes:
             raise bad_request(None, f"the body is not JSON: {exc.msg}") from None
         except (ValueError, RecursionError):  # not UTF-8; nested past the parser's depth
             raise bad_request(None, "the body is not JSON: not UTF-8 text, or nested too deep") from None
-        value = data.get("reward") if isinstance(data, dict) else None
-        if not _finite(value):
+        value = _finite(data.get("reward") if isinstance(data, dict) else None)
+        if value is None:
             raise bad_request("reward", 'the body must be {"reward": <a finite number>}')
-        store.set_reward(session_id, float(value))
-        return _json({"session_id": session_id, "reward": float(value)})
+        store.set_reward(session_id, value)
+        return _json({"session_id": session_id, "reward": value})
 
 
-def _finite(value: Any) -> bool:
-    """A JSON number that is a finite float (an integer of 400 digits overflows one)."""
+def _finite(value: Any) -> Optional[float]:
+    """A JSON number as a finite float, else None (an integer of 400 digits overflows one)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
+        return None
     try:
-        return math.isfinite(value)
+        number = float(value)
     except OverflowError:
-        return False
+        return None
+    return number if math.isfinite(number) else None
 
 
 __all__ = ["SessionRoutes"]
