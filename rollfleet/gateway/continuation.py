@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:  # pragma: no cover
     from rollfleet.gateway.codec import TextCodec
-    from rollfleet.gateway.trajectories import Session
+    from rollfleet.gateway.trajectories import SessionSnapshot, Turn
 
 
 @dataclass
@@ -34,27 +34,32 @@ class Plan:
     reused: int = 0
     chosen: Optional[int] = None
     new_branch: Optional[str] = None
+    #: The session's last turn when this one was planned: the record forks there if another turn
+    #: of the session was recorded meanwhile, and drops the turn if the session ended meanwhile.
+    base: Optional["Turn"] = None
 
 
 def plan_prompt(
     codec: "TextCodec",
-    session: Optional["Session"],
+    session: Optional["SessionSnapshot"],
     messages: list[dict[str, Any]],
     *,
     tools: Optional[list[dict[str, Any]]],
     template_kwargs: Optional[dict[str, Any]],
 ) -> Plan:
-    """The prompt ids for ``messages`` (called off the event loop: it renders and tokenizes)."""
+    """The prompt ids for ``messages`` (called off the event loop: it renders and tokenizes, so
+    it reads a snapshot of the session taken on the loop, never the live session)."""
 
     def render(msgs: list[dict[str, Any]], generation_prompt: bool) -> str:
         return codec.render_chat_text(
             msgs, tools=tools, add_generation_prompt=generation_prompt, template_kwargs=template_kwargs
         )
 
-    def fresh(why: str) -> Plan:
-        return Plan(codec.encode(render(messages, True), add_special_tokens=False), new_branch=why)
-
     last = session.last_turn if session is not None else None
+
+    def fresh(why: str) -> Plan:
+        return Plan(codec.encode(render(messages, True), add_special_tokens=False), new_branch=why, base=last)
+
     if session is None or last is None:
         return fresh("first turn")
     previous = session.messages
@@ -82,7 +87,7 @@ def plan_prompt(
     tail = reply[at + len(eos) :] if ended else reply[at:]  # the end-of-turn token, unless sampled
     new = codec.encode(tail + full[len(head) :], add_special_tokens=False)
     carried = last.prompt_ids + sampled
-    return Plan(carried + new, reused=len(carried), chosen=chosen)
+    return Plan(carried + new, reused=len(carried), chosen=chosen, base=last)
 
 
 def same_reply(sent: dict[str, Any], returned: dict[str, Any]) -> bool:

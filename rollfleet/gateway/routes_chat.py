@@ -63,7 +63,9 @@ class ChatRoutes(RoutesBase):
             ]
             if store is not None and session is not None:
                 turn = _turn(prompt, outputs, replies, plan)
-                store.record(session, messages, req.tools, turn, new_branch=plan.new_branch, chosen=plan.chosen)
+                store.record(
+                    session, messages, req.tools, turn, new_branch=plan.new_branch, chosen=plan.chosen, base=plan.base
+                )
             return replies
 
         gates = self.tool_calls.stream if parse else None
@@ -107,11 +109,12 @@ class ChatRoutes(RoutesBase):
         session: Optional[str],
     ) -> Plan:
         """The turn's prompt ids: from the session's last turn when it extends it, else rendered."""
+        current = store.get(session) if store is not None and session is not None else None
         if store is not None and session is not None and req.add_generation_prompt and not req.continue_final_message:
             return await self.limits.offload(
                 plan_prompt,
                 self.codec,
-                store.get(session),
+                current.snapshot() if current is not None else None,
                 messages,
                 tools=req.tools,
                 template_kwargs=req.chat_template_kwargs,
@@ -124,7 +127,8 @@ class ChatRoutes(RoutesBase):
             continue_final_message=req.continue_final_message,
             template_kwargs=req.chat_template_kwargs,
         )
-        return Plan(ids, new_branch="rendered without a generation prompt (continue_final_message)")
+        why = "rendered without a generation prompt (continue_final_message)"
+        return Plan(ids, new_branch=why, base=current.last_turn if current is not None else None)
 
 
 def _turn(prompt: list[int], outputs: Sequence[TokenOutput], replies: Sequence[responses.Reply], plan: Plan) -> Turn:

@@ -20,12 +20,15 @@ tombstone so that a late reward or trajectory request is told "ended", not "unkn
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
 from rollfleet.gateway.errors import GatewayError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -104,6 +107,29 @@ class Session:
     def last_turn(self) -> Optional[Turn]:
         return self.branches[-1].turns[-1] if self.branches else None
 
+    def snapshot(self) -> "SessionSnapshot":
+        """What the next turn is planned on, read at once (the record replaces these, never
+        mutates them), for planning off the event loop while other turns are recorded."""
+        return SessionSnapshot(self.messages, self.tools, self.last_turn)
+
+
+@dataclass(frozen=True)
+class SessionSnapshot:
+    messages: list[dict[str, Any]]
+    tools: Optional[list[dict[str, Any]]]
+    last_turn: Optional[Turn]
+
+
+def _fork(session: Session, base: Turn, chosen: int) -> Branch:
+    """A branch of the turns up to ``base`` (its copy marks ``chosen``; the branch it came from
+    keeps its own choice), for a turn that extended ``base`` after another turn already had."""
+    for branch in session.branches:
+        for i, turn in enumerate(branch.turns):
+            if turn is base:
+                why = f"concurrent turn: forked after turn {i} (another turn of the session extended it first)"
+                return Branch(why, [*branch.turns[:i], replace(base, chosen=chosen)])
+    return Branch("concurrent turn: the turn it extended is no longer recorded")
+
 
 class TrajectoryStore:
     """Sessions by id, least recently used first; evicts past ``max_sessions`` and ``ttl_s``."""
@@ -115,6 +141,7 @@ class TrajectoryStore:
         self._sessions: OrderedDict[str, Session] = OrderedDict()
         self._ended: OrderedDict[str, str] = OrderedDict()  # id -> why (tombstones, same bound)
         self.evicted = {"capacity": 0, "ttl": 0}
+        self.late_turns = 0  #: turns that finished after their session ended (not recorded)
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -132,20 +159,30 @@ class TrajectoryStore:
         *,
         new_branch: Optional[str],
         chosen: Optional[int] = None,
-    ) -> None:
-        """Add ``turn``: to a new branch (``new_branch`` says why) or to the current one, marking
-        which choice of the previous turn it went on with."""
+        base: Optional[Turn] = None,
+    ) -> bool:
+        """Add ``turn``: to a new branch (``new_branch`` says why) or after ``base``, the turn it
+        was planned on, marking which choice of ``base`` it went on with. When another turn of
+        the session was recorded after ``base`` meanwhile (two requests extending one turn at
+        once), ``turn`` forks a branch at ``base`` instead of following a turn it never saw. A turn
+        planned on a session that has ended (or was evicted) since is not recorded: the session
+        stays ended. Returns whether the turn was recorded."""
         now = self._clock()
         session = self.get(session_id)
+        if session is None and base is not None:
+            logger.info("session %r ended while a turn ran: the turn is not recorded", session_id)
+            self.late_turns += 1
+            return False
         if session is None:
             session = Session(session_id, created=now, touched=now)
             self._sessions[session_id] = session
             self._ended.pop(session_id, None)  # an id used again is a new session
         if new_branch is not None or not session.branches:
             session.branches.append(Branch(new_branch or "first turn"))
+        elif base is not None and session.last_turn is not base:
+            session.branches.append(_fork(session, base, chosen or 0))
         else:
-            previous = session.branches[-1].turns[-1]
-            previous.chosen = chosen or 0
+            session.branches[-1].turns[-1].chosen = chosen or 0
         session.branches[-1].turns.append(turn)
         session.messages, session.tools, session.touched = messages, tools, now
         self._sessions.move_to_end(session_id)
@@ -153,6 +190,7 @@ class TrajectoryStore:
             evicted, _ = self._sessions.popitem(last=False)
             self._tombstone(evicted, "evicted: over gateway.max_sessions")
             self.evicted["capacity"] += 1
+        return True
 
     def trajectory(self, session_id: str) -> dict[str, Any]:
         session = self._known(session_id)
@@ -213,4 +251,4 @@ class TrajectoryStore:
             self._ended.popitem(last=False)
 
 
-__all__ = ["Sampled", "Turn", "Branch", "Session", "TrajectoryStore"]
+__all__ = ["Sampled", "Turn", "Branch", "Session", "SessionSnapshot", "TrajectoryStore"]

@@ -7,6 +7,7 @@ prompted with and sampled, token for token.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
@@ -287,3 +288,43 @@ def test_sessions_idle_past_the_ttl_are_forgotten_and_counted():
     assert store.evicted == {"capacity": 0, "ttl": 1}
     with pytest.raises(Exception, match="expired: idle over gateway.session_ttl_s=60s"):
         store.trajectory("a")
+
+
+async def test_two_turns_extending_one_turn_at_once_fork_a_branch_each_consistent():
+    """Two requests of one session both extend turn 1 and run at the same time: the one recorded
+    second forks a branch at turn 1 (it was appended after the first, as if it had extended it,
+    so its branch's ids and mask described neither request)."""
+    async with stack() as s:
+        client = s.client()
+        first = [{"role": "user", "content": "hi"}]
+        head = {"extra_headers": {"x-session-id": "race"}}
+        r1 = await client.chat.completions.create(model=MODEL, messages=first, max_tokens=8, **head)
+        after = [*first, reply_dict(r1.choices[0].message)]
+        await asyncio.gather(
+            client.chat.completions.create(model=MODEL, messages=[*after, {"role": "user", "content": "A"}], **head),
+            client.chat.completions.create(model=MODEL, messages=[*after, {"role": "user", "content": "B b"}], **head),
+        )
+        record = await s.trajectory("race")
+        assert [len(b["turns"]) for b in record["branches"]] == [2, 2]
+        assert record["branches"][1]["why"].startswith("concurrent turn: forked after turn 0")
+        calls = {(tuple(p), tuple(o)) for p, o, _ in s.engine_calls}
+        for branch in record["branches"]:  # every turn: the prompt and reply the engine saw, in place
+            ids, mask = branch["token_ids"], branch["mask"]
+            for turn in branch["turns"]:
+                start, end = turn["prompt_tokens"], turn["prompt_tokens"] + turn["response_tokens"]
+                assert (tuple(ids[:start]), tuple(ids[start:end])) in calls
+                assert mask[start:end] == [1] * (end - start)
+
+
+async def test_a_turn_that_ends_after_its_session_was_deleted_does_not_bring_it_back():
+    store = TrajectoryStore(max_sessions=10, ttl_s=60.0)
+    sampled = Sampled([3], [-0.1], [0], "stop", {"role": "assistant", "content": "x"})
+    store.record("s", [], None, Turn([1, 2], [sampled]), new_branch=None)
+    base = store.get("s").last_turn  # type: ignore[union-attr]
+    assert store.end("s")
+    late = Turn([1, 2, 3, 4], [sampled], reused=3)
+    assert not store.record("s", [], None, late, new_branch=None, base=base)
+    assert store.get("s") is None and store.late_turns == 1
+    with pytest.raises(Exception, match="ended"):
+        store.trajectory("s")
+    assert store.record("s", [], None, Turn([1], [sampled]), new_branch=None)  # a new first turn: a new session
