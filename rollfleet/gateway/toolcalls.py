@@ -110,9 +110,17 @@ class ToolCallStream:
 
     def finish(self) -> tuple[str, dict[str, Any], bool]:
         """At the end: ``(text still to show, assistant message, whether it calls tools)``; with
-        calls, the text held back is the calls themselves (a malformed call is shown as text)."""
+        calls, only the calls themselves are held back: text the model wrote after them is still
+        to show (a malformed call is shown as text). The message's content is exactly what the
+        stream showed, so that the caller's next turn, built from it, extends this one."""
         message, calls = self.formatter.message(self.text, parse=True)
-        rest = "" if calls else self.text[self.sent :]
+        shown = self.text[: self.sent]
+        if not calls:
+            rest = self.text[self.sent :]
+        else:
+            content = message.get("content") or ""
+            rest = content[len(shown) :] if content.startswith(shown) else ""
+            message["content"] = (shown + rest) or None
         self.sent = len(self.text)
         return rest, message, calls
 

@@ -106,6 +106,17 @@ def test_tool_call_stream_shows_text_up_to_the_marker_even_split_across_pieces()
     assert broken is not None
     assert broken.push("x <tool_call>{not json</tool_call>") == "x "
     assert broken.finish()[:2] == ("<tool_call>{not json</tool_call>", {"role": "assistant", "content": "x <tool_call>{not json</tool_call>"})  # fmt: skip
+    # Text after the calls is shown at the end, and the message says exactly what was shown:
+    # the caller's next turn, built from what it saw, must match the recorded reply.
+    text = 'Sure.<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call> I will wait.'
+    tail = ToolCallFormatter("hermes").stream()
+    assert tail is not None
+    shown_text = "".join(tail.push(ch) for ch in text)
+    rest, message, calls = tail.finish()
+    assert (shown_text, rest, calls) == ("Sure.", " I will wait.", True)
+    assert (
+        message["content"] == shown_text + rest == ToolCallFormatter("hermes").message(text, parse=True)[0]["content"]
+    )
 
 
 def test_codec_stop_strings(codec):
