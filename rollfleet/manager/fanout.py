@@ -236,7 +236,8 @@ class ControlFanOut:
                         if isinstance(res, BaseException):
                             self._fence(r, fenced, f"weight commit failed: {res!r}", handles)
                         else:
-                            r.weight_version = version
+                            if mode == "rolling":  # routable as the new version from its wave on
+                                r.weight_version = version
                             modes[r.replica_id] = res["mode"]
                             longest = max(longest, res["pause_s"])
                     if mode == "rolling":
@@ -252,7 +253,12 @@ class ControlFanOut:
                 # back on it) and the caller learns why from each replica.
                 raise FleetOperationFailed("update_weights", fenced)
             # Publish atomically (no await between): every replica that has the new weights is
-            # routable under the new version, the others are not.
+            # routable under the new version, the others are not. Until now (the checksum round
+            # included) the committed replicas stayed routable under the old label, so new work
+            # never found the fleet empty; their tokens carry the engine's own version labels.
+            for r in committed:
+                if r.replica_id not in fenced:
+                    r.weight_version = version
             self._checksum = checksum
             self._weights = weights
             self._has_weights = True

@@ -109,3 +109,22 @@ async def test_two_replicas_that_disagree_on_the_digest_fail_the_update():
     for rid in ("replica-0", "replica-1"):  # restarted on the old weights
         await wait_until(lambda rid=rid: serving_on(controller, rid, controller.current_version or 0), rid)
     await controller.shutdown()
+
+
+async def test_the_fleet_stays_routable_while_the_commit_is_verified():
+    """After the commit wave the checksum round may wait on one slow replica (up to
+    control_timeout_s): the committed replicas were labelled with the new version before it was
+    published, so none was routable meanwhile."""
+    faults = Faults()
+    faults.hung_methods = {"weights_checksum"}
+    controller, _ = fleet(config(commit_timeout_s=1.5), faults)
+    await controller.launch(3)
+    faults.hung.add("replica-2")
+    update = asyncio.ensure_future(controller.update_weights({"step": 1}, 1, mode="keep"))
+    await asyncio.sleep(0.6)  # committed everywhere; replica-2 hangs in the checksum round
+    assert not update.done()
+    assert (await controller.snapshot()).routable_ids() == ["replica-0", "replica-1", "replica-2"]
+    result = await update
+    assert result["failed"] == ["replica-2"]
+    assert (await controller.snapshot()).routable_ids() == ["replica-0", "replica-1"]
+    await controller.shutdown()
