@@ -148,17 +148,29 @@ class ControlFanOut:
         counts = {rid: res for rid, res in results.items() if rid in report["ok"]}
         return {"aborted_count": sum(counts.values()), "server_results": counts, "fenced": report["fenced"]}
 
+    #: What the fleet's owner last asked of the whole fleet: None (serving), "paused" or
+    #: "sleeping". A replica restarted meanwhile is brought to it before it counts as healthy.
+    _hold: Optional[str] = None
+
     async def pause(self) -> dict[str, Any]:
-        return await self._op("pause")
+        report = await self._op("pause")
+        self._hold = self._hold or "paused"
+        return report
 
     async def resume(self) -> dict[str, Any]:
-        return await self._op("resume")
+        report = await self._op("resume")
+        self._hold = None
+        return report
 
     async def sleep(self) -> dict[str, Any]:
-        return await self._op("sleep")
+        report = await self._op("sleep")
+        self._hold = "sleeping"
+        return report
 
     async def wake_up(self) -> dict[str, Any]:
-        return await self._op("wake_up")
+        report = await self._op("wake_up")
+        self._hold = "paused" if self._hold is not None else None  # awake, not yet generating
+        return report
 
     async def clear_kv_cache(self) -> dict[str, Any]:
         return await self._op("clear_kv_cache")

@@ -284,7 +284,8 @@ class Replica:
         ``keep`` (when the engine can; else ``abort``): the engine freezes its in-flight requests
         and continues them on the new weights, the replica keeps serving. ``abort``: hold new
         requests at the gate, abort in-flight ones (they return partial tokens), load, clear the
-        prefix cache [, resume] -- in ``finally``, so a failed commit never leaves it paused.
+        prefix cache [, resume] -- in ``finally``, so a failed commit never leaves it paused
+        (unless it was paused before: then it stays so).
         Returns the mode used, ``pause_s`` (the seconds the engine generated nothing) and its
         ``window`` (wall-clock start and end).
         """
@@ -295,6 +296,9 @@ class Replica:
             # The engine's own pause window where it reports one (the call also releases files).
             window = (getattr(self.engine, "last_commit", None) or {}).get("window") or (started, time.time())
             return {"mode": "keep", "pause_s": window[1] - window[0], "window": list(window)}
+        # Resumed after only if serving (or starting) before: a replica paused or asleep by the
+        # fleet's owner (the learner has the devices) stays so until it is resumed.
+        resumes = resume and self._state in (ReplicaState.SERVING, ReplicaState.SYNCING)
         if self._state == ReplicaState.SERVING:
             self._set_state(ReplicaState.PAUSED)
         try:
@@ -303,7 +307,7 @@ class Replica:
             await self.engine.clear_kv_cache()
             self._set_version(version)
         finally:
-            if resume and self._state == ReplicaState.PAUSED:
+            if resumes and self._state == ReplicaState.PAUSED:
                 await self.engine.resume()
                 self._set_state(ReplicaState.SERVING)
         ended = time.time()

@@ -1,0 +1,50 @@
+"""A fleet paused or put to sleep by its owner (a colocated learner holds the devices) stays so
+until resumed: neither a replica restarted meanwhile nor an ``abort``-mode weight commit sets it
+generating again. In-process sim replicas, no Ray (the helpers of ``test_control_faults``)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from rollfleet.server.replica import ReplicaState
+from tests.manager.test_control_faults import Faults, config, fleet, wait_until
+
+pytestmark = pytest.mark.unit
+
+
+async def test_a_replica_restarted_while_the_fleet_is_paused_comes_back_paused():
+    faults = Faults()
+    controller, replicas = fleet(config(), faults)
+    await controller.launch(2)
+    faults.dead.add("replica-1")  # its pause fails: fenced, then restarted
+    report = await controller.pause()
+    assert list(report["fenced"]) == ["replica-1"]
+    faults.dead.clear()
+
+    async def healthy() -> bool:
+        return "replica-1" in (await controller.snapshot()).routable_ids()
+
+    await wait_until(healthy, "replica-1 restarted")
+    restarted = replicas["replica-1"]
+    assert restarted._state == ReplicaState.PAUSED  # it used to come back serving
+    held = asyncio.ensure_future(restarted.generate("r", [1, 2, 3], {"max_tokens": 4}))
+    await asyncio.sleep(0.2)
+    assert not held.done()
+    await controller.resume()
+    assert len((await asyncio.wait_for(held, 5)).token_ids) > 0
+    await controller.shutdown()
+
+
+async def test_an_abort_commit_leaves_a_paused_fleet_paused():
+    controller, replicas = fleet(config(), Faults())
+    await controller.launch(2)
+    await controller.pause()
+    await controller.update_weights({"step": 1}, 1, mode="abort")
+    assert {r._state for r in replicas.values()} == {ReplicaState.PAUSED}  # the commit used to resume them
+    await controller.resume()
+    assert {r._state for r in replicas.values()} == {ReplicaState.SERVING}
+    await controller.update_weights({"step": 2}, 2, mode="abort")  # serving before: serving after
+    assert {r._state for r in replicas.values()} == {ReplicaState.SERVING}
+    await controller.shutdown()
