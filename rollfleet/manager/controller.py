@@ -85,7 +85,7 @@ class FleetController(HealthSupervisor, ControlFanOut):
             rid = f"replica-{index}"
             self._indices[rid] = index
             ids.append(rid)
-        results = await asyncio.gather(*(self._start_replica(rid) for rid in ids), return_exceptions=True)
+        results = await asyncio.gather(*(self._start_in_time(rid) for rid in ids), return_exceptions=True)
         failed = [(rid, r) for rid, r in zip(ids, results) if isinstance(r, BaseException)]
         for rid, _ in failed:  # the others serve; these leave nothing behind
             record = self._records.pop(rid, None)
@@ -98,6 +98,15 @@ class FleetController(HealthSupervisor, ControlFanOut):
             raise failed[0][1]
         self._ensure_prober()
         return [r for r in results if not isinstance(r, BaseException)]  # all of them: none failed
+
+    async def _start_in_time(self, rid: str) -> ReplicaInfo:
+        """:meth:`_start_replica` within ``health.start_timeout_s``, as a restart is: a replica
+        that hangs while it starts or loads weights fails its ``add_replicas`` call in time."""
+        limit = self.config.health.start_timeout_s
+        try:
+            return await asyncio.wait_for(self._start_replica(rid), limit)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"{rid}: start took over health.start_timeout_s={limit:g}s") from None
 
     async def _place(self, rid: str) -> Optional[ReplicaPlacement]:
         """The replica's placement group: kept across restarts while its node lives, else a new one."""

@@ -252,6 +252,9 @@ class Replica:
         await self.engine.pause()
 
     async def resume(self) -> None:
+        """Generate again; an engine put to sleep is woken first (serving asleep would hang)."""
+        if self._state == ReplicaState.SLEEPING:
+            await self.engine.wake_up()
         await self.engine.resume()
         if self._state in _HOLDING_STATES:
             self._set_state(ReplicaState.SERVING)

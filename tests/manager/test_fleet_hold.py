@@ -48,3 +48,14 @@ async def test_an_abort_commit_leaves_a_paused_fleet_paused():
     await controller.update_weights({"step": 2}, 2, mode="abort")  # serving before: serving after
     assert {r._state for r in replicas.values()} == {ReplicaState.SERVING}
     await controller.shutdown()
+
+
+async def test_resuming_a_sleeping_replica_wakes_it_first():
+    controller, replicas = fleet(config(), Faults())
+    await controller.launch(1)
+    await controller.pause()
+    await controller.sleep()
+    await controller.resume()  # no wake_up: it served asleep, and a request hung
+    out = await asyncio.wait_for(replicas["replica-0"].generate("r", [1, 2, 3], {"max_tokens": 4}), 5)
+    assert len(out.token_ids) > 0
+    await controller.shutdown()

@@ -128,3 +128,19 @@ async def test_the_fleet_stays_routable_while_the_commit_is_verified():
     assert result["failed"] == ["replica-2"]
     assert (await controller.snapshot()).routable_ids() == ["replica-0", "replica-1"]
     await controller.shutdown()
+
+
+async def test_a_replica_that_hangs_while_it_is_added_fails_in_time_and_updates_go_on():
+    """add_replicas had no time limit (only restarts kept health.start_timeout_s), and the start
+    loads weights under the update lock: one hung start also held every later update."""
+    faults = Faults()
+    faults.hung_methods = {"stage_weights"}
+    controller, _ = fleet(config(start_timeout_s=1.0), faults)
+    await controller.launch(2)
+    await controller.update_weights({"step": 1}, 1)
+    faults.hung.add("replica-2")  # the replica about to be added hangs while it loads version 1
+    with pytest.raises(TimeoutError, match="replica-2: start took over health.start_timeout_s=1s"):
+        await asyncio.wait_for(controller.add_replicas(1), 5)
+    result = await asyncio.wait_for(controller.update_weights({"step": 2}, 2), 5)
+    assert result["failed"] == [] and sorted((await controller.status()).replicas) == ["replica-0", "replica-1"]
+    await controller.shutdown()
