@@ -32,6 +32,11 @@ T = TypeVar("T")
 
 #: chat_template_kwargs keys that replace the template (caller code) rather than parametrise it.
 TEMPLATE_KEYS = frozenset({"chat_template", "template"})
+#: Arguments of the template call that the request's own fields or the gateway set; in
+#: chat_template_kwargs they would clash with them (a TypeError naming no field).
+RENDER_ARGUMENTS = frozenset(
+    {"conversation", "messages", "tools", "add_generation_prompt", "continue_final_message", "tokenize"}
+)
 
 
 def too_large(limit: int) -> GatewayError:
@@ -101,7 +106,14 @@ class GatewayLimits:
             )
 
     def check_template_kwargs(self, kwargs: Optional[dict[str, Any]]) -> None:
-        if not kwargs or self.config.allow_caller_chat_template:
+        if not kwargs:
+            return
+        for key in sorted(RENDER_ARGUMENTS.intersection(kwargs)):
+            raise bad_request(
+                f"chat_template_kwargs.{key}",
+                "is set by the request itself (its own field, or the gateway), not by chat_template_kwargs",
+            )
+        if self.config.allow_caller_chat_template:
             return
         for key in TEMPLATE_KEYS.intersection(kwargs):
             raise bad_request(
@@ -123,4 +135,4 @@ class GatewayLimits:
             self._pool = None
 
 
-__all__ = ["GatewayLimits", "TEMPLATE_KEYS", "too_large"]
+__all__ = ["GatewayLimits", "RENDER_ARGUMENTS", "TEMPLATE_KEYS", "too_large"]

@@ -72,6 +72,10 @@ async def test_a_callers_chat_template_is_refused_unless_the_operator_allows_it(
         assert_error(resp, 400, "chat_template_kwargs.chat_template", "allow_caller_chat_template")
         ok = await http.post("/v1/chat/completions", json={**CHAT, "chat_template_kwargs": {"enable_thinking": False}})
         assert ok.status_code == 200, ok.text  # template parameters are still welcome
+        for key, value in (("tools", 5), ("add_generation_prompt", False), ("messages", 1)):
+            clash = {**CHAT, "chat_template_kwargs": {key: value}}  # the request's own fields say these
+            resp = await http.post("/v1/chat/completions", json=clash)
+            assert_error(resp, 400, f"chat_template_kwargs.{key}", "not by chat_template_kwargs")
         await still_serves(http)
     async with gateway(allow_caller_chat_template=True) as (server, http, _):
         own = "{% for m in messages %}<|im_start|>{{ m.content }}{% endfor %}"
