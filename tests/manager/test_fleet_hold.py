@@ -37,6 +37,34 @@ async def test_a_replica_restarted_while_the_fleet_is_paused_comes_back_paused()
     await controller.shutdown()
 
 
+async def test_a_replica_that_dies_while_the_fleet_sleeps_comes_back_asleep():
+    faults = Faults()
+    controller, replicas = fleet(config(), faults)
+    await controller.launch(2)
+    await controller.pause()
+    await controller.sleep()
+    old = replicas["replica-1"]
+    faults.dead.add("replica-1")  # its probes fail: declared dead, restarted
+    await wait_until(lambda: _restarted(replicas, old, faults), "replica-1 replaced")
+
+    async def healthy() -> bool:
+        return "replica-1" in (await controller.snapshot()).routable_ids()
+
+    await wait_until(healthy, "replica-1 restarted")
+    assert replicas["replica-1"]._state == ReplicaState.SLEEPING
+    await controller.wake_up()
+    await controller.resume()
+    assert {r._state for r in replicas.values()} == {ReplicaState.SERVING}
+    await controller.shutdown()
+
+
+async def _restarted(replicas: dict, old: object, faults: Faults) -> bool:
+    if replicas["replica-1"] is old:
+        return False
+    faults.dead.clear()  # the new actor is sound
+    return True
+
+
 async def test_an_abort_commit_leaves_a_paused_fleet_paused():
     controller, replicas = fleet(config(), Faults())
     await controller.launch(2)
