@@ -47,10 +47,10 @@ class _GenerationRequest(_Body):
     max_tokens: Optional[int] = Field(None, ge=1)
     temperature: Optional[float] = Field(None, ge=0)
     top_p: Optional[float] = Field(None, gt=0, le=1)
-    top_k: Optional[int] = Field(None, ge=-1)
+    top_k: Optional[int] = Field(None, ge=-1, le=2**31 - 1)  # engines hold it in 32 bits
     min_p: Optional[float] = Field(None, ge=0, le=1)
     n: int = Field(1, ge=1)
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(None, ge=-(2**63), le=2**64 - 1)  # what torch.Generator.manual_seed takes
     stop: Optional[Union[str, list[str]]] = None
     stop_token_ids: Optional[list[int]] = None
     ignore_eos: bool = False

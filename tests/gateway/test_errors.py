@@ -62,6 +62,8 @@ BAD_REQUESTS: list[tuple[str, Any, int, Any]] = [
     ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 1000}, 400, "n"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "stop": ["never ever stop here"]}, 400, "stop[0]"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "seed": 10**30}, 400, "seed"),  # past 64 bits
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "top_k": 2**40}, 400, "top_k"),
     # caught by the replica (InvalidRequest), renamed to the caller's fields
     ("/v1/completions/tokens", {"model": MODEL, "prompt_token_ids": [5, 10**6]}, 400, "prompt_token_ids[1]"),
     (
