@@ -287,8 +287,7 @@ class Replica:
         ``keep`` (when the engine can; else ``abort``): the engine freezes its in-flight requests
         and continues them on the new weights, the replica keeps serving. ``abort``: hold new
         requests at the gate, abort in-flight ones (they return partial tokens), load, clear the
-        prefix cache [, resume] -- in ``finally``, so a failed commit never leaves it paused
-        (unless it was paused before: then it stays so).
+        prefix cache [, resume, if it was serving before]; a failed load leaves it paused.
         Returns the mode used, ``pause_s`` (the seconds the engine generated nothing) and its
         ``window`` (wall-clock start and end).
         """
@@ -304,15 +303,15 @@ class Replica:
         resumes = resume and self._state in (ReplicaState.SERVING, ReplicaState.SYNCING)
         if self._state == ReplicaState.SERVING:
             self._set_state(ReplicaState.PAUSED)
-        try:
-            await self.engine.pause()
-            await self.engine.commit_weights(version, "abort")
-            await self.engine.clear_kv_cache()
-            self._set_version(version)
-        finally:
-            if resumes and self._state == ReplicaState.PAUSED:
-                await self.engine.resume()
-                self._set_state(ReplicaState.SERVING)
+        # A load that fails leaves the replica paused: its weights may be half loaded, and it
+        # must not generate on them under the old label (the controller fences and restarts it).
+        await self.engine.pause()
+        await self.engine.commit_weights(version, "abort")
+        await self.engine.clear_kv_cache()
+        self._set_version(version)
+        if resumes and self._state == ReplicaState.PAUSED:
+            await self.engine.resume()
+            self._set_state(ReplicaState.SERVING)
         ended = time.time()
         return {"mode": "abort", "pause_s": ended - started, "window": [started, ended]}
 

@@ -87,3 +87,20 @@ async def test_resuming_a_sleeping_replica_wakes_it_first():
     out = await asyncio.wait_for(replicas["replica-0"].generate("r", [1, 2, 3], {"max_tokens": 4}), 5)
     assert len(out.token_ids) > 0
     await controller.shutdown()
+
+
+async def test_an_abort_commit_that_fails_to_load_leaves_the_replica_paused():
+    """Its weights may be half loaded: it must not generate on them (it was resumed in a finally)."""
+    controller, replicas = fleet(config(), Faults())
+    await controller.launch(1)
+    replica = replicas["replica-0"]
+
+    async def broken(version: int, mode: str) -> None:
+        raise RuntimeError("load failed half way (injected)")
+
+    await replica.stage_weights({"step": 1}, 1)
+    replica.engine.commit_weights = broken  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="half way"):
+        await replica.commit_weights(1, "abort")
+    assert replica._state == ReplicaState.PAUSED and replica._version != 1
+    await controller.shutdown()
