@@ -177,12 +177,12 @@ async def live_events(
             yield b"data: " + dumps(from_exception(exc).body()) + b"\n\n" + responses.SSE_DONE
             return
         done = [o for o in outs if o is not None]
+        if on_done is not None:  # before [DONE]: a caller that hangs up on it, or sends its next
+            on_done(done, [c.reply for c in choices])  # turn at once, still finds this one recorded
         if include_usage:
             usage = responses.usage(len(prompt) * len(done), done)
             yield b"data: " + dumps({**base, "choices": [], "usage": usage}) + b"\n\n"
         yield responses.SSE_DONE
-        if on_done is not None:
-            on_done(done, [c.reply for c in choices])
     finally:
         await merged.aclose()  # first: it stops the tasks that read the streams, which then close
         for stream in streams:

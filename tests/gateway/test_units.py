@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 from gateway_support import load_codec, stack_config
@@ -199,3 +200,36 @@ def test_sim_vocabulary_follows_the_tokenizer(codec):
     assert config.rollout.sim.vocab_size == 32000  # the original is untouched
     vllm = config.model_copy(update={"rollout": config.rollout.model_copy(update={"name": "vllm"})})
     assert fit_sim_to_tokenizer(vllm, codec) is vllm
+
+
+async def test_a_live_stream_records_its_turn_before_it_says_done(codec):
+    """A caller that hangs up on [DONE], or sends its next turn the moment it reads it, must find
+    this turn recorded: the record ran after [DONE] was sent."""
+    from rollfleet.gateway.live import live_events
+    from rollfleet.gateway.responses import SSE_DONE
+    from rollfleet.types import TokenOutput
+
+    async def no_more() -> Any:
+        return
+        yield
+
+    recorded: list[int] = []
+    events = live_events(
+        "chat",
+        "m",
+        codec,
+        [TokenOutput(token_ids=codec.encode("hi", add_special_tokens=False), stop_reason="stop")],
+        [no_more()],
+        [1, 2],
+        logprobs=False,
+        return_token_ids=False,
+        include_usage=True,
+        on_done=lambda outputs, replies: recorded.append(len(outputs)),
+    )
+    async for event in events:
+        if event == SSE_DONE:
+            assert recorded == [1]
+            break
+    else:
+        raise AssertionError("no [DONE]")
+    await events.aclose()  # type: ignore[attr-defined]
