@@ -99,15 +99,6 @@ class FleetController(HealthSupervisor, ControlFanOut):
         self._ensure_prober()
         return [r for r in results if not isinstance(r, BaseException)]  # all of them: none failed
 
-    async def _start_in_time(self, rid: str) -> ReplicaInfo:
-        """:meth:`_start_replica` within ``health.start_timeout_s``, as a restart is: a replica
-        that hangs while it starts or loads weights fails its ``add_replicas`` call in time."""
-        limit = self.config.health.start_timeout_s
-        try:
-            return await asyncio.wait_for(self._start_replica(rid), limit)
-        except asyncio.TimeoutError:
-            raise TimeoutError(f"{rid}: start took over health.start_timeout_s={limit:g}s") from None
-
     async def _place(self, rid: str) -> Optional[ReplicaPlacement]:
         """The replica's placement group: kept across restarts while its node lives, else a new one."""
         if self._placer is None:

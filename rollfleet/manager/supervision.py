@@ -149,6 +149,15 @@ class HealthSupervisor:
             return
         self._judge(record, handle, outcome)
 
+    async def _start_in_time(self, rid: str) -> ReplicaInfo:
+        """:meth:`_start_replica` within ``health.start_timeout_s`` (a restart, and each replica
+        ``add_replicas`` starts): one that hangs while it starts or loads weights fails in time."""
+        limit = self.config.health.start_timeout_s
+        try:
+            return await asyncio.wait_for(self._start_replica(rid), limit)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"{rid}: start took over health.start_timeout_s={limit:g}s") from None
+
     def _schedule_restart(self, record: ReplicaRecord) -> None:
         if not self.config.health.auto_restart or record.replica_id in self._restart_tasks:
             return
@@ -174,15 +183,13 @@ class HealthSupervisor:
         tries = 0
         while self._records.get(rid) is record:
             try:
-                await asyncio.wait_for(self._start_replica(rid), health.start_timeout_s)
+                await self._start_in_time(rid)
                 return
             except InsufficientResources as exc:  # no room now: wait, visibly, and try again
                 self._set_state(record, HealthState.PENDING, f"waiting for devices: {exc}", force=True)
                 await asyncio.sleep(self.config.placement.pending_retry_s)
                 continue
             except Exception as exc:
-                if isinstance(exc, asyncio.TimeoutError):
-                    exc = TimeoutError(f"start took over health.start_timeout_s={health.start_timeout_s:g}s")
                 await self._stop_handle(record.handle, timeout_s=STOP_TIMEOUT_DEAD_S)
                 if (
                     self._placer is not None
