@@ -9,7 +9,6 @@ data path.
 
 from __future__ import annotations
 
-import hmac
 import logging
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional
 
@@ -20,6 +19,7 @@ from starlette.routing import Route
 from rollfleet.gateway.errors import GatewayError
 from rollfleet.gateway.protocol import AddReplicasRequest, ProfileRequest, RemoveReplicasRequest, UpdateWeightsRequest
 from rollfleet.gateway.routes_openai import json_response, parse_body
+from rollfleet.gateway.sessions import header_matches
 
 if TYPE_CHECKING:  # pragma: no cover
     from rollfleet.gateway.poller import AdminBackend
@@ -83,7 +83,7 @@ class AdminRoutes:
                 "missing_token",
             )
         scheme, _, credential = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(credential.strip().encode(), self._token):
+        if scheme.lower() != "bearer" or not header_matches(credential, self._token):
             raise GatewayError(403, "the admin token is not valid", "permission_error", None, "invalid_token")
 
     # ------------------------------------------------------------------ handlers

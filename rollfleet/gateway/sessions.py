@@ -22,6 +22,13 @@ from rollfleet.gateway.errors import GatewayError
 SESSION_KEY_HEADER = "X-Rollfleet-Session-Key"
 
 
+def header_matches(value: str, secret: bytes) -> bool:
+    """Whether a header's value is ``secret``, in constant time. Compared as the header's bytes
+    (HTTP headers arrive latin-1 decoded): compare_digest refuses a str with non-ASCII characters,
+    which would be a 500 rather than a 403."""
+    return hmac.compare_digest(value.strip().encode("latin-1", "replace"), secret)
+
+
 class SessionKeys:
     def __init__(self, secret: Optional[str] = None, admin_token: Optional[str] = None) -> None:
         self._secret = (secret or secrets.token_hex(32)).encode()
@@ -32,14 +39,11 @@ class SessionKeys:
 
     def check(self, request: Request, session_id: str) -> None:
         """Raise 403 unless ``request`` holds ``session_id``'s key or the admin token."""
-        # Compared as bytes: compare_digest refuses a str with non-ASCII characters (a header
-        # may carry any latin-1 byte), which would be a 500 rather than a 403.
-        given = request.headers.get(SESSION_KEY_HEADER, "").encode("latin-1", "replace")
-        if given and hmac.compare_digest(given, self.key(session_id).encode()):
+        given = request.headers.get(SESSION_KEY_HEADER, "")
+        if given and header_matches(given, self.key(session_id).encode()):
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        admin = token.encode("latin-1", "replace")
-        if self._admin and scheme.lower() == "bearer" and hmac.compare_digest(admin, self._admin.encode()):
+        if self._admin and scheme.lower() == "bearer" and header_matches(token, self._admin.encode()):
             return
         raise GatewayError(
             403,
@@ -51,4 +55,4 @@ class SessionKeys:
         )
 
 
-__all__ = ["SessionKeys", "SESSION_KEY_HEADER"]
+__all__ = ["SessionKeys", "SESSION_KEY_HEADER", "header_matches"]
