@@ -105,6 +105,8 @@ def main() -> None:
                     "speedup": row.speedup,
                     "speedup_100": row.speedup_100,
                     "trainer_idle": row.trainer_idle,
+                    "sync_windows": row.window_steps("sync"),
+                    "async_windows": row.window_steps("async"),
                 },
                 "plan": {
                     "sync_step": sync_step,
@@ -150,6 +152,7 @@ def main() -> None:
             "yes" if r["within"] else "no",
         )
     console.print(table)
+    console.print(_windows_table(rows))
     console.print(
         "learner fitted to verl's columns (a + b / GPUs, s): "
         + ", ".join(f"{m} a={f.a:.1f} b={f.b:,.0f}" for m, f in fits.items())
@@ -168,6 +171,29 @@ def main() -> None:
             json.dump(doc, fh, indent=2)
     if args.png:
         _plot(rows, args.png)
+
+
+def _windows_table(rows: list[dict[str, Any]]) -> Table:
+    """verl's seconds per step in each 100-step window of its runs (from the published total
+    times) beside the plan's: a plan of one workload against runs that may not have stayed one."""
+    table = Table(title="verl's runs per 100-step window (s per step, from its total times) beside the plan's step")
+    for col in (
+        "GPUs",
+        "sync: verl by window | plan",
+        "async: verl by window | plan",
+        "speed-up: verl by window | plan",
+    ):
+        table.add_column(col, justify="right")
+    for r in rows:
+        v, p = r["verl"], r["plan"]
+        speedups = [a / b for a, b in zip(v["sync_windows"], v["async_windows"])]
+        table.add_row(
+            str(r["gpus"]),
+            f"{' / '.join(f'{x:.0f}' for x in v['sync_windows'])} | {p['sync_step']:.0f}",
+            f"{' / '.join(f'{x:.0f}' for x in v['async_windows'])} | {p['async_step']:.0f}",
+            f"{' / '.join(f'{x:.2f}x' for x in speedups)} | {p['speedup']:.2f}x",
+        )
+    return table
 
 
 def _plot(rows: list[dict[str, Any]], path: str) -> None:

@@ -58,7 +58,9 @@ class VerlRow:
     async_gen: float  # the async trainer's wait for samples
     async_update: float
     staleness: float  # the async script's staleness_threshold
-    speedup_100: float  # verl's speed-up over the first 100 steps (total times; the table's "(1.72x)")
+    #: the runs' total times after 100, 200, 300 and 400 steps (hours; the table's "total time" columns)
+    sync_totals_h: tuple[float, float, float, float]
+    async_totals_h: tuple[float, float, float, float]
 
     @property
     def speedup(self) -> float:
@@ -69,19 +71,48 @@ class VerlRow:
         """verl's trainer idle ratio: the async trainer's wait over its step."""
         return self.async_gen / self.async_step
 
+    @property
+    def speedup_100(self) -> float:
+        """verl's speed-up over the first 100 steps (the table's "(1.72x)"): the total times then."""
+        return self.sync_totals_h[0] / self.async_totals_h[0]
+
+    def window_steps(self, mode: str) -> list[float]:
+        """Seconds per step of ``mode``'s run (``sync`` or ``async``) in each 100-step window, from
+        the total times. They show whether a run stayed one workload: a stationary plan can match a
+        mean over windows only where the windows agree."""
+        totals = {"sync": self.sync_totals_h, "async": self.async_totals_h}[mode]
+        ends = (0.0, *totals)
+        return [(b - a) * 3600 / STEPS_PER_WINDOW for a, b in zip(ends, ends[1:])]
+
+
+def _h(days: int, hours: int, minutes: int) -> float:
+    return days * 24 + hours + minutes / 60
+
 
 #: verl's table (doc commit 6f0b21c53). Staleness: the 16:16 and 32:32 scripts set 0.1, the 64:64
 #: run used 0.5 (the doc's setting and its staleness ablation's row). A step is the mean over 400
-#: steps; the speed-up over the first 100 is the ratio of the two runs' total times then (13h44m
-#: over 7h58m, 10h22m over 4h57m, 8h36m over 3h13m).
+#: steps; the total times are as published (13h 44m, 1d 3h 43m, ...).
 VERL_ROWS: tuple[VerlRow, ...] = (
-    VerlRow(32, 790.10, 357.41, 107.71, 313.81, 294.77, 21.26, 269.80, 0.1, 1.72),
-    VerlRow(64, 365.28, 150.72, 70.26, 133.41, 189.26, 28.46, 156.98, 0.1, 2.09),
-    VerlRow(128, 356.30, 177.85, 53.92, 113.81, 150.63, 33.14, 113.16, 0.5, 2.67),
-)
+    VerlRow(
+        32, 790.10, 357.41, 107.71, 313.81, 294.77, 21.26, 269.80, 0.1,
+        (_h(0, 13, 44), _h(1, 3, 43), _h(2, 9, 22), _h(3, 17, 5)),
+        (_h(0, 7, 58), _h(0, 16, 21), _h(1, 0, 53), _h(1, 9, 26)),
+    ),
+    VerlRow(
+        64, 365.28, 150.72, 70.26, 133.41, 189.26, 28.46, 156.98, 0.1,
+        (_h(0, 10, 22), _h(0, 20, 45), _h(1, 7, 6), _h(1, 17, 32)),
+        (_h(0, 4, 57), _h(0, 10, 14), _h(0, 16, 58), _h(0, 21, 40)),
+    ),
+    VerlRow(
+        128, 356.30, 177.85, 53.92, 113.81, 150.63, 33.14, 113.16, 0.5,
+        (_h(0, 8, 36), _h(0, 17, 56), _h(1, 5, 6), _h(1, 16, 48)),
+        (_h(0, 3, 13), _h(0, 6, 46), _h(0, 10, 53), _h(0, 17, 22)),
+    ),
+)  # fmt: skip
 
 PROMPTS = 512
 SAMPLES = 16
+STEPS_PER_WINDOW = 100  # the table's total times are given every 100 steps
 ASYNC_LOCAL_STEPS = 4  # trigger_parameter_sync_step: local steps of 4 x 32 prompts per weight sync
 PROMPTS_IN_FLIGHT_PER_SERVER = 16  # verl's rollouter: max_concurrent_samples = servers x 16 prompts
 MAX_RESPONSE = 28 * 1024
