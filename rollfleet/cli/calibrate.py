@@ -93,7 +93,9 @@ def run(args: argparse.Namespace, config: RollfleetConfig, console: Console) -> 
     grid = QUICK_GRID if args.grid == "quick" else default_grid()
     profile = asyncio.run(calibrate(config, grid, args.repeats, console))
     render(profile, console)
-    path = write_profile(args.out, profile.sim_section(), header(config, profile))
+    # the replica these costs price: a plan at another tp refuses the profile
+    sim = {**profile.sim_section(), "tensor_parallel_size": config.rollout.tensor_parallel_size}
+    path = write_profile(args.out, sim, header(config, profile))
     console.print(f"  wrote {path}")
     return 0
 

@@ -76,7 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="peak dense TFLOPS per accelerator (default: --accelerator's)",
     )
-    p.add_argument("--mfu", type=float, default=0.35, help="model FLOPs utilisation of the learner")
+    p.add_argument("--mfu", type=float, default=0.35, help="model FLOPs utilisation of the learner, in (0, 1]")
     p.add_argument(
         "--flops-per-param-token", type=float, default=6.0, help="6: forward + backward; +2 per extra forward pass"
     )
@@ -98,13 +98,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def read_lengths(path: str) -> list[int]:
     """Response lengths from a file: a JSON list, or integers separated by commas or whitespace."""
     text = Path(path).read_text()
+    as_json = text.lstrip().startswith("[")
     try:
-        values = json.loads(text) if text.lstrip().startswith("[") else text.replace(",", " ").split()
-        lengths = [int(v) for v in values]
-    except (ValueError, TypeError) as exc:
+        values = json.loads(text) if as_json else text.replace(",", " ").split()
+    except ValueError as exc:
         raise ValueError(f"--response-lengths {path}: not a list of integers ({exc})") from None
-    if not lengths or min(lengths) < 1:
-        raise ValueError(f"--response-lengths {path}: needs at least one length, each >= 1")
+    if not isinstance(values, list) or not values:
+        raise ValueError(f"--response-lengths {path}: needs a list of at least one length")
+    lengths = []
+    for i, value in enumerate(values):
+        # int() would truncate a float (1.9) and take a bool or a JSON string ("300") for a length
+        if not as_json and value.lstrip("+-").isdigit():
+            value = int(value)
+        if type(value) is not int or value < 1:
+            raise ValueError(f"--response-lengths {path}: length [{i}] is {value!r}, not an integer >= 1")
+        lengths.append(value)
     return lengths
 
 
@@ -118,6 +126,10 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
         from rollfleet.plan.profiles import load_profile
 
         out.update({f"rollout.sim.{k}": v for k, v in load_profile(args.profile).items()})
+    if not 0 < args.mfu <= 1:
+        raise ValueError(f"--mfu must be in (0, 1] (a fraction, not a percentage), got {args.mfu:g}")
+    if (args.model_layers is None) != (args.model_hidden is None):
+        raise ValueError("--model-layers and --model-hidden go together (attention's cost needs both)")
     if args.model_params_b is not None:
         device = accelerator(args.accelerator)
         tflops = args.tflops_per_gpu if args.tflops_per_gpu is not None else device.tflops
@@ -128,16 +140,18 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
             out["trainer.sim_learner.seconds_per_token_squared"] = learner_seconds_per_token_squared(
                 args.model_layers, args.model_hidden, args.gpus, tflops, args.mfu, args.flops_per_param_token
             )
+        # the roofline checks that the model fits a replica, whoever prices the engine
+        costs = engine_costs(
+            args.model_params_b,
+            device,
+            tp=args.tp,
+            kv_bytes_per_token=args.kv_bytes_per_token,
+            layers=args.model_layers,
+            hidden=args.model_hidden,
+        )
         if args.profile is None:
-            costs = engine_costs(
-                args.model_params_b,
-                device,
-                tp=args.tp,
-                kv_bytes_per_token=args.kv_bytes_per_token,
-                layers=args.model_layers,
-                hidden=args.model_hidden,
-            )
             out.update({f"rollout.sim.{k}": v for k, v in costs.items()})
+            out["rollout.sim.tensor_parallel_size"] = args.tp  # the replica these costs price
     if args.response_lengths is not None:
         out["rollout.sim.response_lengths"] = read_lengths(args.response_lengths)
     return out
@@ -183,7 +197,7 @@ def render(result: PlanResult, console: Console) -> None:
         "cluster idle",
         "staleness mean / max",
         "dropped groups",
-        "gen tokens/s",
+        "trained tok/s",
     ):
         table.add_column(col, justify="left" if col == "mode" else "right")
     for r in result.summary():
@@ -198,16 +212,28 @@ def render(result: PlanResult, console: Console) -> None:
             f"{r['fleet_idle']:.0%}",
             f"{r['cluster_idle']:.0%}",
             f"{r['staleness_mean']:.2f} / {r['staleness_max']}",
-            str(r["dropped_groups"]),
+            f"{r['dropped_groups']:.1f}",
             f"{r['tokens_per_s']:,.0f}",
         )
     console.print(table)
-    # Apart, to keep the main table narrow: what each mode's fleet served beyond what was trained.
-    served = Table(title="what the fleet served per trained token and sample (whole run)")
-    for col in ("mode", "tokens generated / trained", "requests / trained sample"):
+    # Apart, to keep the main table narrow: what each mode ran on, and what its fleet served
+    # beyond what was trained.
+    served = Table(title="accelerators, and what the fleet served per trained token and sample (whole run)")
+    for col in (
+        "mode",
+        "accelerators generating / training",
+        "tokens generated / trained",
+        "requests / trained sample",
+    ):
         served.add_column(col, justify="left" if col == "mode" else "right")
     for r in result.summary():
-        served.add_row(r["mode"], f"{r['generated_per_trained']:.2f}", f"{r['requests_per_sample']:.2f}")
+        shared = "" if r["mode"] == "separate_async" else " (the same ones)"
+        served.add_row(
+            r["mode"],
+            f"{r['rollout_gpus']} / {r['learner_gpus']}{shared}",
+            f"{r['generated_per_trained']:.2f}",
+            f"{r['requests_per_sample']:.2f}",
+        )
     console.print(served)
 
 

@@ -21,6 +21,7 @@ their range. The same spec gives the same numbers on any host: nothing here read
 from __future__ import annotations
 
 import gc
+import math
 import multiprocessing
 import statistics
 from collections.abc import Callable, Iterator, Sequence
@@ -86,22 +87,54 @@ class PlanSpec:
     output_dir: str = "runs/plan"
 
     def __post_init__(self) -> None:
-        if self.tp < 1 or self.gpus < self.tp:
+        if self.tp < 1:
+            raise ValueError(f"tp must be >= 1, got {self.tp}")
+        if self.gpus < self.tp:
             raise ValueError(f"gpus ({self.gpus}) must hold at least one replica of tp={self.tp}")
         if not 0 < self.rollout_share < 1:
             raise ValueError(f"rollout_share must be in (0, 1), got {self.rollout_share}")
-        if "separate_async" in self.modes and int(self.gpus * self.rollout_share) < self.tp:
+        if not self.modes or not self.seeds:
+            raise ValueError("modes and seeds must not be empty")
+        for name, values in (("modes", self.modes), ("seeds", self.seeds)):
+            if len(set(values)) < len(values):
+                raise ValueError(f"{name} must not repeat, got {list(values)}")
+        for mode in self.modes:
+            get_trainer_cls(mode)  # UnknownName (a ValueError) lists the registered modes
+        if self.gpus % self.tp and set(self.modes) - {"separate_async"}:
+            raise ValueError(
+                f"gpus ({self.gpus}) must be a multiple of tp ({self.tp}): sync and colocate_async would leave "
+                f"{self.gpus % self.tp} accelerator(s) idle"
+            )
+        if "separate_async" in self.modes and self.rollout_gpus < self.tp:
             raise ValueError(
                 f"separate_async: rollout_share x gpus = {self.gpus * self.rollout_share:g} holds no tp={self.tp} replica"
             )
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.warmup_steps >= self.train.total_steps:
             raise ValueError(
                 f"trainer.total_steps ({self.train.total_steps}) must exceed warmup_steps ({self.warmup_steps})"
             )
-        if not self.modes or not self.seeds:
-            raise ValueError("modes and seeds must not be empty")
-        for mode in self.modes:
-            get_trainer_cls(mode)  # UnknownName (a ValueError) lists the registered modes
+        sim, rollout = self.config.rollout.sim, self.config.rollout
+        if sim.tensor_parallel_size != self.tp:
+            raise ValueError(
+                f"tp ({self.tp}) differs from rollout.sim.tensor_parallel_size ({sim.tensor_parallel_size}), the "
+                "replica the engine's step costs price: give costs for a tp-"
+                f"{self.tp} replica (a profile calibrated there, or the roofline of --model-params-b) and set it to {self.tp}"
+            )
+        assert rollout.max_model_len is not None  # filled in by RolloutConfig
+        if sim.kv_capacity_tokens < rollout.max_model_len:
+            raise ValueError(
+                f"rollout.sim.kv_capacity_tokens ({sim.kv_capacity_tokens:,}) holds less than one sequence of "
+                f"rollout.max_model_len ({rollout.max_model_len:,}) tokens: vLLM would refuse to start such a replica; "
+                "raise tp, or lower the lengths"
+            )
+
+    @property
+    def rollout_gpus(self) -> int:
+        """The accelerators ``separate_async`` generates on: ``rollout_share`` of them, rounded
+        down to whole replicas (the learner trains on the rest)."""
+        return math.floor(self.gpus * self.rollout_share + 1e-9) // self.tp * self.tp
 
     @property
     def train(self) -> TrainConfig:
@@ -111,15 +144,18 @@ class PlanSpec:
     def share_of(self, mode: str) -> tuple[int, float]:
         """Replicas and the learner's share of the accelerators in ``mode``."""
         if mode == "separate_async":
-            rollout_gpus = int(self.gpus * self.rollout_share) // self.tp * self.tp
-            return rollout_gpus // self.tp, (self.gpus - rollout_gpus) / self.gpus
+            return self.rollout_gpus // self.tp, (self.gpus - self.rollout_gpus) / self.gpus
         return self.gpus // self.tp, 1.0
 
     def config_for(self, mode: str, seed: int) -> RollfleetConfig:
         replicas, share = self.share_of(mode)
         doc = self.config.model_dump()
         trainer = doc["trainer"]
-        trainer.update(trainer_mode=mode, seed=seed, output_dir=self.output_dir, run_name=f"{mode}-seed{seed}")
+        # A plan always starts from step 0: resuming would pick up an earlier plan's checkpoints
+        # in the same run folder (and report the steps left over, or none).
+        trainer.update(
+            trainer_mode=mode, seed=seed, output_dir=self.output_dir, run_name=f"{mode}-seed{seed}", resume=False
+        )
         if "task" not in self.config.trainer.model_fields_set:
             trainer["task"] = "synthetic"  # prompts of rollout.prompt_length tokens, nothing to score
         trainer["sim_learner"] = {**trainer.get("sim_learner", {}), "enabled": True, "resource_share": share}
@@ -147,8 +183,8 @@ class ModeRun:
     cluster_idle: float  # share of accelerator time spent neither generating nor training (whole run)
     staleness_mean: float
     staleness_max: int
-    dropped_groups: int
-    tokens_per_s: float
+    dropped_groups: int  # dropped as too stale (whole run, warm-up included, as the counts below)
+    tokens_per_s: float  # response tokens trained on per second (after warm-up), not generated
     run_dir: str
     # What the fleet served for the samples trained on (whole run, warm-up included): tokens
     # generated per token trained (1.0: nothing generated in vain; groups dropped as stale, and
@@ -190,7 +226,9 @@ class PlanResult:
                     "cluster_idle": statistics.fmean(r.cluster_idle for r in runs),
                     "staleness_mean": statistics.fmean(r.staleness_mean for r in runs),
                     "staleness_max": max(r.staleness_max for r in runs),
-                    "dropped_groups": sum(r.dropped_groups for r in runs),
+                    "rollout_gpus": runs[0].replicas * self.spec.tp,
+                    "learner_gpus": round(self.spec.share_of(mode)[1] * self.spec.gpus),
+                    "dropped_groups": statistics.fmean(r.dropped_groups for r in runs),
                     "tokens_per_s": statistics.fmean(r.tokens_per_s for r in runs),
                     "generated_per_trained": statistics.fmean(r.generated_per_trained for r in runs),
                     "requests_per_sample": statistics.fmean(r.requests_per_sample for r in runs),

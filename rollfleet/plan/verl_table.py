@@ -201,6 +201,7 @@ def row_specs(
         "rollout.sim.mean_response_tokens": assumed.mean_response_tokens,
         "rollout.sim.response_sigma": assumed.response_sigma,
         "rollout.sim.weight_load_ms": assumed.weight_load_ms,
+        "rollout.sim.tensor_parallel_size": TP,  # the replica the roofline's costs price
         "agent.num_workers": 4,
         **{f"rollout.sim.{k}": v for k, v in costs.items()},
     }

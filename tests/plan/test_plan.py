@@ -17,6 +17,8 @@ from rollfleet.config import RollfleetConfig, load_config
 from rollfleet.models.vocab import fit_sim_to_model
 from rollfleet.plan import VirtualRuntime
 from rollfleet.plan.planner import (
+    ModeRun,
+    PlanResult,
     PlanSpec,
     learner_seconds_per_token,
     run_mode,
@@ -188,7 +190,11 @@ def test_the_learner_pays_for_its_share_of_the_cluster(tmp_path):
         seconds[mode], _ = SimulatedLearner(train.sim_learner).step(batch)
     assert seconds["sync"] == pytest.approx(400 * 2e-4)
     assert seconds["separate_async"] == pytest.approx(2 * seconds["sync"])
-    assert PlanSpec(workload_config(), gpus=8, tp=2, rollout_share=0.75).share_of("separate_async") == (3, 0.25)
+    tp2 = workload_config(**{"rollout.sim.tensor_parallel_size": 2})
+    assert PlanSpec(tp2, gpus=8, tp=2, rollout_share=0.75).share_of("separate_async") == (3, 0.25)
+    # a share is taken as written: 100 x 0.29 is 28.999... in floating point, 29 accelerators here
+    assert PlanSpec(workload_config(), gpus=100, rollout_share=0.29).share_of("separate_async") == (29, 0.71)
+    assert PlanSpec(workload_config(), gpus=100, rollout_share=0.57).rollout_gpus == 57
 
 
 def test_the_learner_pays_for_prompts_for_attention_quadratically_and_per_step():
@@ -236,11 +242,62 @@ def test_learner_cost_from_model_size():
         ({"gpus": 4, "warmup_steps": 4}, r"trainer.total_steps \(4\) must exceed warmup_steps \(4\)"),
         ({"gpus": 4, "seeds": ()}, "must not be empty"),
         ({"gpus": 4, "modes": ("sync", "asynk")}, r"unknown trainer 'asynk'; valid names: \['colocate_async'"),
+        ({"gpus": 4, "tp": 0}, r"tp must be >= 1, got 0"),
+        ({"gpus": 5, "tp": 5, "modes": ("separate_async",)}, r"holds no tp=5 replica"),
+        ({"gpus": 5, "tp": 2}, r"gpus \(5\) must be a multiple of tp \(2\): .* 1 accelerator\(s\) idle"),
+        ({"gpus": 4, "tp": 2}, r"tp \(2\) differs from rollout.sim.tensor_parallel_size \(1\)"),
+        ({"gpus": 4, "warmup_steps": -1}, r"warmup_steps must be >= 0, got -1"),
+        ({"gpus": 4, "seeds": (0, 0)}, r"seeds must not repeat, got \[0, 0\]"),
+        ({"gpus": 4, "modes": ("sync", "sync")}, r"modes must not repeat"),
     ],
 )
 def test_a_bad_plan_is_refused_naming_the_field(kwargs, match):
     with pytest.raises(ValueError, match=match):
         PlanSpec(workload_config(), **kwargs)
+
+
+def test_a_plan_refuses_a_kv_cache_that_holds_no_whole_sequence():
+    small = workload_config(**{"rollout.sim.kv_capacity_tokens": 500})  # max_model_len is 600
+    with pytest.raises(ValueError, match=r"kv_capacity_tokens \(500\) holds less than one sequence of "):
+        PlanSpec(small, gpus=4)
+
+
+def test_an_uneven_split_leaves_the_rest_to_the_learner():
+    tp2 = workload_config(**{"rollout.sim.tensor_parallel_size": 2})
+    spec = PlanSpec(tp2, gpus=7, tp=2, modes=("separate_async",))  # 3.5 rollout accelerators asked
+    assert spec.rollout_gpus == 2 and spec.share_of("separate_async") == (1, 5 / 7)
+
+
+def test_a_plan_starts_afresh_even_where_an_earlier_one_left_checkpoints(tmp_path):
+    """``trainer.resume: true`` in the config must not make a plan continue an earlier plan's
+    run in the same folder (it reported the steps left over, or crashed on none)."""
+    config = workload_config(**{"trainer.resume": True, "trainer.total_steps": 3})
+    spec = PlanSpec(config, gpus=2, modes=("sync",), seeds=(0,), output_dir=str(tmp_path))
+    first = run_plan(spec).runs[0]
+    again = run_plan(spec).runs[0]
+    longer = run_plan(PlanSpec(workload_config(**{"trainer.resume": True, "trainer.total_steps": 5}), gpus=2,
+                               modes=("sync",), seeds=(0,), output_dir=str(tmp_path))).runs[0]  # fmt: skip
+    fresh = run_plan(PlanSpec(workload_config(**{"trainer.total_steps": 5}), gpus=2, modes=("sync",), seeds=(0,),
+                              output_dir=str(tmp_path / "fresh"))).runs[0]  # fmt: skip
+    assert (again.step_s, again.trainer_idle) == (first.step_s, first.trainer_idle)
+    assert (longer.step_s, longer.trainer_idle, longer.fleet_idle) == (
+        fresh.step_s,
+        fresh.trainer_idle,
+        fresh.fleet_idle,
+    )
+
+
+def test_the_summary_means_dropped_groups_over_seeds_and_names_each_modes_accelerators():
+    spec = PlanSpec(workload_config(), gpus=4, seeds=(0, 1))
+
+    def run(mode: str, seed: int, dropped: int, replicas: int) -> ModeRun:
+        return ModeRun(mode, seed, replicas, 1.0, 0.0, 0.0, 0.0, 0.0, 0, dropped, 1.0, "", 1.0, 1.0)
+
+    result = PlanResult(spec, [run("separate_async", 0, 12, 2), run("separate_async", 1, 10, 2), run("sync", 0, 0, 4)])
+    rows = {r["mode"]: r for r in result.summary()}
+    assert rows["separate_async"]["dropped_groups"] == 11  # 12 and 10 over two seeds: not their sum
+    assert (rows["separate_async"]["rollout_gpus"], rows["separate_async"]["learner_gpus"]) == (2, 2)
+    assert (rows["sync"]["rollout_gpus"], rows["sync"]["learner_gpus"]) == (4, 4)
 
 
 def test_a_virtual_run_refuses_a_torch_learner():
@@ -262,6 +319,7 @@ def test_the_command_writes_the_table_the_json_and_the_pngs(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert code == 0, printed
     assert "speed-up vs sync" in printed and "separate_async" in printed
+    assert "trained tok/s" in printed and "2 / 2" in printed and "4 / 4 (the same ones)" in printed
     assert "requests / trained sample" in printed
     doc = json.loads((out / "plan.json").read_text())
     assert [r["mode"] for r in doc["summary"]] == ["sync", "colocate_async", "separate_async"]
@@ -281,9 +339,28 @@ def test_response_lengths_from_a_file_replace_the_log_normal(tmp_path, capsys):
     run_dir = json.loads((tmp_path / "a" / "plan.json").read_text())["runs"][0]["run_dir"]
     rows = [json.loads(line) for line in open(f"{run_dir}/metrics.jsonl")]
     assert [r["response_length/mean"] for r in rows] == [40.0, 40.0]  # every response drew 40
-    lengths.write_text("40 forty")
-    assert main([*args, "--response-lengths", str(lengths), "--out", str(tmp_path / "b")]) == 2
-    assert "not a list of integers" in capsys.readouterr().err
+    capsys.readouterr()
+    for text, bad in (("40 forty", "'forty'"), ("[40, 1.9]", "1.9"), ("[40, true]", "True"), ('[40, "300"]', "'300'"),
+                      ("40 0", "0"), ("[]", None)):  # fmt: skip
+        lengths.write_text(text)
+        assert main([*args, "--response-lengths", str(lengths), "--out", str(tmp_path / "b")]) == 2
+        err = capsys.readouterr().err
+        assert (f"length [1] is {bad}, not an integer >= 1" if bad else "at least one length") in err, (text, err)
+
+
+def test_the_command_refuses_flags_that_would_plan_something_else(capsys):
+    """A percentage for --mfu (a 100x faster learner), a profile of one accelerator's replica at
+    --tp 4 (a replica of four priced as one), a model that no replica holds, half a model shape."""
+    base = ["plan", "--gpus", "4", "--seeds", "0", "--modes", "sync"]
+    cases = [
+        (["--mfu", "35"], "--mfu must be in (0, 1] (a fraction, not a percentage), got 35"),
+        (["--profile", "h100-7b", "--tp", "4"], "tp (4) differs from rollout.sim.tensor_parallel_size (1)"),
+        (["--profile", "h100-7b", "--model-params-b", "70", "--gpus", "1"], "leave no room for a KV cache"),
+        (["--model-params-b", "7", "--model-layers", "28"], "--model-layers and --model-hidden go together"),
+    ]
+    for extra, message in cases:
+        assert main([*base, *extra]) == 2, extra
+        assert message in capsys.readouterr().err, extra
 
 
 def test_the_command_refuses_a_cluster_too_small_for_one_replica(capsys):
