@@ -56,6 +56,10 @@ class VirtualFleet:
     def __init__(self, rollout: RolloutConfig, client_cls: type[LLMServerClient] = FullyAsyncLLMServerClient) -> None:
         if rollout.name != "sim":
             raise ValueError(f"rollout.name must be 'sim' for a virtual fleet, got {rollout.name!r}")
+        if rollout.sim.time_scale != 1.0:
+            # A virtual clock needs no pacing, and its seconds are the simulated ones: scaled, the
+            # engines' steps took 1/time_scale of the clock while their busy time stayed unscaled.
+            rollout = rollout.model_copy(update={"sim": rollout.sim.model_copy(update={"time_scale": 1.0})})
         self.rollout = rollout
         self.replicas = {f"replica-{i}": Replica(f"replica-{i}", rollout, i) for i in range(rollout.num_replicas)}
         self.client = client_cls(rollout, servers=self._handles())

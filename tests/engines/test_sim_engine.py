@@ -365,3 +365,60 @@ def test_a_keep_commit_salts_the_prefix_cache_as_the_vllm_engine_does():
         return sibling_hits, new_hits
 
     assert virtual_time.run(main()) == (320, 0)
+
+
+def test_only_computed_blocks_enter_the_prefix_cache():
+    """A request aborted while it waits never computed its prompt: the next request with that
+    prompt prefills all of it (it used to hit every block the aborted one would have filled)."""
+    prompt = list(range(10, 74))  # 4 full blocks of 16
+
+    async def main() -> tuple[int, int]:
+        config = SimEngineConfig(vocab_size=500, max_num_seqs=1, block_size=16, step_base_ms=10.0, max_steps_per_wake=1)
+        eng = SimEngine(config)
+        await eng.start()
+        first = asyncio.ensure_future(eng.generate("A", [7] * 32, {"max_tokens": 20, "ignore_eos": True}))
+        await asyncio.sleep(0.001)
+        waiting = asyncio.ensure_future(eng.generate("B", prompt, {"max_tokens": 5, "ignore_eos": True}))
+        await asyncio.sleep(0.05)
+        assert [r.request_id for r in eng._waiting] == ["B"]  # one slot: it never ran
+        await eng.abort("B")
+        await first
+        assert (await waiting).stop_reason == "aborted"
+        before = eng.stats()["prefix_cache_hit_tokens"]
+        await eng.generate("C", prompt, {"max_tokens": 5, "ignore_eos": True})
+        cold = eng.stats()["prefix_cache_hit_tokens"] - before
+        before = eng.stats()["prefix_cache_hit_tokens"]
+        await eng.generate("D", prompt, {"max_tokens": 5, "ignore_eos": True})  # C computed it: cached now
+        warm = eng.stats()["prefix_cache_hit_tokens"] - before
+        await eng.shutdown()
+        return cold, warm
+
+    assert virtual_time.run(main()) == (0, 64)
+
+
+@pytest.mark.parametrize("steps_per_wake", [1, 10_000])
+def test_a_step_stopped_by_a_weight_load_leaves_its_prefill_to_pay(steps_per_wake):
+    """A keep commit lands mid-way through the step that admits a 1,000-token prompt: that step
+    never ends, so the step after the load pays the prefill (it used to be lost: the request was
+    marked prefilled and finished 1 s of simulated work early)."""
+
+    async def main(commit: bool) -> tuple[float, float]:
+        config = SimEngineConfig(
+            vocab_size=500, step_base_ms=10.0, step_per_seq_ms=0.0, prefill_per_token_ms=1.0,
+            weight_load_ms=2000.0, max_steps_per_wake=steps_per_wake,
+        )  # fmt: skip
+        eng = SimEngine(config)
+        await eng.start()
+        sent = asyncio.ensure_future(eng.generate("A", [5] * 1000, {"max_tokens": 10, "ignore_eos": True}))
+        await asyncio.sleep(0.5)  # half-way through the 1.01 s admission step
+        if commit:
+            await eng.stage_weights({"w": 1}, 1)
+            await eng.commit_weights(1, mode="keep")
+        assert len((await sent).token_ids) == 10
+        busy, done = eng.stats()["sim_busy_s"], asyncio.get_running_loop().time()
+        await eng.shutdown()
+        return round(busy, 6), round(done, 6)
+
+    assert virtual_time.run(main(False)) == (1.1, 1.1)
+    # 0.5 s of the stopped step, the 2 s load, then the whole step again and nine more
+    assert virtual_time.run(main(True)) == (1.1, 3.6)

@@ -92,11 +92,13 @@ def rollout(**sim) -> RolloutConfig:
     )
 
 
-@pytest.mark.parametrize("context_ms", [0.0, 0.002])
-def test_a_lone_request_takes_exactly_its_modelled_time(context_ms):
+@pytest.mark.parametrize("context_ms, time_scale", [(0.0, 1.0), (0.002, 1.0), (0.0, 10.0)])
+def test_a_lone_request_takes_exactly_its_modelled_time(context_ms, time_scale):
     """Prefill on the first step, then one token per step of ``step_base + step_per_seq`` ms plus,
-    with a context cost, ``step_per_context_token_ms`` per token the sequence holds at that step."""
-    config = rollout(step_per_context_token_ms=context_ms)
+    with a context cost, ``step_per_context_token_ms`` per token the sequence holds at that step.
+    A config's ``time_scale`` (wall-clock pacing) does not shrink a virtual fleet's seconds: its
+    makespan and its engines' busy time are the same simulated seconds."""
+    config = rollout(step_per_context_token_ms=context_ms, time_scale=time_scale)
     prompt, budget = list(range(3, 3 + 200)), 300
 
     async def main() -> tuple[FleetReport, int]:

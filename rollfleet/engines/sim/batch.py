@@ -122,6 +122,7 @@ class BatchModel:
     _running: list[_Request]
     _prefix_cache: PrefixCache
     _admit_counter: int
+    _unpaid: dict["_Request", int]
     _stats: dict[str, Any]
     _version_label: Optional[int]
     _rng: random.Random
@@ -168,6 +169,7 @@ class BatchModel:
         self._running.clear()
 
     def _release(self, req: _Request) -> None:
+        self._unpaid.pop(req, None)  # it left the batch: re-admitted, it pays again
         self._kv_blocks_free += req.blocks
         req.blocks = 0
         if req.cache_hold[0]:
@@ -178,7 +180,8 @@ class BatchModel:
         if self._requests.pop(req.request_id, None) is None:
             return
         self._materialize(req)
-        if req in self._running:
+        computed = req in self._running  # its blocks hold KV; a waiting request's never did, or
+        if computed:  # were freed when it was preempted: caching them would serve hits nobody computed
             self._running.remove(req)
         else:
             try:
@@ -186,7 +189,8 @@ class BatchModel:
             except ValueError:
                 pass
         self._release(req)
-        self._insert_prefix(self._hashes_of(req))
+        if computed:
+            self._insert_prefix(self._hashes_of(req))
         self._stats["num_aborted" if reason == "aborted" else "num_finished"] += 1
         if req.progress is not None:
             req.progress.set()
@@ -233,8 +237,9 @@ class BatchModel:
         return -(-tokens // self.config.block_size)
 
     def _admit(self) -> int:
-        """Move waiting requests into the running batch; return the prefill tokens to pay."""
-        prefill = 0
+        """Move waiting requests into the running batch; return the prefill tokens the next step
+        pays: those of the requests admitted now, and those of requests admitted for a step that
+        never ended (stopped by a weight load, a hang, a pause), whose prefill was not done."""
         while self._waiting and len(self._running) < self.config.max_num_seqs:
             req = self._waiting[0]
             need = self._blocks_for(req.context_len + 1)
@@ -255,14 +260,14 @@ class BatchModel:
             if not req.prefilled:
                 self._stats["prompt_tokens"] += len(req.prompt_ids)
             req.prefilled = True
-            prefill += len(context) - cached
+            self._unpaid[req] = len(context) - cached
             if self.config.cache_on_prefill:  # its blocks are computed now: later requests reuse them
                 req.cache_hold = self._prefix_cache.hold(hashes)
             self._evict()  # after the lookup, as vLLM takes the blocks it hit before allocating
             self._admit_counter += 1
             req.admitted_seq = self._admit_counter
             self._running.append(req)
-        return prefill
+        return sum(self._unpaid.values())
 
     def _finish_after_pop(self, req: _Request, reason: StopReason) -> None:
         # ``req`` has left the queue already; finish it through the common path.

@@ -56,6 +56,7 @@ class SimEngine(StepLoop, Engine):
         self._corrupt_next_load = False
         self._version_label: Optional[int] = None
         self._admit_counter = 0
+        self._unpaid: dict[_Request, int] = {}  # prefill tokens of admitted requests no step has paid yet
         self._paused = False
         self._loading = 0  # weight loads in progress (commit_weights)
         self._sleeping = False

@@ -185,6 +185,8 @@ class StepLoop(BatchModel):
         steps = upto - run.done
         if steps <= 0:
             return
+        if run.done == 0:
+            self._unpaid.clear()  # the first step ended: it did every admitted request's prefill
         if run.counted:
             self._advance(steps)
         else:
