@@ -20,13 +20,12 @@ from rich.progress import Progress
 from rich.table import Table
 
 from rollfleet.config import RollfleetConfig
+from rollfleet.plan.learner_cost import learner_seconds_per_token, learner_seconds_per_token_squared
 from rollfleet.plan.planner import (
     MODES,
     ModeRun,
     PlanResult,
     PlanSpec,
-    learner_seconds_per_token,
-    learner_seconds_per_token_squared,
     run_plan,
     write_plan,
 )

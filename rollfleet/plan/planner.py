@@ -13,7 +13,7 @@ code (:class:`~rollfleet.plan.runtime.VirtualRuntime`) on its share of the clust
 Replicas cache a prompt's blocks once it is prefilled, as vLLM does (``rollout.sim.cache_on_prefill``
 unless the config sets it), so the siblings of a GRPO group that start together share its prompt.
 The learner's cost is ``trainer.sim_learner.seconds_per_token`` on the whole cluster, or derived
-from the model size (:func:`learner_seconds_per_token`). Each mode runs once per seed (the seed
+from the model size (:mod:`rollfleet.plan.learner_cost`). Each mode runs once per seed (the seed
 draws the prompts and response lengths and seeds the routing policy); results are means with
 their range. The same spec gives the same numbers on any host: nothing here reads a wall clock.
 """
@@ -46,31 +46,6 @@ MODES = ("sync", "colocate_async", "separate_async")
 #: worker that has already run another (longest-processing-time order); a mode not listed counts
 #: as the longest. Only the order matters.
 RELATIVE_RUN_COST = {"sync": 1.0, "colocate_async": 1.7, "separate_async": 2.0}
-
-
-def learner_seconds_per_token(
-    params_b: float, gpus: int, tflops_per_gpu: float, mfu: float, flops_per_param_token: float = 6.0
-) -> float:
-    """Seconds of training per trained token on ``gpus`` accelerators for a model of ``params_b``
-    billion parameters: ``flops_per_param_token`` (6: forward and backward, the usual estimate;
-    add 2 per extra forward pass such as old log-probs or a reference model) x parameters, over
-    the cluster's ``tflops_per_gpu`` peak at ``mfu`` utilisation."""
-    if min(params_b, tflops_per_gpu, mfu) <= 0 or gpus < 1:
-        raise ValueError("params_b, tflops_per_gpu and mfu must be > 0 and gpus >= 1")
-    return flops_per_param_token * params_b * 1e9 / (gpus * tflops_per_gpu * 1e12 * mfu)
-
-
-def learner_seconds_per_token_squared(
-    layers: int, hidden: int, gpus: int, tflops_per_gpu: float, mfu: float, flops_per_param_token: float = 6.0
-) -> float:
-    """Attention's share of the learner's time: seconds per squared sample length. A causal forward
-    pass spends 4 x layers x hidden FLOPs per (token, earlier token) pair (scores, then values),
-    length^2 / 2 pairs: 2 x layers x hidden x length^2 per sample. Backward costs twice the
-    forward, as for the weights, so the total is ``flops_per_param_token`` (6) x layers x hidden
-    x length^2."""
-    if min(layers, hidden, tflops_per_gpu, mfu) <= 0 or gpus < 1:
-        raise ValueError("layers, hidden, tflops_per_gpu and mfu must be > 0 and gpus >= 1")
-    return flops_per_param_token * layers * hidden / (gpus * tflops_per_gpu * 1e12 * mfu)
 
 
 @dataclass(frozen=True)
@@ -419,7 +394,6 @@ __all__ = [
     "ModeRun",
     "MODES",
     "RELATIVE_RUN_COST",
-    "learner_seconds_per_token",
     "run_plan",
     "run_plans",
     "run_mode",

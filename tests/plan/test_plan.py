@@ -16,11 +16,11 @@ from rollfleet.cli.main import main
 from rollfleet.config import RollfleetConfig, load_config
 from rollfleet.models.vocab import fit_sim_to_model
 from rollfleet.plan import VirtualRuntime
+from rollfleet.plan.learner_cost import learner_seconds_per_token
 from rollfleet.plan.planner import (
     ModeRun,
     PlanResult,
     PlanSpec,
-    learner_seconds_per_token,
     run_mode,
     run_plan,
     run_plans,
