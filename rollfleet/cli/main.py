@@ -36,10 +36,8 @@ def _simulate(args: argparse.Namespace) -> int:
     overrides = {}
     if args.replicas is not None:
         overrides["rollout.num_replicas"] = args.replicas
-    if args.time_scale is not None:
+    if args.time_scale is not None:  # wall-clock pacing: a virtual fleet runs unscaled whatever it says
         overrides["rollout.sim.time_scale"] = args.time_scale
-    if args.virtual:  # simulated seconds are the virtual clock's own seconds: no scaling
-        overrides["rollout.sim.time_scale"] = 1.0
     config = _load(args.config, overrides)
     if args.virtual and config.rollout.routing.seed is None:  # a virtual run repeats exactly: seed the policy
         config = _load(args.config, {**overrides, "rollout.routing.seed": 0})

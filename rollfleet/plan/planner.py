@@ -80,7 +80,7 @@ class PlanSpec:
                 f"gpus ({self.gpus}) must be a multiple of tp ({self.tp}): sync and colocate_async would leave "
                 f"{self.gpus % self.tp} accelerator(s) idle"
             )
-        if "separate_async" in self.modes and self.rollout_gpus < self.tp:
+        if "separate_async" in self.modes and self.gpus_of("separate_async")[0] < self.tp:
             raise ValueError(
                 f"separate_async: rollout_share x gpus = {self.gpus * self.rollout_share:g} holds no tp={self.tp} replica"
             )
@@ -106,21 +106,23 @@ class PlanSpec:
             )
 
     @property
-    def rollout_gpus(self) -> int:
-        """The accelerators ``separate_async`` generates on: ``rollout_share`` of them, rounded
-        down to whole replicas (the learner trains on the rest)."""
-        return math.floor(self.gpus * self.rollout_share + 1e-9) // self.tp * self.tp
-
-    @property
     def train(self) -> TrainConfig:
         """The config's trainer section, validated (a bad one fails here, its fields named)."""
         return TrainConfig.model_validate(self.config.trainer.model_dump())
 
+    def gpus_of(self, mode: str) -> tuple[int, int]:
+        """The accelerators generating and those training in ``mode``: ``separate_async``
+        generates on ``rollout_share`` of them, rounded down to whole replicas, and trains on the
+        rest; the colocated modes take turns on the same ones."""
+        if mode == "separate_async":
+            rollout = math.floor(self.gpus * self.rollout_share + 1e-9) // self.tp * self.tp
+            return rollout, self.gpus - rollout
+        return self.gpus // self.tp * self.tp, self.gpus
+
     def share_of(self, mode: str) -> tuple[int, float]:
         """Replicas and the learner's share of the accelerators in ``mode``."""
-        if mode == "separate_async":
-            return self.rollout_gpus // self.tp, (self.gpus - self.rollout_gpus) / self.gpus
-        return self.gpus // self.tp, 1.0
+        rollout, learner = self.gpus_of(mode)
+        return rollout // self.tp, learner / self.gpus
 
     def config_for(self, mode: str, seed: int) -> RollfleetConfig:
         replicas, share = self.share_of(mode)
@@ -188,6 +190,7 @@ class PlanResult:
         sync = {r.seed: r.step_s for r in modes.get("sync", [])}
         rows = []
         for mode, runs in modes.items():
+            rollout_gpus, learner_gpus = self.spec.gpus_of(mode)
             speedups = [sync[r.seed] / r.step_s for r in runs if r.seed in sync and r.step_s > 0]
             rows.append(
                 {
@@ -201,8 +204,8 @@ class PlanResult:
                     "cluster_idle": statistics.fmean(r.cluster_idle for r in runs),
                     "staleness_mean": statistics.fmean(r.staleness_mean for r in runs),
                     "staleness_max": max(r.staleness_max for r in runs),
-                    "rollout_gpus": runs[0].replicas * self.spec.tp,
-                    "learner_gpus": round(self.spec.share_of(mode)[1] * self.spec.gpus),
+                    "rollout_gpus": rollout_gpus,
+                    "learner_gpus": learner_gpus,
                     "dropped_groups": statistics.fmean(r.dropped_groups for r in runs),
                     "tokens_per_s": statistics.fmean(r.tokens_per_s for r in runs),
                     "generated_per_trained": statistics.fmean(r.generated_per_trained for r in runs),

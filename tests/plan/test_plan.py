@@ -194,7 +194,7 @@ def test_the_learner_pays_for_its_share_of_the_cluster(tmp_path):
     assert PlanSpec(tp2, gpus=8, tp=2, rollout_share=0.75).share_of("separate_async") == (3, 0.25)
     # a share is taken as written: 100 x 0.29 is 28.999... in floating point, 29 accelerators here
     assert PlanSpec(workload_config(), gpus=100, rollout_share=0.29).share_of("separate_async") == (29, 0.71)
-    assert PlanSpec(workload_config(), gpus=100, rollout_share=0.57).rollout_gpus == 57
+    assert PlanSpec(workload_config(), gpus=100, rollout_share=0.57).gpus_of("separate_async") == (57, 43)
 
 
 def test_the_learner_pays_for_prompts_for_attention_quadratically_and_per_step():
@@ -265,7 +265,7 @@ def test_a_plan_refuses_a_kv_cache_that_holds_no_whole_sequence():
 def test_an_uneven_split_leaves_the_rest_to_the_learner():
     tp2 = workload_config(**{"rollout.sim.tensor_parallel_size": 2})
     spec = PlanSpec(tp2, gpus=7, tp=2, modes=("separate_async",))  # 3.5 rollout accelerators asked
-    assert spec.rollout_gpus == 2 and spec.share_of("separate_async") == (1, 5 / 7)
+    assert spec.gpus_of("separate_async") == (2, 5) and spec.share_of("separate_async") == (1, 5 / 7)
 
 
 def test_a_plan_starts_afresh_even_where_an_earlier_one_left_checkpoints(tmp_path):
