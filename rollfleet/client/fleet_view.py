@@ -131,6 +131,7 @@ class FleetView:
                 del self._quarantined[sid]
                 until = None
             bal.set_routable(sid, sid in self._routable and until is None)
+            bal.set_version(sid, snapshot.versions.get(sid))
         bal.set_preferred(snapshot.preferred_ids())
         for report in snapshot.loads.values():
             bal.report_load(report)

@@ -251,11 +251,12 @@ class LLMServerClient:
                 exc = unwrap(raw)
                 if is_replica_failure(exc):
                     self.fleet.quarantine(server_id, repr(exc))
-                    self.balancer.finish_session(request_id)  # re-route the session
+                    self.balancer.unstick(request_id)  # re-route the session
                     if isinstance(exc, asyncio.TimeoutError):
                         _cancel(ref)
                 raise
             self.balancer.report_load(response.load)
+            self.balancer.observe_output(server_id, request_id, response.output)
             ended = response.output.stop_reason != "aborted"
             return response
         finally:

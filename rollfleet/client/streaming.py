@@ -189,6 +189,7 @@ async def _attempt(
             if stream_call is None:
                 response = await handle.generate_with_load.remote(request_id, prompt, params, **kwargs)
                 client.balancer.report_load(response.load)
+                client.balancer.observe_output(server_id, request_id, response.output)
                 ended = response.output.stop_reason != "aborted"
                 yield response.output
                 return
@@ -197,6 +198,7 @@ async def _attempt(
                 async for item in stream:
                     if isinstance(item, ReplicaResponse):
                         client.balancer.report_load(item.load)
+                        client.balancer.observe_output(server_id, request_id, item.output)
                         ended = item.output.stop_reason != "aborted"
                         yield item.output
                     else:
@@ -207,7 +209,7 @@ async def _attempt(
             exc = unwrap(raw)
             if is_replica_failure(exc):
                 client.fleet.quarantine(server_id, repr(exc))
-                client.balancer.finish_session(request_id)  # the session moves on to another replica
+                client.balancer.unstick(request_id)  # the session moves on to another replica
             raise
     finally:
         await client._release(server_id, len(prompt), request_id, ended)

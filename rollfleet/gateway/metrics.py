@@ -55,7 +55,10 @@ LATENCY_BUCKETS = (
 
 #: Routing reasons that mean "this request continues a session" (the first turn of a session can
 #: never hit the prefix cache, so it is left out of the estimate).
-_CONTINUING = ("sticky", "spill_over", "sticky_invalidated")
+_CONTINUING = ("sticky", "spill_over", "sticky_invalidated", "version_floor", "version_regressed")
+#: ... and those among them that stayed on the session's replica ("version_floor": it was to give
+#: way for load, but no other replica was on weights as new as the session's last turn).
+_STAYED = ("sticky", "version_floor")
 
 
 class GatewayMetrics:
@@ -168,7 +171,7 @@ class FleetCollector(Collector):
             "Routing decisions (every attempt, resumes included) by policy and reason.",
             labels=["policy", "reason"],
         )
-        for reason in ("sticky", "spill_over", "least_loaded", "newest_version", "sticky_invalidated"):
+        for reason in (*_CONTINUING, "least_loaded", "newest_version"):
             decisions.setdefault(reason, 0)
         for reason, n in sorted(decisions.items()):
             routing.add_metric([policy, reason], n)
@@ -178,7 +181,7 @@ class FleetCollector(Collector):
             "rollfleet_gateway_prefix_cache_hit_estimate",
             "Fraction of continuing-session attempts routed to their sticky replica (whose prefix cache holds "
             "the session); 0 before any session continues.",
-            value=decisions.get("sticky", 0) / continuing if continuing else 0.0,
+            value=sum(decisions.get(r, 0) for r in _STAYED) / continuing if continuing else 0.0,
         )
         yield GaugeMetricFamily(
             "rollfleet_gateway_sticky_sessions", "Sessions pinned to a replica.", value=status.get("sticky_sessions", 0)

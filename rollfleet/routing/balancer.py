@@ -37,13 +37,14 @@ from cachetools import LRUCache
 from rollfleet.errors import NoServerAvailable
 from rollfleet.routing.policies import ReplicaView, RoutingPolicy, get_policy
 from rollfleet.routing.policies.prefix_affinity import prefix_key
-from rollfleet.types import LoadReport
+from rollfleet.routing.version_floor import VersionFloors, at_or_above
+from rollfleet.types import LoadReport, TokenOutput
 
 
 class _ServerState:
     __slots__ = (
         "handle", "local", "local_tokens", "others", "others_tokens", "kv_usage", "waiting", "routable",
-        "reported_at", "view",
+        "reported_at", "view", "version",
     )  # fmt: skip
 
     def __init__(self, server_id: str, handle: Any) -> None:
@@ -59,6 +60,9 @@ class _ServerState:
         self.waiting = 0
         self.routable = True
         self.reported_at = float("-inf")  # the replica's clock: reports from one replica compare
+        #: The newest weight version it is known to serve (None: not known), from the fleet's
+        #: snapshot or from an output it returned, whichever is newer (see :meth:`observe_output`).
+        self.version: Optional[int] = None
 
     def sync(self) -> None:
         view = self.view
@@ -130,6 +134,9 @@ class GlobalRequestLoadBalancer:
         self._views: Optional[list[ReplicaView]] = None  # of the routable replicas (None: to rebuild)
         self._request_id_to_server: LRUCache[str, str] = LRUCache(maxsize=max_cache_size)
         self._preferred: Optional[frozenset[str]] = None  # see set_preferred
+        #: The newest weight version each session's outputs carried: its next turn goes to no
+        #: replica known to be on an older one (see :meth:`observe_output`).
+        self._floors = VersionFloors(max_cache_size)
         #: Sent with every request; replicas count this balancer's requests under it.
         self.client_id = uuid.uuid4().hex[:16]
         self.decisions: Counter[str] = Counter()
@@ -177,6 +184,10 @@ class GlobalRequestLoadBalancer:
                 if servers:
                     raise NoServerAvailable(f"none of {len(servers)} replicas is routable (unhealthy or stale weights)")
                 raise NoServerAvailable()
+            floor = self._floors.get(request_id)
+            if floor is not None:
+                candidates, reason, chosen = at_or_above(floor, candidates, self._version_of, reason, sticky_id)
+        if chosen is None:
             key = prefix_key(prompt_ids) if self._policy.uses_prefix and prompt_ids is not None else None
             if hold and (self.hold_placed or not self._policy.has_home(key)):
                 limit = self.dispatch_limit
@@ -233,6 +244,30 @@ class GlobalRequestLoadBalancer:
         self._policy.on_request_done(server_id)
         if self.on_room is not None:
             self.on_room(False)
+
+    def observe_output(self, server_id: str, request_id: str, output: TokenOutput) -> None:
+        """Learn from an attempt's output the weight version its replica serves (at least the one
+        its last token was sampled with: fresher than a snapshot taken before a commit) and raise
+        the session's version floor to it."""
+        extra = output.extra_fields
+        version = extra.get("max_global_steps", extra.get("global_steps"))
+        if version is None:
+            return
+        state = self._servers.get(server_id)
+        if state is not None and (state.version is None or version > state.version):
+            state.version = version
+        self._floors.raise_to(request_id, version)
+
+    def _version_of(self, server_id: str) -> Optional[int]:
+        return self._servers[server_id].version
+
+    def set_version(self, server_id: str, version: Optional[int]) -> None:
+        """The weight version the fleet's snapshot labels a replica with. Labels may lag a commit
+        (they move when the version is published), so an older label never lowers what an output
+        already showed."""
+        state = self._servers.get(server_id)
+        if state is not None and version is not None and (state.version is None or version > state.version):
+            state.version = version
 
     def _overloaded(self, server_id: str) -> bool:
         load = self._servers[server_id]
@@ -294,10 +329,18 @@ class GlobalRequestLoadBalancer:
         if state is not None:
             state.handle = handle
             state.reported_at = float("-inf")  # a new process: its clock starts afresh
+            state.version = None  # and its weights are the ones it loads, which its snapshot says
 
     def finish_session(self, request_id: str) -> bool:
-        """Forget a finished trajectory's sticky entry (verl never does; its LRU fills up)."""
+        """Forget a finished trajectory's sticky entry and version floor (verl never does; its LRU
+        fills up)."""
+        self._floors.forget(request_id)
         return self._request_id_to_server.pop(request_id, None) is not None
+
+    def unstick(self, request_id: str) -> None:
+        """Let a session's next turn be placed afresh (its replica just failed it); the session
+        goes on, and so does its version floor."""
+        self._request_id_to_server.pop(request_id, None)
 
     def sticky_server(self, request_id: str) -> Optional[str]:
         return self._request_id_to_server.get(request_id)

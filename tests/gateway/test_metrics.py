@@ -62,7 +62,7 @@ async def test_metrics_cover_requests_tokens_routing_and_fleet_health(oai, http,
     policy = "least_tokens"
     assert delta("rollfleet_gateway_routing_decisions_total", policy=policy, reason="sticky") >= 12
     assert delta("rollfleet_gateway_routing_decisions_total", policy=policy, reason="least_loaded") >= 6
-    for reason in ("spill_over", "sticky_invalidated"):
+    for reason in ("spill_over", "sticky_invalidated", "version_floor", "version_regressed"):
         assert ("rollfleet_gateway_routing_decisions_total", (("policy", policy), ("reason", reason))) in m
     assert 0 < value(m, "rollfleet_gateway_prefix_cache_hit_estimate") <= 1
     assert value(m, "rollfleet_gateway_resumes_total") == 0  # no weight update on this fleet

@@ -101,6 +101,7 @@ async def test_rollout_survives_weight_updates(manager, mode):
         assert resumed == 0, "keep mode continues requests, it never interrupts them"
     assert any(o.extra_fields["min_global_steps"] < o.extra_fields["max_global_steps"] for t in trajectories for o in t)
     assert client.balancer.get_total_inflight() == 0
+    assert client.balancer.decisions["version_regressed"] == 0  # no session had to step back a version
 
     async def replicas_idle():
         stats = await manager.replica_stats()

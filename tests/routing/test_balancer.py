@@ -232,3 +232,61 @@ def test_a_rolling_update_sends_new_trajectories_to_the_new_version_and_keeps_se
     assert "s2" not in {lb.acquire_server(f"after-{i}")[0] for i in range(6)}  # stale weights: never
     # a booting replica (no version yet) is never routable, rolling or not
     assert "s1" not in FleetSnapshot(1, 4, healthy, {"s0": 4, "s1": None, "s2": 4}, rolling_version=5).routable_ids()
+
+
+def _output(version):
+    from rollfleet.types import TokenOutput
+
+    return TokenOutput(token_ids=[1], extra_fields={"global_steps": version, "max_global_steps": version})
+
+
+def test_a_session_never_goes_back_a_weight_version_when_it_leaves_its_replica():
+    """A turn that ended on weights committed after this client's last snapshot (a rolling wave,
+    or a keep-mode commit not published yet) raises the session's floor: its next turn may leave a
+    saturated replica only for one known to be as new (seen: a rolling update's next turn on the
+    old version, min_global_steps 7 after a turn that reached 8)."""
+    from rollfleet.client.fleet_view import FleetView
+    from rollfleet.health import FleetSnapshot
+
+    lb = make(3, sticky_overload_factor=1.5, sticky_overload_slack=2)
+    healthy = {f"s{i}": "healthy" for i in range(3)}
+    FleetView(lb).apply(FleetSnapshot(1, 7, healthy, {"s0": 7, "s1": 7, "s2": 7}))  # as the client last saw it
+    sid, _ = lb.acquire_server("traj")
+    lb.observe_output(sid, "traj", _output(8))  # its replica committed 8 meanwhile
+    lb.release_server(sid)
+    lb.report_load(LoadReport(replica_id=sid, inflight=20, inflight_tokens=2000, waiting=3, timestamp=1.0))
+    assert lb.acquire_server("traj")[0] == sid  # saturated, but every other replica is older: stay
+    assert lb.decisions["version_floor"] == 1 and lb.decisions["spill_over"] == 0
+    # once another replica is seen on 8 (its own output, or a snapshot), the session may move there
+    newer = next(s for s in ("s0", "s1", "s2") if s != sid)
+    lb.observe_output(newer, "other-traj", _output(8))
+    assert lb.acquire_server("traj")[0] == newer
+    # a new trajectory has no floor: it goes wherever load says
+    assert lb.acquire_server("fresh")[0] not in (sid, newer)
+    # an older snapshot label does not lower what an output showed
+    FleetView(lb).apply(FleetSnapshot(1, 7, healthy, {"s0": 7, "s1": 7, "s2": 7}))
+    lb.set_routable(newer, False)
+    assert lb.acquire_server("traj")[0] == sid
+
+
+def test_a_session_whose_newer_replica_is_gone_goes_on_elsewhere_and_counts_it():
+    """Nothing newer routable and its replica gone: the turn is served on what is left (refusing
+    would lose the trajectory), and the regression is counted where routing decisions show."""
+    lb = make(2)
+    sid, _ = lb.acquire_server("traj")
+    lb.observe_output(sid, "traj", _output(8))
+    lb.release_server(sid)
+    lb.set_version("s0", 7)
+    lb.set_version("s1", 7)
+    lb.set_routable(sid, False)
+    assert lb.acquire_server("traj")[0] != sid
+    assert lb.decisions["version_regressed"] == 1
+    # finishing the session forgets its floor; unstick keeps it
+    lb.unstick("traj")
+    lb.set_routable(sid, True)
+    lb.acquire_server("traj")
+    assert lb.decisions["version_regressed"] == 1  # sid is back and on 8: no regression
+    assert lb.finish_session("traj") is True
+    lb.set_routable(sid, False)
+    lb.acquire_server("traj")
+    assert lb.decisions["version_regressed"] == 1
