@@ -18,6 +18,7 @@ from typing import Any
 
 from rollfleet.agent_loop import FullyAsyncAgentLoopManager
 from rollfleet.config import RollfleetConfig
+from rollfleet.models.lazy_tokenizer import LazyTokenizer
 from rollfleet.plan.fleet import VirtualFleet
 from rollfleet.trainer.remote_learner import LearnerSpec
 from rollfleet.trainer.runtime import TrainerRuntime
@@ -77,8 +78,10 @@ class VirtualRuntime(TrainerRuntime):
         return self.learner
 
     async def create_agent_manager(self, config: RollfleetConfig, llm_client: Any, fleet: Any) -> Any:
-        # No server manager: in-process workers that share the trainer's client.
-        return await FullyAsyncAgentLoopManager.create(config, llm_client=llm_client)
+        # No server manager: in-process workers that share the trainer's client. A plan's agent
+        # loops read only the tokenizer's special ids: transformers loads if anything else is read.
+        tokenizer = LazyTokenizer(config.rollout.model)
+        return await FullyAsyncAgentLoopManager.create(config, llm_client=llm_client, tokenizer=tokenizer)
 
 
 __all__ = ["VirtualRuntime", "VirtualLearner"]
