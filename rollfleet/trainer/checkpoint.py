@@ -32,10 +32,12 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # imported where a checkpoint is written or read: naming one needs no torch
+    import torch
 
 FORMAT_VERSION = 1
 CHECKPOINT_PREFIX = "step_"
@@ -133,6 +135,8 @@ def save_checkpoint(
     """Write checkpoint ``step`` under ``root`` atomically, point ``latest`` at it, prune to
     ``keep_last`` (``None`` keeps all). ``trainer_state`` must be JSON-serialisable (checked before
     anything is written). ``write_extra(tmp_dir)`` may add files. Returns the checkpoint folder."""
+    import torch
+
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
     state_json = json.dumps(trainer_state or {}, indent=2, sort_keys=True)  # fails early if not JSON
@@ -177,6 +181,7 @@ def load_checkpoint(
     path: str | os.PathLike, *, map_location: str | torch.device = "cpu", load_optimizer: bool = True
 ) -> Checkpoint:
     """Load a checkpoint folder, or the latest one when ``path`` is a checkpoint root."""
+    import torch
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -205,12 +210,16 @@ def _b64(t: torch.Tensor) -> str:
 
 
 def _unb64(s: str) -> torch.Tensor:
+    import torch
+
     return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
 
 
 def capture_rng_state() -> dict[str, Any]:
     """Python, NumPy and torch (CPU and CUDA) RNG states as a JSON-serialisable dict, for
     ``trainer_state`` (so a resumed run samples the same prompts and shuffles the same way)."""
+    import torch
+
     py_version, py_state, py_gauss = random.getstate()
     np_state = np.random.get_state(legacy=True)
     assert isinstance(np_state, tuple)  # the global RandomState is an MT19937: its legacy state is a tuple
@@ -227,6 +236,8 @@ def capture_rng_state() -> dict[str, Any]:
 
 def restore_rng_state(state: dict[str, Any]) -> None:
     """Inverse of :func:`capture_rng_state`."""
+    import torch
+
     version, py_state, gauss = state["python"]
     random.setstate((version, tuple(py_state), gauss))
     name, keys, pos, has_gauss, cached = state["numpy"]

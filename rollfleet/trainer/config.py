@@ -14,7 +14,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from rollfleet.trainer.learner import LearnerConfig
+from rollfleet.trainer.learner_config import LearnerConfig
 from rollfleet.trainer.registry import TRAINER_REGISTRY
 
 

@@ -28,15 +28,15 @@ import inspect
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rollfleet.trainer.algos import PolicyLossConfig, check_advantage_options, compute_advantages, compute_policy_loss
+from rollfleet.trainer.algos import compute_advantages, compute_policy_loss
 from rollfleet.trainer.algos.losses import entropy_from_logits
 from rollfleet.trainer.checkpoint import load_checkpoint, save_checkpoint
 from rollfleet.trainer.learner_batch import BATCH_FIELD_ALIASES, LearnerBatch, PreparedBatch
+from rollfleet.trainer.learner_config import LearnerConfig
 
 if TYPE_CHECKING:  # transformers is imported when a model loads, not with this module
     from transformers import PreTrainedModel
@@ -56,46 +56,6 @@ MODEL_SIDE_FILES = (
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class LearnerConfig(BaseModel):
-    """Learner settings. Defaults suit the built-in ``tiny`` model on CPU; for a real LLM use
-    ``lr`` around 1e-6 to 1e-5 and ``bfloat16`` on GPU."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-    lr: float = Field(1e-3, gt=0, description="AdamW learning rate (constant).")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas, each in [0, 1).")
-    weight_decay: float = Field(0.01, ge=0, description="AdamW decoupled weight decay.")
-    adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
-    max_grad_norm: Optional[float] = Field(1.0, gt=0, description="Clip the global grad norm; None: no clip.")
-    ppo_epochs: int = Field(1, ge=1, description="Passes over each batch per update.")
-    mini_batch_size: Optional[int] = Field(
-        None, ge=1, description="Sequences per optimizer step; None: the whole batch (one step per epoch)."
-    )
-    micro_batch_size: int = Field(8, ge=1, description="Sequences per forward/backward (memory bound only).")
-    shuffle: bool = Field(False, description="Shuffle sequences before splitting into mini-batches each epoch.")
-    seed: int = Field(0, description="Seed of the mini-batch shuffle (combined with the step).")
-    temperature: float = Field(1.0, gt=0, description="Logits are divided by it: must match the sampling temperature.")
-    adv_estimator: str = Field("grpo", description="Registered advantage estimator: grpo | drgrpo | rloo | ...")
-    adv_options: dict[str, Any] = Field(
-        default_factory=dict, description="Keyword options of the estimator, e.g. {'norm_adv_by_std': False}."
-    )
-    loss: PolicyLossConfig = Field(default_factory=PolicyLossConfig, description="Policy loss settings.")
-    ref_model_path: Optional[str] = Field(
-        None, description="Reference model for the KL loss (loaded only if loss.kl_loss_coef > 0); None: the policy's."
-    )
-    device: Optional[str] = Field(None, description="torch device; None: 'cuda' if available, else 'cpu'.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype.")
-    attn_implementation: Optional[str] = Field("sdpa", description="transformers attention backend; None: its default.")
-    keep_last_checkpoints: int = Field(3, ge=1, description="Checkpoints kept by save() (older ones deleted).")
-
-    @model_validator(mode="after")
-    def _check(self) -> "LearnerConfig":
-        if not all(0 <= b < 1 for b in self.betas):
-            raise ValueError(f"betas must be in [0, 1), got {self.betas}")
-        check_advantage_options(self.adv_estimator, self.adv_options)
-        return self
 
 
 class _MetricMean:

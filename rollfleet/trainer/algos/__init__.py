@@ -12,13 +12,18 @@ import path): an unknown name raises ``UnknownName`` (a ``ValueError``) listing 
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
 
-from rollfleet.registry import Registry
+from rollfleet.trainer.advantage_registry import (
+    ADVANTAGE_ESTIMATORS,
+    available_advantage_estimators,
+    check_advantage_options,
+    get_advantage_estimator,
+    register_advantage_estimator,
+)
 from rollfleet.trainer.algos.advantages import (
     AdvantageEstimator,
     drgrpo_advantages,
@@ -40,43 +45,6 @@ from rollfleet.trainer.algos.losses import (
     masked_max,
     masked_mean,
 )
-
-ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry(
-    "advantage estimator",
-    callable_only=True,
-    builtins={
-        "grpo": "rollfleet.trainer.algos.advantages:grpo_advantages",
-        "drgrpo": "rollfleet.trainer.algos.advantages:drgrpo_advantages",
-        "rloo": "rollfleet.trainer.algos.advantages:rloo_advantages",
-    },
-)
-
-
-def register_advantage_estimator(name: str, fn: AdvantageEstimator | str) -> None:
-    """Make ``fn`` (or its ``"pkg.module:function"`` path) available as ``name`` (names are unique)."""
-    ADVANTAGE_ESTIMATORS.register(name, fn)
-
-
-def get_advantage_estimator(name: str) -> AdvantageEstimator:
-    """The estimator registered as ``name``; ``UnknownName`` (a ``ValueError``) lists the valid ones."""
-    return ADVANTAGE_ESTIMATORS.get(name)
-
-
-def available_advantage_estimators() -> list[str]:
-    return ADVANTAGE_ESTIMATORS.names()
-
-
-def check_advantage_options(name: str, options: dict[str, Any]) -> None:
-    """Raise ``ValueError`` if ``options`` are not keyword options of estimator ``name`` (so a
-    typo fails when the config is built, not at the first update)."""
-    fn = get_advantage_estimator(name)
-    params = inspect.signature(fn).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return
-    valid = sorted(n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY)
-    unknown = sorted(set(options) - set(valid))
-    if unknown:
-        raise ValueError(f"advantage estimator '{name}' has no option(s) {unknown}; valid options: {valid}")
 
 
 def compute_advantages(

@@ -30,53 +30,13 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-KLEstimator = Literal["k1", "kl", "k2", "mse", "k3", "low_var_kl"]
+from rollfleet.trainer.learner_config import KLEstimator, LossAggMode, PolicyLossConfig
 
 #: Log-ratio clamp before ``exp``: keeps padded or wildly off-policy tokens finite (``exp(20)``).
 LOG_RATIO_CLAMP = 20.0
 #: verl clamps the k3 estimate to this range; a single token then cannot dominate the KL term.
 LOW_VAR_KL_CLAMP = 10.0
-
-
-class PolicyLossConfig(BaseModel):
-    """The loss section of the learner config (verl names where verl has one)."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-    clip_ratio_low: float = Field(0.2, gt=0, lt=1, description="Lower clip: ratio >= 1 - clip_ratio_low.")
-    clip_ratio_high: float = Field(
-        0.2, gt=0, description="Upper clip: ratio <= 1 + clip_ratio_high (DAPO 'clip-higher' uses 0.28)."
-    )
-    clip_ratio_c: Optional[float] = Field(
-        3.0, gt=1, description="Dual-clip bound for negative advantages (Ye et al. 2020); None disables it."
-    )
-    behav_imp_weight_cap: Optional[float] = Field(
-        5.0,
-        gt=0,
-        description="Cap on exp(old - rollout) log probs (decoupled PPO); None ignores rollout_log_probs.",
-    )
-    behav_imp_weight_mode: Literal["truncate", "mask"] = Field(
-        "truncate", description="'truncate': min(w, cap); 'mask': w = 0 where w > cap (AReaL)."
-    )
-    loss_agg_mode: LossAggMode = Field(
-        "token-mean",
-        description="token-mean (DAPO), seq-mean-token-sum, seq-mean-token-mean (original GRPO), "
-        "seq-mean-token-sum-norm (Dr. GRPO: token sum / response length R).",
-    )
-    kl_loss_coef: float = Field(0.0, ge=0, description="Coefficient of the KL-to-reference loss; 0 disables it.")
-    kl_loss_type: KLEstimator = Field("low_var_kl", description="k1|kl, k2|mse, k3|low_var_kl (Schulman's estimators).")
-    entropy_coeff: float = Field(0.0, ge=0, description="Entropy bonus: loss -= entropy_coeff * entropy.")
-
-    @model_validator(mode="after")
-    def _check_dual_clip(self) -> "PolicyLossConfig":
-        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1 + self.clip_ratio_high:
-            raise ValueError(
-                f"clip_ratio_c ({self.clip_ratio_c}) must exceed 1 + clip_ratio_high ({1 + self.clip_ratio_high})"
-            )
-        return self
 
 
 @dataclass
