@@ -121,6 +121,12 @@ class FleetView:
         previous = self._last.states if self._last is not None else {}
         self._last = snapshot
         self._drop_dead(snapshot, previous)
+        if (
+            self.current_version is not None
+            and snapshot.current_version is not None
+            and snapshot.current_version < self.current_version
+        ):
+            bal.forget_versions()  # rolled back: the versions it saw are no floor any more
         self.current_version = snapshot.current_version
         self._signature = snapshot.signature()
         now = virtual_time.now()

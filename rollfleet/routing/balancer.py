@@ -185,8 +185,9 @@ class GlobalRequestLoadBalancer:
                     raise NoServerAvailable(f"none of {len(servers)} replicas is routable (unhealthy or stale weights)")
                 raise NoServerAvailable()
             floor = self._floors.get(request_id)
-            if floor is not None:
+            if floor is not None:  # a session going on: never held (like a sticky turn)
                 candidates, reason, chosen = at_or_above(floor, candidates, self._version_of, reason, sticky_id)
+                hold = False
         if chosen is None:
             key = prefix_key(prompt_ids) if self._policy.uses_prefix and prompt_ids is not None else None
             if hold and (self.hold_placed or not self._policy.has_home(key)):
@@ -268,6 +269,13 @@ class GlobalRequestLoadBalancer:
         state = self._servers.get(server_id)
         if state is not None and version is not None and (state.version is None or version > state.version):
             state.version = version
+
+    def forget_versions(self) -> None:
+        """The fleet went back to older weights (a learner restored from a checkpoint): versions
+        seen before say nothing about the replicas now, nor about sessions' floors."""
+        for state in self._servers.values():
+            state.version = None
+        self._floors.clear()
 
     def _overloaded(self, server_id: str) -> bool:
         load = self._servers[server_id]

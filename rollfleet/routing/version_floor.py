@@ -36,6 +36,9 @@ class VersionFloors:
     def forget(self, request_id: str) -> None:
         self._floors.pop(request_id, None)
 
+    def clear(self) -> None:
+        self._floors.clear()
+
 
 def at_or_above(
     floor: int,
@@ -49,7 +52,8 @@ def at_or_above(
 
     - some replica other than the session's own qualifies: those, for the policy to pick from;
     - none does, and the session was leaving its replica for load: it stays there
-      (``version_floor``: a saturated replica beats a step back);
+      (``version_floor``: a saturated replica beats a step back; ``version_regressed`` if that
+      replica is itself below the floor, after an earlier regression);
     - none does and its replica is gone: every routable one (``version_regressed``: counted, not
       refused; refusing would lose the trajectory).
     """
@@ -59,7 +63,8 @@ def at_or_above(
     if any(c.replica_id != sticky_id for c in fitting):
         return fitting, reason, None
     if sticky_id is not None and reason == "spill_over":
-        return candidates, "version_floor", sticky_id
+        sticky_fits = any(c.replica_id == sticky_id for c in fitting)
+        return candidates, "version_floor" if sticky_fits else "version_regressed", sticky_id
     if fitting:
         return fitting, reason, None
     return candidates, "version_regressed", None

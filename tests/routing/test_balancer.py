@@ -281,12 +281,54 @@ def test_a_session_whose_newer_replica_is_gone_goes_on_elsewhere_and_counts_it()
     lb.set_routable(sid, False)
     assert lb.acquire_server("traj")[0] != sid
     assert lb.decisions["version_regressed"] == 1
-    # finishing the session forgets its floor; unstick keeps it
-    lb.unstick("traj")
+    other = next(s for s in ("s0", "s1") if s != sid)
+    lb.release_server(other)
+    # unstick (its replica failed it) keeps the floor: the turn goes back to the one replica on 8,
+    # though the other is idle and the newer one is loaded
     lb.set_routable(sid, True)
-    lb.acquire_server("traj")
-    assert lb.decisions["version_regressed"] == 1  # sid is back and on 8: no regression
-    assert lb.finish_session("traj") is True
-    lb.set_routable(sid, False)
-    lb.acquire_server("traj")
+    lb.report_load(LoadReport(replica_id=sid, inflight=5, inflight_tokens=500, timestamp=1.0))
+    lb.unstick("traj")
+    assert lb.acquire_server("traj")[0] == sid
+    lb.release_server(sid)
     assert lb.decisions["version_regressed"] == 1
+    # finishing the session forgets it: the same turn now goes where load says
+    assert lb.finish_session("traj") is True
+    assert lb.acquire_server("traj")[0] == other
+
+
+def test_a_session_turn_is_never_held_by_the_dispatch_limit_and_a_rollback_clears_the_floors():
+    from rollfleet.client.fleet_view import FleetView
+    from rollfleet.health import FleetSnapshot
+
+    lb = make(2, max_inflight_per_replica=1)
+    healthy = {"s0": "healthy", "s1": "healthy"}
+    view = FleetView(lb)
+    view.apply(FleetSnapshot(1, 8, healthy, {"s0": 8, "s1": 8}))
+    sid, _ = lb.acquire_server("traj")
+    lb.observe_output(sid, "traj", _output(8))
+    lb.unstick("traj")  # its replica failed the turn
+    lb.acquire_server("filler")  # every replica now at the limit
+    assert lb.try_acquire_server("new") is None  # a new placement waits for room ...
+    assert lb.try_acquire_server("traj") is not None  # ... the session's next turn does not
+    # the fleet goes back to version 5 (a learner restored from a checkpoint) and s1 restarts on
+    # it: a floor of 8 would count every turn there as a regression
+    lb.set_handle("s1", "h1-restarted")
+    view.apply(FleetSnapshot(1, 5, healthy, {"s0": 5, "s1": 5}))
+    lb.set_routable("s0", False)
+    lb.unstick("traj")
+    lb.acquire_server("traj")
+    assert lb.decisions["version_regressed"] == 0
+
+
+def test_a_saturated_replica_below_the_floor_keeps_the_turn_but_it_is_counted():
+    """After an earlier regression the session's own replica may be older than its floor: it keeps
+    the turn when nothing qualifies, labelled as the regression it is."""
+    lb = make(2, sticky_overload_factor=1.5, sticky_overload_slack=2)
+    sid, _ = lb.acquire_server("traj")
+    lb.release_server(sid)
+    lb.set_version("s0", 7)
+    lb.set_version("s1", 7)
+    lb.observe_output("gone", "traj", _output(8))  # the floor came from a replica since removed
+    lb.report_load(LoadReport(replica_id=sid, inflight=20, inflight_tokens=2000, waiting=3, timestamp=1.0))
+    assert lb.acquire_server("traj")[0] == sid
+    assert lb.decisions["version_regressed"] == 1 and lb.decisions["version_floor"] == 0
