@@ -254,18 +254,16 @@ class GlobalRequestLoadBalancer:
         version = extra.get("max_global_steps", extra.get("global_steps"))
         if version is None:
             return
-        state = self._servers.get(server_id)
-        if state is not None and (state.version is None or version > state.version):
-            state.version = version
+        self.set_version(server_id, version)
         self._floors.raise_to(request_id, version)
 
     def _version_of(self, server_id: str) -> Optional[int]:
         return self._servers[server_id].version
 
     def set_version(self, server_id: str, version: Optional[int]) -> None:
-        """The weight version the fleet's snapshot labels a replica with. Labels may lag a commit
-        (they move when the version is published), so an older label never lowers what an output
-        already showed."""
+        """A weight version a replica is known to serve: the fleet's snapshot label, or an output's.
+        Labels may lag a commit (they move when the version is published), so an older one never
+        lowers what an output already showed (only :meth:`forget_versions` does)."""
         state = self._servers.get(server_id)
         if state is not None and version is not None and (state.version is None or version > state.version):
             state.version = version
