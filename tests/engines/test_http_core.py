@@ -237,6 +237,26 @@ async def test_process_is_watched_killed_as_a_group_and_its_workdir_removed():
 
 
 @pytest.mark.asyncio
+async def test_a_dead_leader_takes_the_processes_it_started_with_it():
+    """vLLM's EngineCore does not notice its API server dying: when the leader is SIGKILLed, the
+    watcher reports the death and kills the rest of the group, with no shutdown called."""
+    server = ServerProcess("core-2", "test server")
+    child = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); print('up', flush=True); time.sleep(60)"
+    server.spawn([sys.executable, "-c", child], dict(os.environ))
+    exits: list[str] = []
+    server.watch(exits.append)
+    await _until(lambda: "up" in server.log_tail())
+    import psutil
+
+    orphan = psutil.Process(server.pid).children(recursive=True)[0].pid
+    os.kill(server.pid, signal.SIGKILL)
+    await _until(lambda: bool(exits))
+    assert "exited with code -9" in exits[0]
+    await _until(lambda: not _alive(orphan))
+    server.remove_workdir()
+
+
+@pytest.mark.asyncio
 async def test_exit_is_reported_and_start_up_failure_carries_the_log_tail():
     server = ServerProcess("core-1", "test server")
     server.spawn([sys.executable, "-c", "print('bad flag --nope'); raise SystemExit(3)"], dict(os.environ))

@@ -6,14 +6,16 @@ take the replica (a Ray actor) down with it, and a kill is survivable and observ
 sees the process exit (:meth:`ServerProcess.watch`) and its connections drop, reports
 ``EngineDead`` within a bounded time instead of hanging, and the manager restarts it.
 
-Three layers make sure nothing is orphaned:
+Four layers make sure nothing is orphaned:
 
 * the server leads its own process group (``start_new_session``), so :meth:`ServerProcess.kill`
   reaches every process it started (and, one by one, those that left the group);
 * an atexit hook kills the groups still registered when the replica process exits without a
   shutdown (under Ray, a killed worker's children are also reaped by Ray itself);
 * the parent guard (:mod:`.guard`) in every server process kills the group when the replica
-  process is gone, even SIGKILLed.
+  process is gone, even SIGKILLed;
+* the watcher kills the group when the server's leading process exits (killed, crashed): what it
+  started would otherwise go on without it.
 
 Each launch gets a work dir (``rollfleet-<label>-*`` under the temp dir, mode 0700) holding the
 server's log, the guard and, for a server on a private socket, the socket; the engine removes it at
@@ -128,11 +130,15 @@ class ServerProcess:
         return b"".join(tail).decode("utf-8", "replace")
 
     def watch(self, on_exit: Callable[[str], None]) -> None:
-        """Call ``on_exit(reason)`` as soon as the process exits (checked every WATCH_INTERVAL_S)."""
+        """Call ``on_exit(reason)`` as soon as the process exits (checked every WATCH_INTERVAL_S),
+        after killing what is left of its group: vLLM's EngineCore and workers do not notice their
+        API server dying and would go on computing (on a GPU: holding its memory, so that the
+        replica's restart could not load) for requests nobody can collect any more."""
 
         async def watcher() -> None:
             while self.returncode is None:  # noqa: ASYNC110 - a child's exit sets no event to wait on
                 await asyncio.sleep(WATCH_INTERVAL_S)
+            self.kill_now()
             on_exit(self.exit_reason())
 
         self._watcher = asyncio.get_running_loop().create_task(watcher(), name=f"{self.label}-watch")
@@ -159,7 +165,7 @@ class ServerProcess:
             raise error(self.label, f"{e.reason}; last lines of {self.log_path}:\n{self.log_tail()}") from None
 
     def kill_now(self) -> None:
-        """SIGKILL the group at once (a start-up that was cancelled or broke)."""
+        """SIGKILL the group at once (a start-up that was cancelled or broke, a leader that died)."""
         if self._proc is not None:
             _signal_group(self._proc.pid, signal.SIGKILL)
 
