@@ -66,6 +66,9 @@ class Engine(abc.ABC):
     update_modes: ClassVar[frozenset[str]] = frozenset({"abort"})
     #: Whether :meth:`generate_stream` yields tokens as they are sampled (else the output at the end).
     streams: ClassVar[bool] = False
+    #: The options :meth:`start_profile` takes; the replica refuses any other, naming it. None:
+    #: the engine's server checks them itself.
+    profile_options: ClassVar[Optional[frozenset[str]]] = None
 
     def assign(self, host: str, devices: Optional[list[str]] = None) -> None:
         """Where the engine runs, decided by placement before :meth:`start`: it listens on ``host``

@@ -134,6 +134,7 @@ class Gateway:
                 self.config.admin_token,
                 instrument=self.instrument,
                 gateway_status=self._gateway_status,
+                limits=self.limits,
                 on_membership_change=self.on_membership_change,
             )
             app.router.routes.extend(admin.routes())

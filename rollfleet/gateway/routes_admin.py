@@ -17,6 +17,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from rollfleet.gateway.errors import GatewayError
+from rollfleet.gateway.limits import GatewayLimits
 from rollfleet.gateway.protocol import AddReplicasRequest, ProfileRequest, RemoveReplicasRequest, UpdateWeightsRequest
 from rollfleet.gateway.routes_openai import json_response, parse_body
 from rollfleet.gateway.sessions import header_matches
@@ -31,9 +32,9 @@ Handler = Callable[[Request], Awaitable[Response]]
 
 class AdminRoutes:
     """The admin handlers. They get the control plane (``admin``), the token, the gateway's own
-    part of ``/admin/status`` (``gateway_status``), what to run after a membership change, and
-    the wrapper that counts requests and shapes errors; only :mod:`rollfleet.gateway.app` knows
-    every part."""
+    part of ``/admin/status`` (``gateway_status``), what to run after a membership change, the
+    wrapper that counts requests and shapes errors, and the body limits (``limits``); only
+    :mod:`rollfleet.gateway.app` knows every part."""
 
     def __init__(
         self,
@@ -42,11 +43,13 @@ class AdminRoutes:
         *,
         instrument: Callable[[str, Handler], Handler],
         gateway_status: Callable[[], dict[str, Any]],
+        limits: GatewayLimits,
         on_membership_change: Optional[Callable[[], Awaitable[Any]]] = None,
     ) -> None:
         if admin is None:
             raise ValueError("admin routes need an admin backend (the fleet's manager)")
         self.admin = admin
+        self.limits = limits  # an admin body is read within the same size and time limits as any other
         self._token = token.encode()
         self.instrument = instrument
         self.gateway_status = gateway_status
@@ -96,14 +99,14 @@ class AdminRoutes:
         return json_response({"replicas": [r.to_json() for r in await self.admin.get_replicas()]})
 
     async def add_replicas(self, request: Request) -> Response:
-        req = parse_body(AddReplicasRequest, await request.body())
+        req = parse_body(AddReplicasRequest, await self.limits.read_body(request))
         added = await self.admin.add_replicas(req.num_replicas)
         body: dict[str, Any] = {"added": [r.to_json() for r in added]}
         await self._after_membership_change(body)
         return json_response(body)
 
     async def remove_replicas(self, request: Request) -> Response:
-        req = parse_body(RemoveReplicasRequest, await request.body())
+        req = parse_body(RemoveReplicasRequest, await self.limits.read_body(request))
         known = {r.replica_id for r in await self.admin.get_replicas()}
         unknown = [rid for rid in req.replica_ids if rid not in known]
         if unknown:
@@ -131,7 +134,7 @@ class AdminRoutes:
             body["prometheus_error"] = f"{type(exc).__name__}: {exc}"
 
     async def update_weights(self, request: Request) -> Response:
-        req = parse_body(UpdateWeightsRequest, await request.body())
+        req = parse_body(UpdateWeightsRequest, await self.limits.read_body(request))
         current = (await self.admin.status()).current_version
         if current is not None and req.version <= current:
             raise GatewayError(
@@ -145,7 +148,7 @@ class AdminRoutes:
         return json_response(result)
 
     async def start_profile(self, request: Request) -> Response:
-        body = await request.body()
+        body = await self.limits.read_body(request)
         kwargs = parse_body(ProfileRequest, body).model_dump() if body.strip() else {}
         await self.admin.start_profile(**kwargs)
         return json_response({"profiling": True})

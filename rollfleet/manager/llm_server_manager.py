@@ -12,12 +12,25 @@ import uuid
 from typing import Any, Optional, Union
 
 from rollfleet.config import RayConfig, RollfleetConfig, RolloutConfig
-from rollfleet.manager.fanout import WeightsRef
+from rollfleet.manager.fanout import CALLER_ERRORS, WeightsRef
 from rollfleet.manager.ray_runtime import ensure_ray
 from rollfleet.records import FleetStatus, ReplicaInfo
 from rollfleet.utils.aio import auto_await
 
 logger = logging.getLogger(__name__)
+
+
+async def _answer(ref: Any) -> Any:
+    """A controller call's result. A caller's mistake the fleet refused (a bad argument, an op the
+    engine cannot do) is raised as itself, not inside Ray's task error, whose message is a remote
+    traceback: the gateway shows callers that message."""
+    try:
+        return await ref
+    except Exception as exc:
+        cause = getattr(exc, "cause", None)  # Ray's task error -> the controller's own error
+        if isinstance(cause, CALLER_ERRORS):
+            raise cause from None
+        raise
 
 
 class LLMServerManager:
@@ -59,7 +72,7 @@ class LLMServerManager:
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(here, soft=False)
         self.controller = FleetControllerActor.options(**options).remote(self.config)  # type: ignore[attr-defined]  # a Ray actor class
         try:
-            await self.controller.launch.remote(self.config.num_replicas, 0)
+            await _answer(self.controller.launch.remote(self.config.num_replicas, 0))
         except BaseException:
             await self._teardown()
             raise
@@ -91,7 +104,7 @@ class LLMServerManager:
     # ------------------------------------------------------------------ membership
     @auto_await
     async def get_replicas(self) -> list[ReplicaInfo]:
-        return await self.controller.get_replicas.remote()
+        return await _answer(self.controller.get_replicas.remote())
 
     @auto_await
     async def get_addresses(self) -> list[str]:
@@ -103,40 +116,40 @@ class LLMServerManager:
         ``Actor.options``): on the first replica's devices when ``rollout.placement.colocate``,
         else on a device of its own that this fleet reserves (released at shutdown); None when
         the fleet reserves nothing (sim engine without GPUs, ``placement.device: none``)."""
-        return await self.controller.learner_placement.remote()
+        return await _answer(self.controller.learner_placement.remote())
 
     @auto_await
     async def add_replicas(self, n: int) -> list[ReplicaInfo]:
-        return await self.controller.add_replicas.remote(n)
+        return await _answer(self.controller.add_replicas.remote(n))
 
     @auto_await
     async def remove_replicas(self, replica_ids: list[str], drain_timeout_s: float = 30.0) -> list[str]:
-        return await self.controller.remove_replicas.remote(list(replica_ids), drain_timeout_s)
+        return await _answer(self.controller.remove_replicas.remote(list(replica_ids), drain_timeout_s))
 
     # ------------------------------------------------------------------ control plane
     @auto_await
     async def abort_all(self) -> dict[str, Any]:
-        return await self.controller.abort_all.remote()
+        return await _answer(self.controller.abort_all.remote())
 
     @auto_await
     async def pause(self) -> None:
-        await self.controller.pause.remote()
+        await _answer(self.controller.pause.remote())
 
     @auto_await
     async def resume(self) -> None:
-        await self.controller.resume.remote()
+        await _answer(self.controller.resume.remote())
 
     @auto_await
     async def sleep(self) -> None:
-        await self.controller.sleep.remote()
+        await _answer(self.controller.sleep.remote())
 
     @auto_await
     async def wake_up(self) -> None:
-        await self.controller.wake_up.remote()
+        await _answer(self.controller.wake_up.remote())
 
     @auto_await
     async def clear_kv_cache(self) -> None:
-        await self.controller.clear_kv_cache.remote()
+        await _answer(self.controller.clear_kv_cache.remote())
 
     @auto_await
     async def update_weights(self, weights: Any, version: int, mode: Optional[str] = None) -> dict[str, Any]:
@@ -152,41 +165,41 @@ class LLMServerManager:
         import ray
 
         ref = weights if isinstance(weights, ray.ObjectRef) or weights is None else ray.put(weights)
-        return await self.controller.update_weights.remote(WeightsRef(ref), version, mode)
+        return await _answer(self.controller.update_weights.remote(WeightsRef(ref), version, mode))
 
     @auto_await
     async def weights_checksums(self) -> dict[str, Optional[str]]:
         """Each live replica's weight digest (None where its engine cannot tell): after a verified
         update they are all equal."""
-        return await self.controller.weights_checksums.remote()
+        return await _answer(self.controller.weights_checksums.remote())
 
     @auto_await
     async def start_profile(self, **kwargs: Any) -> None:
-        await self.controller.start_profile.remote(**kwargs)
+        await _answer(self.controller.start_profile.remote(**kwargs))
 
     @auto_await
     async def stop_profile(self) -> dict[str, Any]:
-        return await self.controller.stop_profile.remote()
+        return await _answer(self.controller.stop_profile.remote())
 
     @auto_await
     async def status(self) -> FleetStatus:
-        status: FleetStatus = await self.controller.status.remote()
+        status: FleetStatus = await _answer(self.controller.status.remote())
         return status.model_copy(update={"clients": [c.get_status() for c in self._clients]})
 
     @auto_await
     async def replica_stats(self) -> dict[str, Any]:
-        return await self.controller.replica_stats.remote()
+        return await _answer(self.controller.replica_stats.remote())
 
     @auto_await
     async def inject_fault(self, replica_id: str, kind: str, factor: float = 10.0) -> None:
         """Test hook: make one replica crash, hang or slow down (sim engine)."""
-        await self.controller.inject_fault.remote(replica_id, kind, factor)
+        await _answer(self.controller.inject_fault.remote(replica_id, kind, factor))
 
     @auto_await
     async def script_responses(self, script: Any) -> None:
         """Test hook: ``script(request_id, prompt_ids, sampling_params) -> token ids`` decides every
         response on every replica (sim engine only; tool-calling tests use it)."""
-        await self.controller.script_responses.remote(script)
+        await _answer(self.controller.script_responses.remote(script))
 
     @auto_await
     async def shutdown(self) -> None:

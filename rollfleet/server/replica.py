@@ -22,7 +22,7 @@ from rollfleet.health import ReplicaState
 from rollfleet.server.attempts import Attempt, stamp_versions
 from rollfleet.server.inflight import InflightBook
 from rollfleet.server.liveness import EngineLiveness
-from rollfleet.server.validation import validate_prompt, validate_sampling_params
+from rollfleet.server.validation import validate_profile_options, validate_prompt, validate_sampling_params
 from rollfleet.types import LoadReport, ReplicaResponse, SamplingParams, TokenDelta, TokenOutput
 from rollfleet.utils.ids import unique_hex
 
@@ -333,6 +333,7 @@ class Replica:
         await self.engine.clear_kv_cache()
 
     async def start_profile(self, **kwargs: Any) -> None:
+        validate_profile_options(kwargs, self.engine.profile_options, self.engine.name)
         await self.engine.start_profile(**kwargs)
 
     async def stop_profile(self) -> Optional[str]:

@@ -56,6 +56,19 @@ def _check_keys(params: SamplingParams) -> SamplingParams:
     return {**params, **extra}
 
 
+def validate_profile_options(options: dict[str, Any], accepted: Optional[frozenset[str]], engine: str) -> None:
+    """An option ``start_profile`` does not take is an ``InvalidRequest`` naming it, not a trace
+    written with settings the caller never got (vLLM's server ignores unknown keys). ``accepted``
+    None: the engine's server checks its options itself."""
+    unknown = sorted(k for k in options if accepted is not None and k not in accepted)
+    if unknown:
+        key = unknown[0]
+        close = difflib.get_close_matches(key, sorted(accepted or ()), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise InvalidRequest(key, f"one of {sorted(accepted or ())}, the {engine} engine's profile options{hint}",
+                             options[key])  # fmt: skip
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
@@ -183,4 +196,10 @@ def validate_sampling_params(
     return params
 
 
-__all__ = ["validate_prompt", "validate_sampling_params", "SAMPLING_KEYS", "PASSTHROUGH_KEY"]
+__all__ = [
+    "validate_prompt",
+    "validate_sampling_params",
+    "validate_profile_options",
+    "SAMPLING_KEYS",
+    "PASSTHROUGH_KEY",
+]

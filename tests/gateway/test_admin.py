@@ -20,7 +20,8 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 @pytest.fixture(scope="module")
 async def admin_stack(ray_session):
     # real time (1x): a 300-token answer takes ~2 s, long enough to be in flight during an update
-    s = await GatewayStack.start(stack_config(time_scale=1.0, admin_token=TOKEN), load_codec())
+    config = stack_config(time_scale=1.0, admin_token=TOKEN, max_body_bytes=64 * 1024)
+    s = await GatewayStack.start(config, load_codec())
     yield s
     await s.stop()
 
@@ -134,6 +135,26 @@ async def test_profile_start_and_stop(admin_http, tmp_path):
     assert resp.status_code == 200, resp.text
     traces = resp.json()["traces"]
     assert len(traces) == 2 and all(str(p).startswith(str(tmp_path)) for p in traces.values())
+
+
+async def test_a_bad_profile_option_is_a_400_naming_it(admin_http, tmp_path):
+    resp = await admin_http.post("/admin/profile/start", json={"trace_dri": str(tmp_path)}, headers=AUTH)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == "trace_dri" and "did you mean 'trace_dir'" in error["message"], error
+    assert error["message"].startswith("invalid request: field 'trace_dri'"), error  # not Ray's remote traceback
+    traces = (await admin_http.post("/admin/profile/stop", headers=AUTH)).json()["traces"]
+    assert traces and all(t is None for t in traces.values()), traces  # the refused call started none
+
+
+async def test_admin_bodies_are_read_within_the_gateway_body_limit(admin_http):
+    """A token holder's body is bounded like anyone's: refused before it is read."""
+    big = {"path": "/x" + "y" * (64 * 1024), "version": 99}
+    resp = await admin_http.post("/admin/update_weights", json=big, headers=AUTH)
+    assert resp.status_code == 413, resp.text
+    assert "gateway.max_body_bytes" in resp.json()["error"]["message"]
+    resp = await admin_http.get("/admin/status", headers=AUTH)
+    assert resp.status_code == 200 and resp.json()["fleet"]["current_version"] < 99
 
 
 def _value(metrics_text: str, series: str) -> float:

@@ -149,6 +149,20 @@ async def test_update_weights_aborts_inflight_and_holds_new_requests():
     await r.shutdown()
 
 
+async def test_an_unknown_profile_option_is_refused_by_name_and_a_known_one_works(tmp_path):
+    """A profile option the engine does not take (vLLM's server would ignore it) fails, naming it
+    and the nearest known one; nothing was started, and the replica profiles as asked after."""
+    r = await replica()
+    with pytest.raises(InvalidRequest) as err:
+        await r.start_profile(trace_dri=str(tmp_path))
+    assert err.value.field == "trace_dri" and "did you mean 'trace_dir'" in err.value.limit
+    assert await r.stop_profile() is None  # the refused call started nothing
+    await r.start_profile(trace_dir=str(tmp_path))
+    await r.generate("p", [1, 2], {"max_tokens": 3})
+    assert str(await r.stop_profile()).startswith(str(tmp_path))
+    await r.shutdown()
+
+
 def test_errors_pickle_with_their_fields():
     for err in (
         InvalidRequest("prompt_ids", "non-empty", []),

@@ -38,6 +38,7 @@ class SimEngine(StepLoop, Engine):
     name = "sim"
     update_modes = frozenset({"abort", "keep"})
     streams = True
+    profile_options = frozenset({"trace_dir"})
 
     def __init__(self, config: SimEngineConfig, *, max_model_len: Optional[int] = None, replica_index: int = 0):
         self.config = config

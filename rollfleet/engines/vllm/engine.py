@@ -74,6 +74,7 @@ class VLLMEngine(VLLMLaunch, VLLMWeights, StreamingGenerate, HTTPEngine):
     name = "vllm"
     streams = True  # with its RL routes (a server rollfleet launched); whole answers otherwise
     server_name = "vLLM server"
+    profile_options = frozenset({"profile_prefix", "delay_iterations", "max_iterations"})  # vLLM's StartProfileRequest
     startup_error = VLLMStartupError
     stats_metrics = wire.STATS_METRICS
 
@@ -295,7 +296,7 @@ class VLLMEngine(VLLMLaunch, VLLMWeights, StreamingGenerate, HTTPEngine):
 
     # ------------------------------------------------------------------ profiling
     async def start_profile(self, **kwargs: Any) -> None:
-        body = {k: v for k, v in kwargs.items() if k in ("profile_prefix", "delay_iterations", "max_iterations")}
+        body = {k: v for k, v in kwargs.items() if k in self.profile_options}
         resp = await self._control("POST", "/start_profile", op="start_profile", ok=False, json=body or None,
                                    timeout=max(self.control_timeout_s, 120))  # fmt: skip
         self._raise_unless_profiling(resp, "start_profile")
