@@ -217,9 +217,10 @@ async def _until(predicate, timeout: float = 10.0) -> None:
         await asyncio.sleep(0.05)
 
 
-@pytest.mark.asyncio
-async def test_process_is_watched_killed_as_a_group_and_its_workdir_removed():
-    server = ServerProcess("core-0", "test server")
+async def _watched_server_with_a_child(label: str) -> tuple[ServerProcess, list[str], list[int]]:
+    """A watched server that started one child, as vLLM's API server starts EngineCore: the
+    server, the deaths its watcher reported, and [server pid, child pid]."""
+    server = ServerProcess(label, "test server")
     child = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); print('up', flush=True); time.sleep(60)"
     server.spawn([sys.executable, "-c", child], dict(os.environ))
     exits: list[str] = []
@@ -229,6 +230,12 @@ async def test_process_is_watched_killed_as_a_group_and_its_workdir_removed():
 
     family = [server.pid] + [c.pid for c in psutil.Process(server.pid).children(recursive=True)]
     assert len(family) == 2
+    return server, exits, family
+
+
+@pytest.mark.asyncio
+async def test_process_is_watched_killed_as_a_group_and_its_workdir_removed():
+    server, exits, family = await _watched_server_with_a_child("core-0")
     await server.kill(grace_s=2.0)
     await _until(lambda: not any(_alive(p) for p in family))
     assert exits == []  # a kill by its owner is not reported as a death
@@ -240,16 +247,8 @@ async def test_process_is_watched_killed_as_a_group_and_its_workdir_removed():
 async def test_a_dead_leader_takes_the_processes_it_started_with_it():
     """vLLM's EngineCore does not notice its API server dying: when the leader is SIGKILLed, the
     watcher reports the death and kills the rest of the group, with no shutdown called."""
-    server = ServerProcess("core-2", "test server")
-    child = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); print('up', flush=True); time.sleep(60)"
-    server.spawn([sys.executable, "-c", child], dict(os.environ))
-    exits: list[str] = []
-    server.watch(exits.append)
-    await _until(lambda: "up" in server.log_tail())
-    import psutil
-
-    orphan = psutil.Process(server.pid).children(recursive=True)[0].pid
-    os.kill(server.pid, signal.SIGKILL)
+    server, exits, (leader, orphan) = await _watched_server_with_a_child("core-2")
+    os.kill(leader, signal.SIGKILL)
     await _until(lambda: bool(exits))
     assert "exited with code -9" in exits[0]
     await _until(lambda: not _alive(orphan))
