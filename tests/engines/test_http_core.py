@@ -244,7 +244,7 @@ async def test_process_is_watched_killed_as_a_group_and_its_workdir_removed():
 
 
 @pytest.mark.asyncio
-async def test_a_dead_leader_takes_the_processes_it_started_with_it():
+async def test_a_dead_leader_takes_the_processes_it_started_with_it(monkeypatch):
     """vLLM's EngineCore does not notice its API server dying: when the leader is SIGKILLed, the
     watcher reports the death and kills the rest of the group, with no shutdown called."""
     server, exits, (leader, orphan) = await _watched_server_with_a_child("core-2")
@@ -252,6 +252,14 @@ async def test_a_dead_leader_takes_the_processes_it_started_with_it():
     await _until(lambda: bool(exits))
     assert "exited with code -9" in exits[0]
     await _until(lambda: not _alive(orphan))
+    # The group's id is free for reuse from now on: a later shutdown (the replica's restart) and
+    # the atexit hook must not signal it again.
+    from rollfleet.engines.http import process
+
+    signalled: list[int] = []
+    monkeypatch.setattr(process, "_signal_group", lambda pgid, sig: signalled.append(pgid))
+    await server.kill(grace_s=5.0)
+    assert signalled == [] and leader not in process._LIVE_GROUPS
     server.remove_workdir()
 
 

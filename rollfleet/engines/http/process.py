@@ -88,6 +88,9 @@ class ServerProcess:
         self._socket_dir: Optional[Path] = None  # when the work dir's path is too long for a socket
         self._proc: Optional[subprocess.Popen] = None
         self._watcher: Optional[asyncio.Task] = None
+        #: The watcher killed the group when its leader died: its id is free for reuse since, so
+        #: nothing signals it again.
+        self._group_killed = False
 
     @property
     def pid(self) -> Optional[int]:
@@ -136,12 +139,28 @@ class ServerProcess:
         replica's restart could not load) for requests nobody can collect any more."""
 
         async def watcher() -> None:
-            while self.returncode is None:  # noqa: ASYNC110 - a child's exit sets no event to wait on
+            while not self._exited():  # noqa: ASYNC110 - a child's exit sets no event to wait on
                 await asyncio.sleep(WATCH_INTERVAL_S)
+            # Killed before the leader is reaped where possible: its zombie keeps the group's id
+            # from being anyone else's while the signal goes out.
             self.kill_now()
+            self._group_killed = True
+            if self._proc is not None:
+                _LIVE_GROUPS.discard(self._proc.pid)
             on_exit(self.exit_reason())
 
         self._watcher = asyncio.get_running_loop().create_task(watcher(), name=f"{self.label}-watch")
+
+    def _exited(self) -> bool:
+        """Whether the process has exited, leaving it unreaped (a zombie) where it still is."""
+        if self._proc is None or self._proc.returncode is not None:
+            return True
+        try:
+            return os.waitid(os.P_PID, self._proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+        except ChildProcessError:  # reaped meanwhile by someone else
+            return self.returncode is not None
+        except (AttributeError, OSError):  # no waitid (macOS)
+            return self.returncode is not None
 
     async def exited_within(self, wait_s: float = EXIT_GRACE_S) -> bool:
         deadline = time.monotonic() + wait_s
@@ -176,6 +195,9 @@ class ServerProcess:
             self._watcher = None
         proc = self._proc
         if proc is None:
+            return
+        if self._group_killed:  # its id may be another group's by now: only reap
+            await self.reap()
             return
         pgid = proc.pid  # start_new_session: the server leads its own group
         descendants = _descendants(proc.pid)
