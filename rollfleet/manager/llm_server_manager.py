@@ -29,7 +29,7 @@ async def _answer(ref: Any) -> Any:
     except Exception as exc:
         cause = getattr(exc, "cause", None)  # Ray's task error -> the controller's own error
         if isinstance(cause, CALLER_ERRORS):
-            raise cause from None
+            raise cause from exc  # the remote traceback stays in the chain, for logs
         raise
 
 

@@ -762,7 +762,9 @@ async def test_sleep_not_supported_on_cpu(engine: VLLMEngine):
 @needs_vllm
 @pytest.mark.vllm
 @MODULE_LOOP
-async def test_profile(engine: VLLMEngine):
+async def test_profile(engine: VLLMEngine, tmp_path):
+    """Traces land in the launch's profile dir, or are moved to the trace_dir asked for (the name
+    the sim and SGLang engines take too)."""
     try:
         await engine.start_profile()
     except NotSupported:
@@ -774,6 +776,11 @@ async def test_profile(engine: VLLMEngine):
     assert where and os.path.isdir(where)
     assert any(name.endswith((".json", ".json.gz")) for name in os.listdir(where))
     shutil.rmtree(where)  # so that shutdown removes the engine's work dir
+    await engine.start_profile(trace_dir=str(tmp_path / "traces"))
+    await engine.generate("prof2", PROMPT, _greedy(4))
+    assert await engine.stop_profile() == str(tmp_path / "traces")
+    assert any(name.endswith((".json", ".json.gz")) for name in os.listdir(tmp_path / "traces"))
+    assert not os.listdir(engine.profile_dir)  # moved, not copied: shutdown removes the work dir
 
 
 @needs_vllm
@@ -801,7 +808,7 @@ async def test_killed_server_is_reported_dead_then_shutdown_leaves_no_orphans(en
         raise AssertionError(f"in {TRIES} tries, the requests always ended before the kill")
     _, late = await asyncio.wait(running, timeout=30)  # a failure bound
     assert not late, f"{len(late)} requests still out after 30 s; engine alive: {engine.is_alive()}, {family=}"
-    outs = [t.exception() or t.result() for t in running]
+    outs = await asyncio.gather(*running, return_exceptions=True)  # all done: at once
     assert all(isinstance(out, EngineDead) for out in outs), outs
     h = await asyncio.wait_for(engine.health(), 30)
     assert not h.healthy

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import shutil
 import uuid
 from pathlib import Path
 from typing import Any, Mapping, Optional
@@ -57,6 +58,10 @@ class VLLMStartupError(ServerStartupError):
     """The vLLM server did not come up (exited or timed out); the message holds its log tail."""
 
 
+#: The options vLLM's own ``/start_profile`` takes (it ignores any other).
+SERVER_PROFILE_OPTIONS = frozenset({"profile_prefix", "delay_iterations", "max_iterations"})
+
+
 class VLLMEngine(VLLMLaunch, VLLMWeights, StreamingGenerate, HTTPEngine):
     """One vLLM OpenAI server, driven over HTTP (see the module docstring).
 
@@ -74,7 +79,9 @@ class VLLMEngine(VLLMLaunch, VLLMWeights, StreamingGenerate, HTTPEngine):
     name = "vllm"
     streams = True  # with its RL routes (a server rollfleet launched); whole answers otherwise
     server_name = "vLLM server"
-    profile_options = frozenset({"profile_prefix", "delay_iterations", "max_iterations"})  # vLLM's StartProfileRequest
+    #: vLLM's StartProfileRequest, and ``trace_dir`` (the sim and SGLang engines' name): where
+    #: stop_profile moves the traces from the directory the server was launched with.
+    profile_options = SERVER_PROFILE_OPTIONS | {"trace_dir"}
     startup_error = VLLMStartupError
     stats_metrics = wire.STATS_METRICS
 
@@ -140,6 +147,7 @@ class VLLMEngine(VLLMLaunch, VLLMWeights, StreamingGenerate, HTTPEngine):
         self._staged: dict[int, Staged] = {}
         #: The server's weight label (vLLM's ``weight_version``): the cache salt of new requests.
         self._label = wire.BOOT_VERSION
+        self._trace_dir: Optional[str] = None  # where stop_profile moves this session's traces
         self._reloads = itertools.count(1)
         self._weights_lock = asyncio.Lock()  # one load at a time, and no resume during one
         #: What the last stage and commit took (seconds, bytes, pause window), for operators and tests.
@@ -296,21 +304,37 @@ class VLLMEngine(VLLMLaunch, VLLMWeights, StreamingGenerate, HTTPEngine):
 
     # ------------------------------------------------------------------ profiling
     async def start_profile(self, **kwargs: Any) -> None:
-        body = {k: v for k, v in kwargs.items() if k in self.profile_options}
+        body = {k: v for k, v in kwargs.items() if k in SERVER_PROFILE_OPTIONS}
         resp = await self._control("POST", "/start_profile", op="start_profile", ok=False, json=body or None,
                                    timeout=max(self.control_timeout_s, 120))  # fmt: skip
         self._raise_unless_profiling(resp, "start_profile")
+        self._trace_dir = kwargs.get("trace_dir")
 
     async def stop_profile(self) -> Optional[str]:
+        """Where the traces are: the launch's profile dir, or the ``trace_dir`` given to
+        :meth:`start_profile` (on this replica's node), into which they were moved."""
         resp = await self._control("POST", "/stop_profile", op="stop_profile", ok=False,
                                    timeout=max(self.control_timeout_s, SLOW_CONTROL_S))  # fmt: skip
         self._raise_unless_profiling(resp, "stop_profile")
-        return str(self.profile_dir) if self.profile_dir is not None else None
+        source, target = self.profile_dir, self._trace_dir
+        self._trace_dir = None
+        if source is None:
+            return None
+        if target is None:
+            return str(source)
+        await asyncio.to_thread(_move_traces, source, Path(target))
+        return str(target)
 
     def _raise_unless_profiling(self, resp: Any, op: str) -> None:
         if resp.status_code == 404:
             raise NotSupported("vllm", op, "the server was launched without --profiler-config")
         self._raise_for(resp, op)
+
+
+def _move_traces(source: Path, target: Path) -> None:
+    target.mkdir(parents=True, exist_ok=True)
+    for trace in source.iterdir() if source.is_dir() else ():
+        shutil.move(str(trace), str(target / trace.name))
 
 
 __all__ = ["VLLMEngine", "VLLMStartupError"]
