@@ -36,11 +36,11 @@ def _check_keys(params: SamplingParams) -> SamplingParams:
     unknown = [k for k in params if k not in SAMPLING_KEYS and k != PASSTHROUGH_KEY]
     if unknown:
         key = unknown[0]
-        close = difflib.get_close_matches(str(key), SAMPLING_KEYS, n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
+        hint = _did_you_mean(key, SAMPLING_KEYS)
         raise InvalidRequest(
             f"sampling_params.{key}",
-            f"a known sampling key ({hint}engine-specific keys go under sampling_params.{PASSTHROUGH_KEY})",
+            f"a known sampling key ({hint + ' ' if hint else ''}engine-specific keys go under "
+            f"sampling_params.{PASSTHROUGH_KEY})",
             params[key],
         )
     extra = params.pop(PASSTHROUGH_KEY, None)
@@ -56,17 +56,24 @@ def _check_keys(params: SamplingParams) -> SamplingParams:
     return {**params, **extra}
 
 
+def _did_you_mean(key: Any, known: frozenset[str]) -> str:
+    """``did you mean 'x'?`` for the known name closest to ``key``, or "" when none is close."""
+    close = difflib.get_close_matches(str(key), sorted(known), n=1)
+    return f"did you mean {close[0]!r}?" if close else ""
+
+
 def validate_profile_options(options: dict[str, Any], accepted: Optional[frozenset[str]], engine: str) -> None:
     """An option ``start_profile`` does not take is an ``InvalidRequest`` naming it, not a trace
     written with settings the caller never got (vLLM's server ignores unknown keys). ``accepted``
     None: the engine's server checks its options itself."""
-    unknown = sorted(k for k in options if accepted is not None and k not in accepted)
+    if accepted is None:
+        return
+    unknown = sorted(k for k in options if k not in accepted)
     if unknown:
         key = unknown[0]
-        close = difflib.get_close_matches(key, sorted(accepted or ()), n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise InvalidRequest(key, f"one of {sorted(accepted or ())}, the {engine} engine's profile options{hint}",
-                             options[key])  # fmt: skip
+        hint = _did_you_mean(key, accepted)
+        limit = f"one of {sorted(accepted)}, the {engine} engine's profile options" + (f"; {hint}" if hint else "")
+        raise InvalidRequest(key, limit, options[key])
 
 
 def _is_int(value: Any) -> bool:

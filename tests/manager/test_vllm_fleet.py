@@ -18,6 +18,7 @@ from rollfleet.client import FullyAsyncLLMServerClient
 from rollfleet.config import RollfleetConfig
 from rollfleet.errors import InvalidRequest
 from rollfleet.manager import LLMServerManager
+from rollfleet.records import FleetStatus
 
 try:
     from tests.engines.vllm_probe import StreamingProbe, wait_for
@@ -88,15 +89,14 @@ async def serving(fleet: LLMServerManager, timeout_s: float = 240.0) -> None:
         if all(state == "healthy" and v == status.current_version for state, v in states.values()):
             return
         if time.monotonic() > deadline:
-            events = "\n".join(f"  {e.replica_id}: {e.from_state} -> {e.to} ({e.detail})" for e in status.events)
-            raise AssertionError(f"fleet not serving (v{status.current_version}): {states}\n{events}")
+            recent = transitions(status, sep="\n  ")
+            raise AssertionError(f"fleet not serving (v{status.current_version}): {states}\n  {recent}")
         await asyncio.sleep(0.5)
 
 
-async def events(fleet: LLMServerManager) -> str:
+def transitions(status: FleetStatus, sep: str = "; ") -> str:
     """The fleet's recent replica transitions, for a failure message."""
-    status = await fleet.status()
-    return "; ".join(f"{e.replica_id}: {e.from_state} -> {e.to} ({e.detail})" for e in status.events)
+    return sep.join(f"{e.replica_id}: {e.from_state} -> {e.to} ({e.detail})" for e in status.events)
 
 
 async def vllm_metric(address: str, name: str) -> float:
@@ -370,7 +370,10 @@ async def test_weight_update_mid_generation_keeps_the_exact_budget(fleet, mode):
             inconclusive.append(f"try {attempt}: the update fenced a starved replica: {result['fenced']}")
             await asyncio.gather(*tasks)
             continue
-        assert result["failed"] == [] and set(result["modes"].values()) == {mode}, (result, await events(fleet))
+        assert result["failed"] == [] and set(result["modes"].values()) == {mode}, (
+            result,
+            transitions(await fleet.status()),
+        )
         outs = await asyncio.gather(*tasks)
         steps = {k: round(result[k], 2) for k in ("stage_s", "commit_s", "verify_s", "pause_s")}
         print(f"try {attempt} ({budget} tokens): update sent at {sent:.1f} s, returned at {returned:.1f} s "
@@ -385,7 +388,7 @@ async def test_weight_update_mid_generation_keeps_the_exact_budget(fleet, mode):
         status = await fleet.status()
         restarted = {rid: r.restarts for rid, r in status.replicas.items()} != restarts
         if restarted or any(r.state in ("dead", "restarting", "pending") for r in status.replicas.values()):
-            inconclusive.append(f"try {attempt}: a replica was declared dead meanwhile: {await events(fleet)}")
+            inconclusive.append(f"try {attempt}: a replica was declared dead meanwhile: {transitions(status)}")
             continue
         if mode == "keep":
             assert all(o.extra_fields["num_resumes"] == 0 for o in outs), seen  # nothing was interrupted

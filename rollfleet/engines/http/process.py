@@ -157,9 +157,7 @@ class ServerProcess:
             return True
         try:
             return os.waitid(os.P_PID, self._proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-        except ChildProcessError:  # reaped meanwhile by someone else
-            return self.returncode is not None
-        except (AttributeError, OSError):  # no waitid (macOS)
+        except (AttributeError, OSError):  # reaped meanwhile by someone else (ChildProcessError), or no waitid (macOS)
             return self.returncode is not None
 
     async def exited_within(self, wait_s: float = EXIT_GRACE_S) -> bool:
