@@ -18,6 +18,7 @@ version (see the controller's start-up path). The version is published only afte
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from collections import Counter
@@ -32,6 +33,8 @@ from rollfleet.health import HealthState, ReplicaRecord
 #: every replica would answer the same, so nothing is fenced and the error goes back as is.
 CALLER_ERRORS = (NotSupported, InvalidRequest, ValueError, TypeError)
 
+logger = logging.getLogger(__name__)
+
 
 class ControlTimeout(asyncio.TimeoutError):
     """A replica did not finish a control call in time (it is fenced)."""
@@ -43,6 +46,16 @@ class ReplicaGone(RuntimeError):
 
 async def _awaited(ref: Any) -> Any:
     return await ref
+
+
+def _log_unawaited(update: "asyncio.Future[dict[str, Any]]") -> None:
+    if update.cancelled():
+        return
+    exc = update.exception()
+    if exc is not None:
+        logger.error("a weight update whose caller gave up failed: %r", exc)
+    else:
+        logger.info("a weight update whose caller gave up published version %s", update.result()["version"])
 
 
 @dataclass(frozen=True)
@@ -192,7 +205,21 @@ class ControlFanOut:
         configured ``rollout.weight_sync.mode`` unless given). Returns what happened and when:
         ``pause_s`` (the longest a replica generated nothing), ``paused`` (``[start, end]`` wall
         times of each commit wave), ``stage_s``, ``commit_s`` (``verify_s`` of it: the checksum
-        round after the commits), ``total_s``, ``modes`` used."""
+        round after the commits), ``total_s``, ``modes`` used.
+
+        A caller that gives up (cancelled, timed out, ``ray.cancel``) does not stop the update:
+        it runs to its end and publishes. Stopped half-way, replicas would run weights the fleet
+        does not know they have (committed, still labelled with the old version), and one
+        restarted meanwhile would load the old weights beside them unnoticed. It is bounded by
+        the stage and commit timeouts."""
+        update = asyncio.ensure_future(self._update_weights(weights, version, mode))
+        try:
+            return await asyncio.shield(update)
+        except asyncio.CancelledError:
+            update.add_done_callback(_log_unawaited)  # its caller is gone: its outcome goes to the log
+            raise
+
+    async def _update_weights(self, weights: Any, version: int, mode: Optional[str]) -> dict[str, Any]:
         if isinstance(weights, WeightsRef):
             weights = weights.ref
         sync = self.config.weight_sync

@@ -1,7 +1,7 @@
 """Which replicas a weight update fences, and which it leaves to whoever owns them: a caller's
 mistake fences none, a replica the prober or a removal already took is not failed a second time,
-and a checksum vote without a strict majority trusts no digest. In-process sim replicas, no Ray
-(the helpers of ``test_control_faults``)."""
+a checksum vote without a strict majority trusts no digest, and an update whose caller gives up
+still ends, published. In-process sim replicas, no Ray (the helpers of ``test_control_faults``)."""
 
 from __future__ import annotations
 
@@ -144,3 +144,38 @@ async def test_a_replica_that_hangs_while_it_is_added_fails_in_time_and_updates_
     result = await asyncio.wait_for(controller.update_weights({"step": 2}, 2), 5)
     assert result["failed"] == [] and sorted((await controller.status()).replicas) == ["replica-0", "replica-1"]
     await controller.shutdown()
+
+
+async def test_an_update_whose_caller_gives_up_mid_commit_still_publishes_what_it_committed():
+    """Two replicas have committed when the caller is cancelled; the third is still committing.
+    Stopped there, the engines would run version 1 while the fleet published 0 (and kept the old
+    weights for any replica restarted meanwhile). The update runs to its end instead."""
+    faults = Faults()
+    controller, replicas = fleet(config(commit_timeout_s=5.0), faults)
+    await controller.launch(3)
+    late = replicas["replica-2"]
+    commit = late.commit_weights
+
+    async def slow_commit(*args: Any, **kwargs: Any) -> Any:
+        await asyncio.sleep(0.3)
+        return await commit(*args, **kwargs)
+
+    late.commit_weights = slow_commit  # type: ignore[method-assign]
+    update = asyncio.ensure_future(controller.update_weights({"step": 1}, 1))
+    await asyncio.sleep(0.1)
+    assert not update.done()
+    update.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await update
+    await wait_until(lambda: _published(controller, 1), "version 1 published after the caller gave up")
+    assert controller._weights == {"step": 1}  # what a restarted replica would load
+    snapshot = await controller.snapshot()
+    assert snapshot.versions == {rid: 1 for rid in replicas}
+    for rid, replica in replicas.items():
+        out = await replica.generate(f"after-{rid}", [1, 2, 3], {"max_tokens": 2})
+        assert out.token_versions == [1] * len(out.token_ids), rid
+    await controller.shutdown()
+
+
+async def _published(controller: Any, version: int) -> bool:
+    return controller.current_version == version
