@@ -50,6 +50,7 @@ class Faults:
 
     def __init__(self) -> None:
         self.dead: set[str] = set()  # every call raises, as a dead actor's would
+        self.dead_actors: list[Replica] = []  # the same for these actors only (not their restarts)
         self.hung: set[str] = set()  # control calls never return (a SIGSTOPped process)
         self.hung_methods: set[str] = set(HOOKED)  # which calls hang on a hung replica
         self.failed_starts: dict[str, int] = {}  # replica id -> starts that fail before one succeeds
@@ -75,10 +76,10 @@ def fleet(cfg: RolloutConfig, faults: Faults) -> tuple[FleetController, dict[str
             original = getattr(replica, name)
 
             async def faulty(*args: Any, _original: Any = original, _name: str = name, **kwargs: Any) -> Any:
-                if replica_id in faults.dead and replicas.get(replica_id) is replica:
+                current = replicas.get(replica_id) is replica
+                if (replica_id in faults.dead and current) or any(replica is r for r in faults.dead_actors):
                     raise ReplicaUnavailable(replica_id, "actor died (injected)")
-                hangs = replica_id in faults.hung and _name in faults.hung_methods
-                if hangs and replicas.get(replica_id) is replica:
+                if current and replica_id in faults.hung and _name in faults.hung_methods:
                     await asyncio.Event().wait()
                 return await _original(*args, **kwargs)
 
@@ -105,12 +106,13 @@ async def test_an_update_while_a_replica_is_dead_completes_on_the_others_and_it_
     faults = Faults()
     controller, replicas = fleet(config(), faults)
     await controller.launch(3)
-    faults.dead.add("replica-1")  # died a moment ago: no probe has noticed yet
+    faults.dead_actors.append(replicas["replica-1"])  # died a moment ago: no probe has noticed yet
     result = await controller.update_weights({"step": 1}, 1)
     assert result["failed"] == ["replica-1"] and "actor died" in result["fenced"]["replica-1"]
     assert controller.current_version == 1
-    assert set((await controller.snapshot()).routable_ids()) == {"replica-0", "replica-2"}
-    faults.dead.clear()  # the restarted actor is a new one
+    snapshot = await controller.snapshot()  # its restart may be back already, never on version 0
+    assert {"replica-0", "replica-2"} <= set(snapshot.routable_ids())
+    assert {snapshot.versions[rid] for rid in snapshot.routable_ids()} == {1}
     await wait_until(lambda: serving_on(controller, "replica-1", 1), "replica-1 back on version 1")
     out = await replicas["replica-1"].generate("r", [1, 2, 3], {"max_tokens": 4})
     assert out.token_versions == [1] * len(out.token_ids)
