@@ -58,7 +58,7 @@ class FleetController(HealthSupervisor, ControlFanOut):
         self._probe_task: Optional[asyncio.Task[None]] = None
         self._restart_tasks: dict[str, asyncio.Task[None]] = {}
         self._events: list[FleetEvent] = []
-        self._update_lock: Optional[asyncio.Lock] = None
+        self._update_lock = asyncio.Lock()  # one weight update at a time; a joining replica's last load
         self._changed: Optional[asyncio.Event] = None  # set (and replaced) on every change
 
     # ------------------------------------------------------------------ membership
@@ -136,7 +136,7 @@ class FleetController(HealthSupervisor, ControlFanOut):
         record.node_id = placement.node_id if placement is not None else ""
         self._membership_changed()
         # The version the engine boots with is decided now: an update may land while it starts
-        # (vLLM takes ~45 s), and then the loop below must still load the new weights.
+        # (vLLM takes ~45 s), and then _catch_up must still load the new weights.
         boot_version = None if self._has_weights else self.current_version
         if placement is not None and self._placer is not None:
             info = await handle.start.remote(boot_version, await self._placer.devices_of(placement))
@@ -149,16 +149,12 @@ class FleetController(HealthSupervisor, ControlFanOut):
         record.data_plane = info.get("data_plane") or ""
         record.data_plane_token = info.pop("data_plane_token", None) or ""
         record.weight_version = boot_version
-        # Never serve stale weights: a new or restarted replica loads the current ones first. Under
-        # the update lock: an update in flight (which does not include this replica) publishes
-        # first, and then this one loads that version, instead of going healthy on the old one.
-        if self._update_lock is None:
-            self._update_lock = asyncio.Lock()
+        # Never serve stale weights: a new or restarted replica loads the current ones first, outside
+        # the update lock (a big model loads for seconds; the trainer's updates must not wait), then
+        # under it what was published meanwhile (updates skip a replica not yet live).
+        await self._catch_up(record, handle)
         async with self._update_lock:
-            while record.weight_version != self.current_version:
-                version = self.current_version
-                await handle.update_weights.remote(self._weights, version)
-                record.weight_version = version
+            await self._catch_up(record, handle)
             if self._checksum is not None:
                 report = await handle.weights_checksum.remote()
                 if report["checksum"] not in (None, self._checksum):
@@ -174,6 +170,14 @@ class FleetController(HealthSupervisor, ControlFanOut):
             self._set_state(record, HealthState.HEALTHY, "started")
         self._membership_changed()
         return _info(record)
+
+    async def _catch_up(self, record: ReplicaRecord, handle: Any) -> None:
+        """Load the fleet's weights on a starting replica until it has the current version (an
+        update may publish while it loads; weights and version are published together)."""
+        while record.weight_version != self.current_version:
+            version, weights = self.current_version, self._weights
+            await handle.update_weights.remote(weights, version)
+            record.weight_version = version
 
     async def remove_replicas(self, replica_ids: list[str], drain_timeout_s: float = 30.0) -> list[str]:
         """Stop routing to the replicas, let their in-flight work finish (bounded), then stop them."""

@@ -79,7 +79,7 @@ class ControlFanOut:
     _has_weights: bool
     _checksum: Optional[str]
     _rolling_version: Optional[int]
-    _update_lock: Optional[asyncio.Lock]
+    _update_lock: asyncio.Lock
 
     if TYPE_CHECKING:
 
@@ -226,8 +226,6 @@ class ControlFanOut:
         mode = mode or sync.mode
         if mode not in ("abort", "keep", "rolling"):
             raise ValueError(f"weight_sync.mode must be abort, keep or rolling, got {mode!r}")
-        if self._update_lock is None:
-            self._update_lock = asyncio.Lock()
         async with self._update_lock:
             if self.current_version is not None and version <= self.current_version:
                 raise ValueError(f"weight version must increase: {version} <= current {self.current_version}")
