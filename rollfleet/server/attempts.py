@@ -24,6 +24,12 @@ class Attempt:
     epoch: int
     version: Optional[int]
     started: float
+    aborted: bool = False  # aborted while held at the gate: the engine never sees it
+
+
+def aborted_before_start() -> TokenOutput:
+    """The output of an attempt aborted before the engine saw it: no tokens, to be resumed."""
+    return TokenOutput(token_ids=[], log_probs=[], token_versions=[], stop_reason="aborted")
 
 
 def stamp_versions(output: TokenOutput, attempt: Attempt, *, epoch_now: int, version_now: Optional[int]) -> None:
@@ -51,4 +57,4 @@ def stamp_versions(output: TokenOutput, attempt: Attempt, *, epoch_now: int, ver
     output.extra_fields["max_global_steps"] = last
 
 
-__all__ = ["Attempt", "stamp_versions"]
+__all__ = ["Attempt", "aborted_before_start", "stamp_versions"]

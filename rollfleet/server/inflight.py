@@ -9,6 +9,9 @@
   gateway's 32 sticky sessions split 22/10 over two replicas that a Rust router split 16/16).
 * **Per session** (``request_id``): the engine ids of a session's attempts, so that
   :meth:`~rollfleet.server.replica.Replica.abort` can abort a whole session.
+* **Held** at the replica's gate (paused, asleep): the engine has not seen these, so an abort
+  cannot go to it; it is marked here, and the attempt ends ``aborted`` when the gate opens
+  instead of generating in full after the resume.
 
 Counting in and out is one context manager, so no exit path (error, cancellation) leaks a count.
 """
@@ -27,6 +30,7 @@ class InflightBook:
         self.tokens = 0
         self._by_client: dict[str, list[int]] = {}  # client_id -> [requests, tokens]
         self._sessions: dict[str, set[str]] = {}  # request_id -> engine ids
+        self._held: dict[str, bool] = {}  # engine ids held at the gate -> aborted meanwhile
 
     @contextlib.contextmanager
     def entry(self, request_id: str, engine_id: str, tokens: int, client_id: Optional[str]) -> Iterator[None]:
@@ -56,6 +60,26 @@ class InflightBook:
     def engine_ids(self, request_id: str) -> list[str]:
         """The engine ids of a session's attempts in flight."""
         return list(self._sessions.get(request_id, ()))
+
+    def hold(self, engine_id: str) -> None:
+        """An attempt waits at the gate (the engine has not seen it)."""
+        self._held[engine_id] = False
+
+    def release(self, engine_id: str) -> bool:
+        """It leaves the gate; whether it was aborted while it waited."""
+        return self._held.pop(engine_id, False)
+
+    def is_held(self, engine_id: str) -> bool:
+        return engine_id in self._held
+
+    def abort_held(self, engine_ids: Optional[list[str]] = None) -> int:
+        """Mark the held attempts among ``engine_ids`` (None: all) aborted; how many were not yet."""
+        marked = 0
+        for engine_id in self._held if engine_ids is None else engine_ids:
+            if self._held.get(engine_id) is False:
+                self._held[engine_id] = True
+                marked += 1
+        return marked
 
     def by_client(self, client_id: Optional[str] = None) -> dict[str, tuple[int, int]]:
         """``client_id``'s share (zeros when it has none in flight), or every client's (None)."""

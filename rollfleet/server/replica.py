@@ -19,7 +19,7 @@ from rollfleet.engines import Engine, EngineLimits, build_engine
 from rollfleet.engines.base import CommitMode
 from rollfleet.errors import NotSupported, ReplicaUnavailable
 from rollfleet.health import ReplicaState
-from rollfleet.server.attempts import Attempt, stamp_versions
+from rollfleet.server.attempts import Attempt, aborted_before_start, stamp_versions
 from rollfleet.server.inflight import InflightBook
 from rollfleet.server.liveness import EngineLiveness
 from rollfleet.server.validation import validate_profile_options, validate_prompt, validate_sampling_params
@@ -138,7 +138,10 @@ class Replica:
         """Validate, generate, stamp versions; return the output with this replica's load (split
         by ``client_id``, the sender's router's id: see :class:`~rollfleet.types.LoadReport`)."""
         async with self._admitted(request_id, prompt_ids, sampling_params, client_id) as call:
-            output = await self.engine.generate(call.engine_id, call.prompt, call.params, **kwargs)
+            if call.aborted:
+                output = aborted_before_start()
+            else:
+                output = await self.engine.generate(call.engine_id, call.prompt, call.params, **kwargs)
         return ReplicaResponse(self._finished(output, call), self._report(client_id))
 
     async def generate_stream(
@@ -152,6 +155,9 @@ class Replica:
         """:meth:`generate_with_load` as it happens: token deltas as the engine samples them, then the
         output with the load (alone, from an engine that does not stream). Leaving early aborts it."""
         async with self._admitted(request_id, prompt_ids, sampling_params, client_id) as call:
+            if call.aborted:
+                yield ReplicaResponse(self._finished(aborted_before_start(), call), self._report(client_id))
+                return
             stream = cast(
                 AsyncGenerator, self.engine.generate_stream(call.engine_id, call.prompt, call.params, **kwargs)
             )
@@ -195,10 +201,14 @@ class Replica:
         self._counters["requests"] += 1
         with self._book.entry(request_id, engine_id, len(prompt), client_id):
             try:
-                while not self._gate.is_set():
-                    await self._gate.wait()
+                self._book.hold(engine_id)
+                try:
+                    while not self._gate.is_set():
+                        await self._gate.wait()
+                finally:
+                    aborted = self._book.release(engine_id)
                 self._check_accepting()
-                yield Attempt(engine_id, prompt, params, self._epoch, self._version, time.monotonic())
+                yield Attempt(engine_id, prompt, params, self._epoch, self._version, time.monotonic(), aborted)
             except ReplicaUnavailable:
                 self._counters["errors"] += 1
                 raise
@@ -235,15 +245,18 @@ class Replica:
         )
 
     async def abort(self, request_id: str) -> int:
-        """Abort every attempt of one session on this replica; return how many."""
+        """Abort every attempt of one session on this replica, held at the gate or not; return how many."""
         ids = self._book.engine_ids(request_id)
+        self._book.abort_held(ids)
         for engine_id in ids:
-            await self.engine.abort(engine_id)
+            if not self._book.is_held(engine_id):
+                await self.engine.abort(engine_id)
         return len(ids)
 
     # ------------------------------------------------------------------ control plane
     async def abort_all(self) -> int:
-        return await self.engine.abort_all()
+        """Abort everything in flight, the attempts held at the gate included; return how many."""
+        return self._book.abort_held() + await self.engine.abort_all()
 
     async def pause(self) -> None:
         """Hold new requests at the gate and abort in-flight ones (they return partial tokens)."""

@@ -1,9 +1,11 @@
 """A replica counts its in-flight requests per client, so each client's router can tell its own
-load from everyone else's at the moment the replica counted (see rollfleet.server.inflight)."""
+load from everyone else's at the moment the replica counted, and knows which wait at its gate, so
+that an abort reaches them too (see rollfleet.server.inflight)."""
 
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
@@ -60,3 +62,41 @@ async def test_replica_reports_split_by_client_on_responses_and_polls():
 def test_a_report_without_a_split_stays_unsplit_for_every_client():
     report = LoadReport(replica_id="r0", inflight=3)
     assert report.for_client("a") is report
+
+
+async def test_an_abort_reaches_the_requests_held_at_a_paused_replicas_gate():
+    """The engine never saw them: before, abort() reported 1 and abort_all() 0, and after the
+    resume each generated its whole budget."""
+    cfg = RolloutConfig(
+        name="sim", response_length=200, max_model_len=4000, sim=SimEngineConfig(vocab_size=500, step_base_ms=1.0)
+    )
+    r = Replica("r0", cfg, 0)
+    await r.start(version=0)
+    params = {"max_tokens": 50, "ignore_eos": True}
+
+    async def streamed(request_id: str) -> Any:
+        async for item in r.generate_stream(request_id, [1, 2, 3], params):
+            last = item
+        return last.output
+
+    try:
+        await r.pause()
+        held = [
+            asyncio.ensure_future(r.generate("one", [1, 2, 3], params)),
+            asyncio.ensure_future(r.generate("two", [1, 2, 3], params)),
+            asyncio.ensure_future(streamed("three")),
+        ]
+        while (await r.load()).inflight < 3:
+            await asyncio.sleep(0.01)
+        assert await r.abort("one") == 1
+        assert await r.abort_all() == 2  # "two" and "three": the engine itself had nothing
+        assert await r.abort_all() == 0  # aborted once is enough
+        await r.resume()
+        outs = await asyncio.wait_for(asyncio.gather(*held), 10)
+        assert [(o.stop_reason, len(o.token_ids)) for o in outs] == [("aborted", 0)] * 3
+        assert all(o.extra_fields["global_steps"] == 0 for o in outs)
+        assert (await r.load()).inflight == 0
+        after = await r.generate("four", [1, 2, 3], params)  # the next one is not aborted
+        assert (after.stop_reason, len(after.token_ids)) == ("length", 50)
+    finally:
+        await r.shutdown()
