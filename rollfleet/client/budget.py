@@ -1,4 +1,5 @@
-"""A generation's token budget, as the resuming paths (fully-async, streamed) read it."""
+"""A generation's token budget, as the resuming paths (fully-async, streamed) read it, and what a
+resumed attempt asks for after some of it is spent."""
 
 from __future__ import annotations
 
@@ -22,4 +23,23 @@ def token_budget(params: SamplingParams, response_length: Any) -> tuple[str, int
     return key, budget
 
 
-__all__ = ["token_budget"]
+#: Lower bounds on the tokens to generate: a resumed attempt owes what is left of them.
+MIN_KEYS: tuple[str, ...] = ("min_tokens", "min_new_tokens")
+
+
+def resumed_params(params: SamplingParams, key: str, budget: int, done: int) -> SamplingParams:
+    """The sampling params of an attempt after ``done`` of ``budget`` tokens: every budget key says
+    what is left (the replica refuses ``max_tokens`` and ``max_new_tokens`` that differ), every
+    minimum what is left of it (unlowered, it would outlast the budget and be refused, or hold
+    back the end of the sequence longer than the caller asked)."""
+    attempt = dict(params)
+    for budget_key in {key, *(k for k in BUDGET_KEYS if params.get(k) is not None)}:
+        attempt[budget_key] = budget - done
+    for min_key in MIN_KEYS:
+        floor = params.get(min_key)
+        if isinstance(floor, int) and not isinstance(floor, bool):
+            attempt[min_key] = max(0, floor - done)
+    return attempt
+
+
+__all__ = ["MIN_KEYS", "resumed_params", "token_budget"]

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from rollfleet.client.budget import token_budget
+from rollfleet.client.budget import resumed_params, token_budget
 from rollfleet.client.llm_client import LLMServerClient
 from rollfleet.types import SamplingParams, StopReason, TokenOutput
 
@@ -68,8 +68,7 @@ class FullyAsyncLLMServerClient(LLMServerClient):
 
         while True:
             attempt += 1
-            attempt_params = dict(params)
-            attempt_params[key] = budget - len(token_ids)
+            attempt_params = resumed_params(params, key, budget, len(token_ids))
             out = await super().generate(
                 request_id, prompt_ids=prompt + token_ids, sampling_params=attempt_params, **kwargs
             )

@@ -29,7 +29,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Optional, Union, cast
 
-from rollfleet.client.budget import token_budget
+from rollfleet.client.budget import resumed_params, token_budget
 from rollfleet.client.retry import is_replica_failure, is_retryable, unwrap
 from rollfleet.errors import NoServerAvailable, RetriesExhausted
 from rollfleet.types import ReplicaResponse, SamplingParams, TokenDelta, TokenOutput
@@ -112,7 +112,7 @@ async def stream_generate(
     last: Optional[TokenOutput] = None
     while len(sofar.token_ids) < budget:
         before = len(sofar.token_ids)
-        attempt_params = {**params, key: budget - before}
+        attempt_params = resumed_params(params, key, budget, before)
         attempt = cast(
             AsyncGenerator, _attempt(client, request_id, list(prompt_ids) + sofar.token_ids, attempt_params, kwargs)
         )

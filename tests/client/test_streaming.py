@@ -1,6 +1,7 @@
 """Streamed generation through the client, on in-process sim replicas (no Ray): tokens arrive as
 the engine samples them, and a stream cut short by a dead replica or an abort goes on elsewhere
-from the tokens already received, never repeating one. On scripted replicas: a stream that fails
+from the tokens already received, never repeating one, asking for what is left of every budget
+and minimum the caller gave (streamed or not). On scripted replicas: a stream that fails
 after its output is over, and a streamed output says of logprobs and versions what generate()
 says."""
 
@@ -233,3 +234,46 @@ class RayLike:
                 return asyncio.ensure_future(method(*args, **kwargs))
 
         return _Method()
+
+
+async def _generated(replica: Replica) -> int:
+    stats = await replica.stats()
+    return int(stats.get("generation_tokens", 0))
+
+
+async def test_a_resumed_attempt_asks_for_what_is_left_of_every_budget_and_minimum():
+    """The caller gives max_tokens and max_new_tokens, and min_tokens. A resume that lowered only
+    one budget key was refused by the replica (the two must be equal), and one that kept
+    min_tokens asked for more than its budget: either way the rollout failed with its tokens."""
+    params = {"max_tokens": 150, "max_new_tokens": 150, "min_tokens": 140, "ignore_eos": True}
+    for streamed in (False, True):
+        replicas, client, prompts = await fleet(1, FullyAsyncLLMServerClient)
+        asked: list[dict[str, Any]] = []
+        validate = replicas[0]._admitted
+
+        def spy(
+            request_id: str, prompt_ids: Any, sampling_params: Any, client_id: Any, _v: Any = validate, _a: Any = asked
+        ) -> Any:
+            _a.append(dict(sampling_params))
+            return _v(request_id, prompt_ids, sampling_params, client_id)
+
+        replicas[0]._admitted = spy  # type: ignore[method-assign]
+        if streamed:
+            call = asyncio.ensure_future(
+                collect(client.generate_stream("s", prompt_ids=PROMPT, sampling_params=params))
+            )
+        else:
+            call = asyncio.ensure_future(client.generate("s", prompt_ids=PROMPT, sampling_params=params))
+        while await _generated(replicas[0]) < 30:
+            await asyncio.sleep(0.005)
+        await replicas[0].abort_all()
+        result = await asyncio.wait_for(call, 30)
+        out = result[1] if streamed else result
+        assert (len(out.token_ids), out.stop_reason) == (150, "length"), streamed
+        assert out.extra_fields["num_resumes"] >= 1
+        done = 150 - asked[1]["max_tokens"]  # what the first attempt had generated
+        assert done >= 30
+        assert asked[1] == {**params, "max_tokens": 150 - done, "max_new_tokens": 150 - done, "min_tokens": 140 - done}
+        assert client.balancer.get_total_inflight() == 0
+        for r in replicas:
+            await r.shutdown()
