@@ -6,12 +6,14 @@ table's pause/abort gate, the engine-side request id, error counts; the abort on
 differs only in reading: the server's SSE lines are fed to the engine's stream reader, which turns
 them into :class:`~rollfleet.types.TokenDelta` s (the lines that arrived together as one) and, at
 the end, into the body a whole answer would have had, so the final output is parsed by the very
-code that parses whole answers (versions, stop reasons, logprobs). Leaving the stream early, or a
-cancel, aborts the request on the server.
+code that parses whole answers (versions, stop reasons, logprobs), and a stream that fails on the
+server's side is the replica's failure, as a whole answer's would be. Leaving the stream early, or
+a cancel, aborts the request on the server.
 """
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable, Optional, Protocol, Union
 
 import aiohttp
@@ -19,7 +21,7 @@ import aiohttp
 from rollfleet.engines.http.inflight import Inflight
 from rollfleet.engines.http.transport import transport_error
 from rollfleet.engines.http.wire import error_message
-from rollfleet.errors import ReplicaUnavailable
+from rollfleet.errors import InvalidRequest, ReplicaUnavailable
 from rollfleet.types import SamplingParams, TokenDelta, TokenOutput
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -64,7 +66,12 @@ class StreamingGenerate(_Base):
                 call.sent = True
                 async for delta in self._read(call, body, reader, prompt_ids):
                     yield delta
-                out = self._counted(self._parse_output(reader.body(), budget))
+                try:
+                    out = self._counted(self._parse_output(reader.body(), budget))
+                except InvalidRequest:
+                    raise
+                except (ValueError, LookupError, TypeError) as e:
+                    raise self._unexpected(e) from e
                 done = True
                 yield out
             finally:
@@ -89,6 +96,7 @@ class StreamingGenerate(_Base):
                 pending = b""
                 async for data in resp.content.iter_any():  # whatever has arrived: one delta for all of it
                     link.check()  # the server died: the read may not notice for a while
+                    self._last_progress = time.monotonic()  # a server streaming tokens is busy, not dead
                     *lines, pending = (pending + data).split(b"\n")
                     merged = _merge(reader.feed(line) for line in lines)
                     if merged is not None:
@@ -99,6 +107,16 @@ class StreamingGenerate(_Base):
                         yield merged
         except (aiohttp.ClientError, TimeoutError) as e:
             raise await transport_error("generate", e, self.replica_label, link.url, link.gone) from e
+        except InvalidRequest:
+            raise
+        except (ValueError, LookupError, TypeError) as e:  # an error event, a line we cannot read
+            raise self._unexpected(e) from e
+
+    def _unexpected(self, error: Exception) -> ReplicaUnavailable:
+        """A stream that failed on the server's side (vLLM sends its engine's errors in the
+        stream) is the replica's failure, as the same answer to a whole request is: the client
+        retries it elsewhere, and the replica counts an error."""
+        return ReplicaUnavailable(self.replica_label, f"generate: {self.server_name}'s stream failed: {error}")
 
 
 def _merge(deltas: Iterable[Optional[TokenDelta]]) -> Optional[TokenDelta]:
