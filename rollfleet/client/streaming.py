@@ -12,7 +12,10 @@ to everything that cuts a stream short:
   twice;
 * the attempt comes back ``aborted`` (a weight update in ``abort`` mode): with a resuming client
   (``partial_rollout``) it goes on likewise, on the new weights;
-* failures that bring no token count against ``retry.max_attempts``; bad input is raised at once;
+* failures in a row that bring no token count against ``retry.max_attempts``, and so do aborts in
+  a row with no new token and no new weights (then the partial output comes back flagged
+  ``resume_exhausted``): the rules of :meth:`~rollfleet.client.FullyAsyncLLMServerClient.generate`;
+  bad input is raised at once;
 * a failure after an attempt's output (the connection drops as the stream's end is read) ends
   nothing: that generation is over, and resending it would run past its stop.
 
@@ -106,7 +109,10 @@ async def stream_generate(
     key, budget = token_budget(params, client.config.response_length)
     resumes = bool(getattr(client, "partial_rollout", False))
     sofar = _Sofar()
-    failures = 0
+    failures = 0  # failed tries in a row that brought no token: generate()'s retries of one attempt
+    stalled = 0  # aborted attempts in a row with no new token and no new weights (as generate())
+    version_before: Any = None
+    exhausted = False
     no_server_since: Optional[float] = None
     stop_reason = "aborted"
     last: Optional[TokenOutput] = None
@@ -156,19 +162,32 @@ async def stream_generate(
                     failures += 1  # a failure that brought nothing: bounded; one that did is a resume
                     if failures >= client.retry.max_attempts:
                         raise RetriesExhausted(request_id, failures, exc) from exc
+                else:
+                    failures = 0
                 await client.retry.wait(max(1, failures))
                 continue
         finally:
             await attempt.aclose()  # at once: it releases the replica and cancels its request
         no_server_since = None
-        if stop_reason != "aborted" or not resumes:
+        failures = 0
+        if stop_reason != "aborted" or not resumes or len(sofar.token_ids) >= budget:
             break
-        if len(sofar.token_ids) == before:
-            failures += 1
-            if failures >= client.retry.max_attempts:
-                break
-            await client.retry.wait(failures)
-    yield _whole(sofar, last, stop_reason, budget)
+        assert last is not None  # settled
+        version = last.extra_fields.get("global_steps")
+        fleet_version = client.fleet.current_version
+        progressed = (  # the rule of FullyAsyncLLMServerClient.generate
+            len(sofar.token_ids) > before
+            or (len(sofar.attempts) > 1 and version != version_before)
+            or (version is not None and fleet_version is not None and fleet_version > version)
+        )
+        version_before = version
+        stalled = 0 if progressed else stalled + 1
+        if stalled >= client.retry.max_attempts:
+            exhausted = True
+            break
+        if stalled:
+            await client.retry.wait(stalled)
+    yield _whole(sofar, last, stop_reason, budget, exhausted)
 
 
 async def _attempt(
@@ -215,7 +234,7 @@ async def _attempt(
         await client._release(server_id, len(prompt), request_id, ended)
 
 
-def _whole(sofar: _Sofar, last: Optional[TokenOutput], stop_reason: str, budget: int) -> TokenOutput:
+def _whole(sofar: _Sofar, last: Optional[TokenOutput], stop_reason: str, budget: int, exhausted: bool) -> TokenOutput:
     if len(sofar.token_ids) >= budget and stop_reason == "aborted":
         stop_reason = "length"
     extra = dict(last.extra_fields) if last is not None else {}
@@ -230,6 +249,8 @@ def _whole(sofar: _Sofar, last: Optional[TokenOutput], stop_reason: str, budget:
         extra["min_global_steps"], extra["max_global_steps"] = sofar.first_version, sofar.last_version
     extra["num_resumes"] = max(0, len(sofar.attempts) - 1)
     extra["attempts"] = sofar.attempts
+    if exhausted:
+        extra["resume_exhausted"] = True
     return TokenOutput(
         token_ids=sofar.token_ids,
         log_probs=log_probs,

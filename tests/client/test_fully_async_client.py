@@ -1,4 +1,4 @@
-"""FullyAsyncLLMServerClient: budget rules under aborts injected at random points."""
+"""FullyAsyncLLMServerClient: budget rules under aborts injected at random points, the same for a stream."""
 
 from __future__ import annotations
 
@@ -62,11 +62,17 @@ class FakeServer:
         return ReplicaResponse(out, LoadReport(replica_id="s0"))
 
 
-def client(server, response_length=64, max_attempts=1000, cls=FullyAsyncLLMServerClient, **kw):
+def client(server, response_length=64, max_attempts=1000, cls=FullyAsyncLLMServerClient, handle=LocalHandle, **kw):
     cfg = RolloutConfig(
         response_length=response_length, retry=RetryConfig(max_attempts=max_attempts, initial_backoff_s=0, jitter=0)
     )
-    return cls(cfg, servers={"s0": LocalHandle(server)}, **kw)
+    return cls(cfg, servers={"s0": handle(server)}, **kw)
+
+
+class WholeOnly(LocalHandle):
+    """A handle without a data plane (a Ray actor's): a stream gets each attempt's output whole."""
+
+    stream_generate = None
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -298,3 +304,38 @@ def test_the_fleet_view_fails_over_calls_of_a_replica_the_fleet_declares_dead():
     view.apply(snap({"a": "dead", "b": "syncing", "c": "draining"}))
     assert [len(h.dropped) for h in handles.values()] == [1, 1, 0]
     assert "declared dead" in handles["a"].dropped[0] and "probe failed (2x)" in handles["a"].dropped[0]
+
+
+async def _streamed(c: FullyAsyncLLMServerClient, params: dict) -> TokenOutput:
+    async for item in c.generate_stream("r", prompt_ids=[1], sampling_params=params):
+        last = item
+    assert isinstance(last, TokenOutput)
+    return last
+
+
+@pytest.mark.parametrize(
+    "aborts, new_weights, tokens, exhausted",
+    [
+        ([5, 0, 5, 0, 5, 0, 5], False, 40, False),  # no-progress aborts, never max_attempts in a row
+        ([5, 0, 0, 0, 5], True, 40, False),  # aborts that bring no token but new weights
+        ([2] + [0] * 100, False, 2, True),  # an abort storm: bounded and flagged
+    ],
+)
+def test_a_stream_resumes_by_the_rule_generate_resumes_by(aborts, new_weights, tokens, exhausted):
+    """The stream counted every abort that brought no token against max_attempts, over the whole
+    generation and whatever the weights did, and gave up unflagged: 15 and 5 tokens of 40 in the
+    first two cases, where generate() returns all 40."""
+    params = {"max_tokens": 40}
+    outs = []
+    for streamed in (False, True):
+        server = FakeServer(list(aborts), new_weights=new_weights)
+        c = client(server, max_attempts=3, handle=WholeOnly)
+        outs.append(
+            asyncio.run(_streamed(c, params) if streamed else c.generate("r", prompt_ids=[1], sampling_params=params))
+        )
+    for out in outs:
+        assert len(out.token_ids) == tokens
+        assert out.stop_reason == ("aborted" if exhausted else "length")
+        assert out.extra_fields.get("resume_exhausted", False) is exhausted
+    assert outs[0].token_ids == outs[1].token_ids
+    assert outs[0].extra_fields["num_resumes"] == outs[1].extra_fields["num_resumes"]
