@@ -108,6 +108,9 @@ class FleetSnapshot:
     #: Why each replica is in its state (the controller's last transition detail), so that a client
     #: that finds nothing routable can say why; not part of :meth:`signature`.
     details: dict[str, str] = field(default_factory=dict)
+    #: (the controller's id, its changes so far): a client ignores a snapshot older than the one it
+    #: applied (a slow refresh answered after a newer watch would undo it); not in :meth:`signature`.
+    seq: tuple[str, int] = ("", 0)
 
     def signature(self) -> tuple:
         """What routing depends on, comparable across processes (no salted hashes)."""

@@ -105,6 +105,9 @@ class FleetView:
             await self.refresh()
 
     def apply(self, snapshot: FleetSnapshot) -> None:
+        last = self._last
+        if last is not None and snapshot.seq[0] == last.seq[0] and snapshot.seq[1] < last.seq[1]:
+            return  # taken before the view's: applied, it would roll back versions and floors
         bal = self.balancer
         if snapshot.handles is not None:
             known = bal.get_all_servers()

@@ -28,6 +28,7 @@ from rollfleet.manager.prometheus import ScrapeConfigWriter
 from rollfleet.manager.supervision import STOP_TIMEOUT_DEAD_S, HealthSupervisor
 from rollfleet.records import FleetEvent, FleetStatus, ReplicaInfo, ReplicaStatus
 from rollfleet.server.direct import DirectHandle
+from rollfleet.utils.ids import unique_hex
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ class FleetController(HealthSupervisor, ControlFanOut):
         self._events: list[FleetEvent] = []
         self._update_lock = asyncio.Lock()  # one weight update at a time; a joining replica's last load
         self._changed: Optional[asyncio.Event] = None  # set (and replaced) on every change
+        self._changes = (unique_hex(), 0)  # (this controller, changes so far): orders its snapshots
 
     # ------------------------------------------------------------------ membership
     async def launch(self, num_replicas: int, initial_version: int = 0) -> list[ReplicaInfo]:
@@ -233,6 +235,7 @@ class FleetController(HealthSupervisor, ControlFanOut):
             loads={rid: r.load.for_client(client_id) for rid, r in records.items() if r.load is not None},
             rolling_version=self._rolling_version,
             details={rid: r.detail for rid, r in records.items() if r.detail},
+            seq=self._changes,
         )
         if known_epoch != self._membership_epoch:
             snap.handles = {rid: _route_handle(r, self.config.data_plane_pickle) for rid, r in records.items()}
@@ -288,6 +291,7 @@ class FleetController(HealthSupervisor, ControlFanOut):
         """Wake every watcher (they compare signatures and go back to waiting if nothing that
         matters changed)."""
         event, self._changed = self._changed, None
+        self._changes = (self._changes[0], self._changes[1] + 1)
         if event is not None:
             event.set()
 
@@ -367,19 +371,12 @@ def _route_handle(record: ReplicaRecord, allow_pickle: bool = False) -> Any:
     return record.handle
 
 
+_INFO_FIELDS = ("replica_id", "state", "address", "server_socket", "weight_version", "restarts", "node_id", "node_ip",
+                "devices", "handle")  # fmt: skip
+
+
 def _info(r: ReplicaRecord) -> ReplicaInfo:
-    return ReplicaInfo(
-        replica_id=r.replica_id,
-        state=r.state,
-        address=r.address,
-        server_socket=r.server_socket,
-        weight_version=r.weight_version,
-        restarts=r.restarts,
-        node_id=r.node_id,
-        node_ip=r.node_ip,
-        devices=r.devices,
-        handle=r.handle,
-    )
+    return ReplicaInfo(**{name: getattr(r, name) for name in _INFO_FIELDS})
 
 
 def _kill(handle: Any) -> None:

@@ -1,7 +1,8 @@
 """Which replicas a weight update fences, and which it leaves to whoever owns them: a caller's
 mistake fences none, a replica the prober or a removal already took is not failed a second time,
-a checksum vote without a strict majority trusts no digest, and an update whose caller gives up
-still ends, published. In-process sim replicas, no Ray (the helpers of ``test_control_faults``)."""
+a checksum vote without a strict majority trusts no digest, an update whose caller gives up
+still ends, published, and a client's view of it never goes back to an older snapshot. In-process
+sim replicas, no Ray (the helpers of ``test_control_faults``)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 from rollfleet.config import WeightSyncConfig
 from rollfleet.errors import FleetOperationFailed
 from rollfleet.health import HealthState
+from rollfleet.types import TokenOutput
 from tests.manager.test_control_faults import Faults, config, fleet, serving_on, wait_until
 
 pytestmark = pytest.mark.unit
@@ -179,3 +181,37 @@ async def test_an_update_whose_caller_gives_up_mid_commit_still_publishes_what_i
 
 async def _published(controller: Any, version: int) -> bool:
     return controller.current_version == version
+
+
+async def test_a_clients_view_never_goes_back_to_a_snapshot_older_than_it_has():
+    """A refresh answered late (taken before an update) arrives after the watch's newer snapshot.
+    Applied, it looked like a rollback: the view went back to version 0 and every session's
+    version floor was cleared, so a session's next turn could land on old weights."""
+    from rollfleet.client.fleet_view import FleetView
+    from rollfleet.routing import GlobalRequestLoadBalancer
+
+    controller, _ = fleet(config(), Faults())
+    await controller.launch(2)
+    before = await controller.snapshot()
+    await controller.update_weights({"step": 1}, 1)
+    after = await controller.snapshot()
+    assert after.seq[1] > before.seq[1]
+    lb = GlobalRequestLoadBalancer({})
+    view = FleetView(lb)
+    view.apply(after)
+    sid, _ = lb.acquire_server("traj")
+    lb.observe_output(sid, "traj", TokenOutput(token_ids=[1], extra_fields={"global_steps": 1}))
+    lb.release_server(sid)
+    view.apply(before)  # the late answer
+    assert view.current_version == 1 and lb._floors.get("traj") == 1
+    assert set(lb.get_all_servers()) == {"replica-0", "replica-1"}
+    # a newer snapshot, and one from a restarted controller (its own count), are applied
+    await controller.update_weights({"step": 2}, 2)
+    view.apply(await controller.snapshot())
+    assert view.current_version == 2
+    other, _ = fleet(config(), Faults())
+    await other.launch(2)
+    view.apply(await other.snapshot())
+    assert view.current_version == 0
+    await controller.shutdown()
+    await other.shutdown()
