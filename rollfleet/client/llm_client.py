@@ -22,6 +22,7 @@ from typing import Any, AsyncIterator, Optional, Union
 
 from rollfleet.client.dispatch import DISPATCH_ORDERS, DispatchGate
 from rollfleet.client.fleet_view import FleetView
+from rollfleet.client.refs import awaited, cancel
 from rollfleet.client.retry import RetryPolicy, is_replica_failure, is_retryable, unwrap
 from rollfleet.client.streaming import stream_generate
 from rollfleet.config import RollfleetConfig, RolloutConfig
@@ -243,9 +244,9 @@ class LLMServerClient:
                 if timeout is None:
                     response = await ref
                 else:
-                    response = await asyncio.wait_for(_await(ref), timeout)
+                    response = await asyncio.wait_for(awaited(ref), timeout)
             except asyncio.CancelledError:
-                _cancel(ref)  # free the replica's slot too, not only ours
+                cancel(ref)  # free the replica's slot too, not only ours
                 raise
             except Exception as raw:
                 exc = unwrap(raw)
@@ -253,7 +254,7 @@ class LLMServerClient:
                     self.fleet.quarantine(server_id, repr(exc))
                     self.balancer.unstick(request_id)  # re-route the session
                     if isinstance(exc, asyncio.TimeoutError):
-                        _cancel(ref)
+                        cancel(ref)
                 raise
             self.balancer.report_load(response.load)
             self.balancer.observe_output(server_id, request_id, response.output)
@@ -286,7 +287,7 @@ class LLMServerClient:
         """Acquire through the shared balancer actor. A caller cancelled while the call is in
         flight does not undo it (the actor counts the request all the same), so the replica it
         picked is released as soon as the answer comes."""
-        call = asyncio.ensure_future(_await(self._remote_balancer.acquire_server.remote(request_id)))
+        call = asyncio.ensure_future(awaited(self._remote_balancer.acquire_server.remote(request_id)))
         try:
             return await asyncio.shield(call)
         except asyncio.CancelledError:
@@ -340,22 +341,6 @@ def _rebuild_client(
 ) -> LLMServerClient:
     """Unpickle a client (see :meth:`LLMServerClient.__reduce__`): a fresh one, same settings."""
     return cls(config, controller=controller, **init_kwargs)
-
-
-async def _await(ref: Any) -> Any:
-    return await ref
-
-
-def _cancel(ref: Any) -> None:
-    if isinstance(ref, asyncio.Future):  # an in-process handle (tests, local fleets)
-        ref.cancel()
-        return
-    try:
-        import ray
-
-        ray.cancel(ref)
-    except Exception:  # already finished, or not a Ray ref
-        pass
 
 
 __all__ = ["LLMServerClient", "rollout_config_of"]

@@ -27,12 +27,14 @@ None for the whole, not filled in.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Optional, Union, cast
 
 from rollfleet.client.budget import resumed_params, token_budget
+from rollfleet.client.refs import cancel
 from rollfleet.client.retry import is_replica_failure, is_retryable, unwrap
 from rollfleet.errors import NoServerAvailable, RetriesExhausted
 from rollfleet.types import ReplicaResponse, SamplingParams, TokenDelta, TokenOutput
@@ -206,7 +208,12 @@ async def _attempt(
         stream_call = getattr(handle, "stream_generate", None)
         try:
             if stream_call is None:
-                response = await handle.generate_with_load.remote(request_id, prompt, params, **kwargs)
+                ref = handle.generate_with_load.remote(request_id, prompt, params, **kwargs)
+                try:
+                    response = await ref
+                except asyncio.CancelledError:
+                    cancel(ref)  # the caller left: the replica's request must not run on for nobody
+                    raise
                 client.balancer.report_load(response.load)
                 client.balancer.observe_output(server_id, request_id, response.output)
                 ended = response.output.stop_reason != "aborted"

@@ -208,6 +208,59 @@ async def test_cancelled_request_releases_its_slot():
     assert server.cancelled == 1  # the replica's side was cancelled too
 
 
+class RefLike:
+    """What a Ray actor call returns: awaiting it and being cancelled leaves the call running
+    (only ``ray.cancel`` stops it; here ``refs.cancel``, patched)."""
+
+    def __init__(self, call: "asyncio.Task") -> None:
+        self.call = call
+
+    def __await__(self):
+        return asyncio.shield(self.call).__await__()
+
+
+class RayActorLike:
+    """A replica behind a Ray actor without a data plane: no stream call; calls return refs."""
+
+    stream_generate = None
+
+    def __init__(self, server) -> None:
+        self.server = server
+
+    @property
+    def generate_with_load(self):
+        server = self.server
+
+        class _Method:
+            @staticmethod
+            def remote(*args, **kwargs):
+                return RefLike(asyncio.ensure_future(server.generate_with_load(*args, **kwargs)))
+
+        return _Method()
+
+
+async def test_a_cancelled_stream_cancels_the_replicas_call_on_a_handle_without_a_data_plane(monkeypatch):
+    """The whole-output call of a Ray actor went on to its end for nobody, its batch slot held."""
+    from rollfleet.client import streaming
+
+    monkeypatch.setattr(streaming, "cancel", lambda ref: ref.call.cancel(), raising=False)  # as ray.cancel
+    server = SlowServer()
+    c = client(server, cls=LLMServerClient, handle=RayActorLike)
+
+    async def stream() -> None:
+        async for _ in c.generate_stream("r", prompt_ids=[1], sampling_params={"max_tokens": 5}):
+            pass
+
+    task = asyncio.ensure_future(stream())
+    await server.started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(0)
+    assert server.cancelled == 1
+    assert c.balancer.get_total_inflight() == 0
+
+
 class SyncingController:
     """A controller whose only replica is still syncing for a while; counts snapshot calls."""
 

@@ -1,0 +1,29 @@
+"""Awaiting and cancelling one call on a replica handle: a Ray ``ObjectRef``, or the future of an
+in-process handle (:class:`~rollfleet.server.local.LocalHandle`)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+
+async def awaited(ref: Any) -> Any:
+    """A coroutine of the call (``asyncio.wait_for`` and ``ensure_future`` take one, not a ref)."""
+    return await ref
+
+
+def cancel(ref: Any) -> None:
+    """Stop the replica's side of a call its caller gave up on: its request would otherwise run to
+    its end and hold a batch slot for nobody."""
+    if isinstance(ref, asyncio.Future):  # an in-process handle (tests, local fleets)
+        ref.cancel()
+        return
+    try:
+        import ray
+
+        ray.cancel(ref)
+    except Exception:  # already finished, or not a Ray ref
+        pass
+
+
+__all__ = ["awaited", "cancel"]
