@@ -1,9 +1,9 @@
-"""A generation's token budget, as the resuming paths (fully-async, streamed) read it, and what a
-resumed attempt asks for after some of it is spent."""
+"""A generation's token budget, as the resuming paths (fully-async, streamed) read it, what a
+resumed attempt asks for after some of it is spent, and whether an aborted attempt made progress."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from rollfleet.errors import InvalidRequest
 from rollfleet.types import BUDGET_KEYS, SamplingParams
@@ -42,4 +42,31 @@ def resumed_params(params: SamplingParams, key: str, budget: int, done: int) -> 
     return attempt
 
 
-__all__ = ["MIN_KEYS", "resumed_params", "token_budget"]
+class StallCount:
+    """The resume rule both resuming paths (fully-async, streamed) apply after an aborted attempt.
+    It made progress if it brought tokens, or the weights are new since the attempt before, or the
+    fleet has moved past the weights it ran on (the abort was a weight update's). Only aborts
+    without progress, ``max_attempts`` in a row, end a generation (``exhausted``): it runs to its
+    budget however often the trainer syncs."""
+
+    def __init__(self, max_attempts: int) -> None:
+        self.max_attempts = max_attempts
+        self.stalled = 0
+        self.exhausted = False
+        self._version: Any = None
+
+    def after_abort(self, new_tokens: bool, resumed: bool, version: Any, fleet_version: Optional[int]) -> int:
+        """Count one aborted attempt (``resumed``: not the first); the backoffs to wait before the
+        next (0: at once)."""
+        progressed = (
+            new_tokens
+            or (resumed and version != self._version)
+            or (version is not None and fleet_version is not None and fleet_version > version)
+        )
+        self._version = version
+        self.stalled = 0 if progressed else self.stalled + 1
+        self.exhausted = self.stalled >= self.max_attempts
+        return self.stalled
+
+
+__all__ = ["MIN_KEYS", "StallCount", "resumed_params", "token_budget"]

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from rollfleet.client.budget import resumed_params, token_budget
+from rollfleet.client.budget import StallCount, resumed_params, token_budget
 from rollfleet.client.llm_client import LLMServerClient
 from rollfleet.types import SamplingParams, StopReason, TokenOutput
 
@@ -62,9 +62,7 @@ class FullyAsyncLLMServerClient(LLMServerClient):
         stop_reason: StopReason = "aborted"
         last_extra: dict[str, Any] = {}
         attempt = 0
-        stalled = 0  # aborted attempts in a row with no new token and no weight change
-        exhausted = False
-        version_before: Any = None
+        stalls = StallCount(self.retry.max_attempts)
 
         while True:
             attempt += 1
@@ -96,19 +94,9 @@ class FullyAsyncLLMServerClient(LLMServerClient):
                 break
             if stop_reason != "aborted" or not self.partial_rollout:
                 break
-            # Progress: new tokens, or new weights since this attempt started (the abort was a
-            # weight update's: the previous attempt ran on other weights, or the fleet moved on).
             version = out.extra_fields.get("global_steps")
-            fleet_version = self.fleet.current_version
-            progressed = (
-                bool(new)
-                or (attempt > 1 and version != version_before)
-                or (version is not None and fleet_version is not None and fleet_version > version)
-            )
-            version_before = version
-            stalled = 0 if progressed else stalled + 1
-            if stalled >= self.retry.max_attempts:
-                exhausted = True
+            stalled = stalls.after_abort(bool(new), attempt > 1, version, self.fleet.current_version)
+            if stalls.exhausted:
                 break
             if stalled:
                 await self.retry.wait(stalled)
@@ -120,7 +108,7 @@ class FullyAsyncLLMServerClient(LLMServerClient):
         extra["max_global_steps"] = last_version if last_version is not None else final_version
         extra["num_resumes"] = attempt - 1
         extra["attempts"] = attempts
-        if exhausted:
+        if stalls.exhausted:
             extra["resume_exhausted"] = True
         # model_construct: every part was validated when its attempt's TokenOutput was built.
         return TokenOutput.model_construct(

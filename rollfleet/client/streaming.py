@@ -33,7 +33,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Optional, Union, cast
 
-from rollfleet.client.budget import resumed_params, token_budget
+from rollfleet.client.budget import StallCount, resumed_params, token_budget
 from rollfleet.client.refs import cancel
 from rollfleet.client.retry import is_replica_failure, is_retryable, unwrap
 from rollfleet.errors import NoServerAvailable, RetriesExhausted
@@ -112,9 +112,7 @@ async def stream_generate(
     resumes = bool(getattr(client, "partial_rollout", False))
     sofar = _Sofar()
     failures = 0  # failed tries in a row that brought no token: generate()'s retries of one attempt
-    stalled = 0  # aborted attempts in a row with no new token and no new weights (as generate())
-    version_before: Any = None
-    exhausted = False
+    stalls = StallCount(client.retry.max_attempts)  # generate()'s rule for aborts
     no_server_since: Optional[float] = None
     stop_reason = "aborted"
     last: Optional[TokenOutput] = None
@@ -176,20 +174,13 @@ async def stream_generate(
             break
         assert last is not None  # settled
         version = last.extra_fields.get("global_steps")
-        fleet_version = client.fleet.current_version
-        progressed = (  # the rule of FullyAsyncLLMServerClient.generate
-            len(sofar.token_ids) > before
-            or (len(sofar.attempts) > 1 and version != version_before)
-            or (version is not None and fleet_version is not None and fleet_version > version)
-        )
-        version_before = version
-        stalled = 0 if progressed else stalled + 1
-        if stalled >= client.retry.max_attempts:
-            exhausted = True
+        new = len(sofar.token_ids) > before
+        stalled = stalls.after_abort(new, len(sofar.attempts) > 1, version, client.fleet.current_version)
+        if stalls.exhausted:
             break
         if stalled:
             await client.retry.wait(stalled)
-    yield _whole(sofar, last, stop_reason, budget, exhausted)
+    yield _whole(sofar, last, stop_reason, budget, stalls.exhausted)
 
 
 async def _attempt(
