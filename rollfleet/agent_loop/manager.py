@@ -55,14 +55,20 @@ def as_samples(batch: Batch) -> list[dict[str, Any]]:
 
 
 def expand_groups(samples: Sequence[Mapping[str, Any]], n: int, deterministic: bool = False) -> list[dict[str, Any]]:
-    """Repeat each prompt ``n`` times; the copies share a ``uid`` (the sample's, else a new one)."""
+    """Repeat each prompt ``n`` times; the copies share a ``uid`` (the sample's, else a new one).
+
+    ``deterministic``: the uid and request ids are named after the sample's ``task_index`` (its
+    place in the batch when it has none), the same in every run. Not after the place alone: the
+    async trainers expand one prompt at a time, and every group would be ``group-0``, one GRPO
+    group across prompts, its requests sharing ids with the groups in flight beside it."""
     out = []
     for i, sample in enumerate(samples):
-        uid = str(sample.get("uid") or (f"group-{i}" if deterministic else uuid.uuid4().hex))
+        key = sample.get("task_index", i)
+        uid = str(sample.get("uid") or (f"group-{key}" if deterministic else uuid.uuid4().hex))
         for j in range(n):
             copy = dict(sample, uid=uid, sample_index=j)
             if deterministic and not copy.get("request_id"):
-                copy["request_id"] = f"det-{i}-{j}"  # stable session keys route the same way every run
+                copy["request_id"] = f"det-{key}-{j}"  # stable session keys route the same way every run
             out.append(copy)
     return out
 

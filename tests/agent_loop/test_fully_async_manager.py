@@ -84,3 +84,42 @@ async def test_leaving_the_stream_cancels_the_rest():
             break
     assert sum(w.target.cancelled for w in m.workers) == 3
     assert m.inflight == [0, 0, 0]
+
+
+async def test_with_full_determinism_each_prompt_the_rollouter_expands_is_its_own_group():
+    """The async trainers expand one prompt at a time: named after its place in that one-prompt
+    list, every group was ``group-0`` (GRPO normalised rewards across prompts, one group of 6 for
+    3 prompts) and the groups in flight shared request ids ``det-0-0``, ``det-0-1``."""
+    from rollfleet.trainer.rollouter import Rollouter
+    from rollfleet.trainer.staleness import GroupBuffer
+    from rollfleet.trainer.tasks import make_task
+
+    config = RollfleetConfig.model_validate(
+        {"rollout": {"n": 2, "prompt_length": 4, "response_length": 4, "full_determinism": True}}
+    )
+    workers = [WorkerRef(FakeWorker(), remote=False)]
+    mgr = FullyAsyncAgentLoopManager(config, workers, pad_token_id=0)
+    tasks = make_task("synthetic", 0, prompt_tokens=4)
+    seen = []
+    original = mgr.expand
+
+    def expand(batch, n=None):
+        samples = original([dict(s, delay=0.01) for s in batch], n)
+        seen.append(samples)
+        return samples
+
+    mgr.expand = expand
+    buffer = GroupBuffer(capacity=8, max_off_policy_steps=1, strategy="mask", groups_per_version=3, version=lambda: 0)
+    rollouter = Rollouter(mgr, tasks, buffer, n=2, max_inflight_groups=3, partial_rollout=True, version=lambda: 0)
+    rollouter.start()
+    try:
+        groups, _ = await asyncio.wait_for(buffer.take(3), 10)
+    finally:
+        await rollouter.stop()
+    assert len({g.uid for g in groups}) == 3
+    assert {g.uid for g in groups} == {f"group-{g.task_index}" for g in groups}
+    request_ids = [s["request_id"] for samples in seen for s in samples]
+    assert len(set(request_ids)) == len(request_ids)
+    # the same names in every run: a second expansion of a task gives the same ones
+    again = original([tasks.sample_at(groups[0].task_index)], 2)
+    assert [s["request_id"] for s in again] == [f"det-{groups[0].task_index}-{j}" for j in range(2)]
