@@ -181,6 +181,8 @@ class HttpAgentLoop(AgentLoopBase):
             max_global_steps=max(sampled, default=None),
             branches=len(record["branches"]),
             truncated=len(ids) > end or start > self.prompt_length,
+            # the gateway resumes aborted turns itself: one it answered "abort" gave up resuming
+            resume_exhausted=any(turn["finish_reason"] == "abort" for turn in branch["turns"]),
         )
         return output
 

@@ -169,6 +169,8 @@ class ToolAgentLoop(AgentLoopBase):
             "replica_ids": [o.extra_fields.get("replica_id") for o in outputs],
             "assistant_turns": assistant_turns,
             "user_turns": user_turns,
+            # a turn whose client gave up resuming it: the trainer masks the partial trajectory out
+            "resume_exhausted": any(bool(o.extra_fields.get("resume_exhausted")) for o in outputs),
         }
         return AgentLoopOutput(
             prompt_ids=prompt_ids,

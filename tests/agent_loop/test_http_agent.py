@@ -105,3 +105,23 @@ async def test_rewards_from_the_agent_and_its_failures(tokenizer, tmp_path):
     with pytest.raises(ValueError, match="exactly one of"):
         config = sim_config(tokenizer, agent={"default_agent_loop": "http_agent"})
         AgentLoopWorker(config, client=fleet.client, tokenizer=tokenizer).loop_for("http_agent")
+
+
+async def test_a_turn_the_gateway_gave_up_resuming_marks_the_trajectory_for_the_trainer_to_mask(tokenizer):
+    """The gateway resumes aborted turns itself; a turn it answered with finish_reason "abort"
+    (two tokens, then aborts that brought nothing, max_attempts in a row) is a partial: the
+    trainer masks such trajectories out by ``resume_exhausted``, which the http agent did not set."""
+    from tests.client.test_fully_async_client import FakeServer, client
+
+    config = sim_config(
+        tokenizer,
+        rollout={"prompt_length": 1024, "response_length": 512},
+        agent={"num_workers": 1, "default_agent_loop": "http_agent", "http_agent": {"agent": f"{EXAMPLE}:solve"}},
+    )
+    storm = client(FakeServer([2] + [0] * 100, new_weights=False), max_attempts=3)
+    worker = AgentLoopWorker(config, client=storm, tokenizer=tokenizer)
+    out = await worker.run_sample(dict(SAMPLE))
+    assert out.extra_fields["resume_exhausted"] is True
+    assert sum(out.response_mask) == 2
+    await worker.close()
+    await storm.close()

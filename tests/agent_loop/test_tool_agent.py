@@ -218,3 +218,21 @@ async def test_local_manager_batch_groups_and_ragged_prompts(tokenizer):
     assert "agent_loop/generate_sequences/mean" in result.metrics
     await manager.shutdown()
     await fleet.shutdown()
+
+
+@pytest.mark.parametrize("agent", ["single_turn_agent", "tool_agent"])
+async def test_a_turn_that_gave_up_resuming_marks_the_trajectory_for_the_trainer_to_mask(tokenizer, agent):
+    """Two tokens, then aborts that bring nothing, max_attempts in a row: the client returns the
+    partial turn flagged resume_exhausted. The tool agent dropped the flag, and the trainer
+    trained the partial trajectory as if it were whole."""
+    from rollfleet.agent_loop.batch import collate
+    from tests.client.test_fully_async_client import FakeServer, client
+
+    config = sim_config(tokenizer)
+    storm = client(FakeServer([2] + [0] * 100, new_weights=False), max_attempts=3)
+    worker = AgentLoopWorker(config, client=storm, tokenizer=tokenizer)
+    out = await worker.run_sample({"prompt_ids": [1, 2, 3], "agent_name": agent, "reward": {"score": 1.0}})
+    assert len(out.response_ids) == 2 and out.extra_fields["resume_exhausted"] is True
+    batch = collate([out], ["u"], prompt_length=8, response_length=16, pad_token_id=0)
+    assert batch.resume_exhausted.tolist() == [True]
+    await storm.close()
