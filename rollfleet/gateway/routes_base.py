@@ -33,7 +33,7 @@ from rollfleet.gateway.jsonio import dumps
 from rollfleet.gateway.limits import GatewayLimits
 from rollfleet.gateway.live import live_events
 from rollfleet.gateway.protocol import _GenerationRequest
-from rollfleet.gateway.sampling import token_budget
+from rollfleet.gateway.sampling import choice_params, token_budget
 from rollfleet.gateway.sessions import SESSION_KEY_HEADER, SessionKeys
 from rollfleet.gateway.toolcalls import ToolCallFormatter, ToolCallStream
 from rollfleet.gateway.trajectories import TrajectoryStore
@@ -174,7 +174,10 @@ class RoutesBase:
         on_done: Optional[Callable[[list[TokenOutput], list[Optional[responses.Reply]]], Any]] = None,
     ) -> Response:
         """``req.n`` streamed choices, sent as the fleet samples them (:mod:`rollfleet.gateway.live`)."""
-        streams = [self.service.generate_stream(route, prompt, params, session_id=session) for _ in range(req.n)]
+        streams = [
+            self.service.generate_stream(route, prompt, choice_params(params, i), session_id=session)
+            for i in range(req.n)
+        ]
         firsts = await asyncio.gather(*(s.__anext__() for s in streams), return_exceptions=True)
         failed = next((f for f in firsts if isinstance(f, BaseException)), None)
         if failed is not None:  # before the status line: the caller gets the proper status

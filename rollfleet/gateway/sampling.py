@@ -68,6 +68,14 @@ def token_budget(
     return requested
 
 
+def choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The parameters of choice ``index`` of ``n``: with a ``seed``, its own, ``seed + index``, as
+    vLLM seeds the children of an ``n`` request. The same seed for all would make every choice
+    the same sample (a GRPO group of one answer, every advantage zero)."""
+    seed = params.get("seed")
+    return params if seed is None or index == 0 else {**params, "seed": seed + index}
+
+
 def sampling_params(req: _GenerationRequest, max_tokens: int, codec: Optional[TextCodec]) -> SamplingParams:
     """The fleet's sampling parameters for one request (validated again by the replica)."""
     params: SamplingParams = {"max_tokens": max_tokens}

@@ -21,6 +21,7 @@ from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Optional, Sequ
 
 from rollfleet.client import LLMServerClient
 from rollfleet.gateway.metrics import GatewayMetrics
+from rollfleet.gateway.sampling import choice_params
 from rollfleet.types import SamplingParams, TokenDelta, TokenOutput
 from rollfleet.utils.aio import gather_or_cancel
 
@@ -56,9 +57,9 @@ class GenerationService:
                 ]
             else:
                 jobs = [
-                    client.generate(request_id, prompt_ids=prompt, sampling_params=params)
+                    client.generate(request_id, prompt_ids=prompt, sampling_params=choice_params(params, i))
                     for prompt in prompts
-                    for _ in range(n)
+                    for i in range(n)
                 ]
                 outputs = await self._bounded(gather_or_cancel(jobs))
         finally:

@@ -124,3 +124,34 @@ async def test_a_refused_stream_keeps_its_status_and_a_caller_that_hangs_up_stop
             assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text  # closed cleanly
             ok = await http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4})
             assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_n_seeded_choices_are_n_samples_each_seeded_as_vllm_seeds_them(stream):
+    """``n`` = 3 with a ``seed``: choice i is the sample of ``seed + i`` (vLLM's children), not
+    three copies of one sample (every choice came back the same: a GRPO group of one answer)."""
+    async with gateway() as (server, gw, _):
+        short = {
+            "model": MODEL,
+            "prompt": "count 1 2 3",
+            "max_tokens": 12,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+            if stream:
+                events, _, _ = await sse(http, "/v1/completions", {**short, "n": 3, "seed": 7, "stream": True})
+                got = [
+                    [t for e in events if e["choices"] and e["choices"][0]["index"] == i
+                     for t in e["choices"][0].get("token_ids") or []]
+                    for i in range(3)
+                ]  # fmt: skip
+            else:
+                resp = await http.post("/v1/completions", json={**short, "n": 3, "seed": 7})
+                got = [c["token_ids"] for c in resp.json()["choices"]]
+            alone = []
+            for seed in (7, 8, 9):
+                resp = await http.post("/v1/completions", json={**short, "seed": seed})
+                alone.append(resp.json()["choices"][0]["token_ids"])
+        assert got == alone
+        assert len({tuple(ids) for ids in got}) == 3
