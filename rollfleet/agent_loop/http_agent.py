@@ -167,12 +167,13 @@ class HttpAgentLoop(AgentLoopBase):
         ids, mask = branch["token_ids"], branch["mask"]
         end = start + self.response_length
         versions = [-1 if v is None else int(v) for v in branch["weight_versions"][start:end]]
+        logprobs = branch["logprobs"][start:end]  # None where the engine gave none: then none at all
         sampled = [v for v, m in zip(versions, mask[start:end]) if m and v >= 0]
         output = AgentLoopOutput(
             prompt_ids=ids[:start][-self.prompt_length :],
             response_ids=ids[start:end],
             response_mask=mask[start:end],
-            response_logprobs=branch["logprobs"][start:end],
+            response_logprobs=None if None in logprobs else logprobs,
             num_turns=len(branch["turns"]),
             response_versions=versions,
         )

@@ -135,7 +135,7 @@ def _turn(prompt: list[int], outputs: Sequence[TokenOutput], replies: Sequence[r
     choices = [
         Sampled(
             token_ids=list(o.token_ids),
-            logprobs=list(o.log_probs or [0.0] * len(o.token_ids)),
+            logprobs=list(o.log_probs) if o.log_probs is not None else [None] * len(o.token_ids),
             versions=list(o.token_versions or [None] * len(o.token_ids)),
             finish_reason=responses.chat_finish_reason(o, calls),
             message=message,

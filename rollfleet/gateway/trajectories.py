@@ -36,7 +36,7 @@ class Sampled:
     """One choice of one turn: what the model wrote, and what the caller was shown for it."""
 
     token_ids: list[int]
-    logprobs: list[float]
+    logprobs: list[Optional[float]]  # None: the engine gave none (never made up: a trainer would use it)
     versions: list[Optional[int]]
     finish_reason: str
     message: dict[str, Any]
@@ -59,11 +59,12 @@ class Branch:
 
     def view(self) -> dict[str, Any]:
         """The branch as a trainer reads it: the full token sequence with its mask, logprobs and
-        weight versions (zeros and ``None`` where the model did not sample), and each turn's shape."""
+        weight versions (zeros and ``None`` where the model did not sample; a sampled token's
+        logprob is ``None`` where the engine gave none), and each turn's shape."""
         last = self.turns[-1]
         ids = last.prompt_ids + last.choices[last.chosen].token_ids
         mask = [0] * len(ids)
-        logprobs = [0.0] * len(ids)
+        logprobs: list[Optional[float]] = [0.0] * len(ids)
         versions: list[Optional[int]] = [None] * len(ids)
         turns = []
         for turn in self.turns:

@@ -328,3 +328,30 @@ async def test_a_turn_that_ends_after_its_session_was_deleted_does_not_bring_it_
     with pytest.raises(Exception, match="ended"):
         store.trajectory("s")
     assert store.record("s", [], None, Turn([1], [sampled]), new_branch=None)  # a new first turn: a new session
+
+
+async def test_a_turn_served_without_logprobs_records_none_and_the_http_agent_passes_none_on():
+    """The fleet may answer without logprobs (an attempt whose engine gave none: the client then
+    reports none for the whole output). The trajectory recorded 0.0 for each sampled token, a
+    probability of 1 that a trainer would use in its importance ratios."""
+    from rollfleet.agent_loop.http_agent import HttpAgentLoop
+
+    async with stack() as s:
+        generate = s.gateway.service.client.generate
+
+        async def without_logprobs(*args: Any, **kwargs: Any) -> Any:
+            out = await generate(*args, **kwargs)
+            return out.model_copy(update={"log_probs": None})
+
+        s.gateway.service.client.generate = without_logprobs
+        reply = await s.client("s1").chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8
+        )
+        assert reply.choices[0].message.content is not None
+        branch = (await s.trajectory("s1"))["branches"][0]
+        sampled = [lp for lp, m in zip(branch["logprobs"], branch["mask"]) if m]
+        assert sampled and all(lp is None for lp in sampled)
+        assert all(lp == 0.0 for lp, m in zip(branch["logprobs"], branch["mask"]) if not m)
+        loop = HttpAgentLoop.__new__(HttpAgentLoop)
+        loop.prompt_length, loop.response_length = 256, 64
+        assert loop._output(s.gateway.trajectories.trajectory("s1")).response_logprobs is None
