@@ -30,11 +30,11 @@ class ChatRoutes(RoutesBase):
         messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
         # Every string the template may render counts (tool calls, extra fields, the tools' JSON
         # schemas), not only the contents: none of it may reach the tokenizer past the limits.
-        contents = list(_strings(messages))
+        contents = _strings(messages, "messages")
         self.limits.check_prompt_text(contents, "messages")
         self._check_fits(contents, "messages")
         if req.tools:
-            contents += _strings(req.tools)
+            contents += _strings(req.tools, "tools")
             self.limits.check_prompt_text(contents, "tools")
             self._check_fits(contents, "tools")
         session = self._session(request, req)
@@ -145,15 +145,26 @@ def _turn(prompt: list[int], outputs: Sequence[TokenOutput], replies: Sequence[r
     return Turn(list(prompt), choices, reused=plan.reused)
 
 
-def _strings(value: Any) -> list[str]:
-    """Every string in a JSON-like value (dict values, list items), for the prompt-size limits."""
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, dict):
-        return [s for v in value.values() for s in _strings(v)]
-    if isinstance(value, (list, tuple)):
-        return [s for v in value for s in _strings(v)]
-    return []
+#: How deep the JSON a chat template renders may nest (tool-call arguments, tools' schemas):
+#: deeper, the template's own recursion would fail the request with a 500.
+MAX_JSON_DEPTH = 64
+
+
+def _strings(value: Any, field: str) -> list[str]:
+    """Every string in a JSON-like value (dict values, list items), for the prompt-size limits;
+    a value nested deeper than :data:`MAX_JSON_DEPTH` is refused, naming ``field``."""
+    out: list[str] = []
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, str):
+            out.append(item)
+        elif isinstance(item, (dict, list, tuple)):
+            if depth >= MAX_JSON_DEPTH:
+                raise bad_request(field, f"is nested deeper than {MAX_JSON_DEPTH} levels")
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in reversed(list(children)))
+    return out
 
 
 def _message_dict(index: int, message: ChatMessage) -> dict[str, Any]:

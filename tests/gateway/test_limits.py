@@ -138,6 +138,30 @@ async def test_prompt_text_generations_and_session_ids_have_limits():
         await still_serves(http)
 
 
+async def test_json_nested_too_deep_for_the_template_is_a_400_naming_the_field():
+    """A 1.2 KB body: tool-call arguments nested 600 levels failed the request with a 500
+    (RecursionError, its traceback logged each time). The limit holds for the tools' schemas too."""
+    async with gateway() as (server, http, gw):
+        deep = "[" * 600 + "]" * 600
+        call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": deep}}
+        messages = [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+        ]
+        resp = await http.post("/v1/chat/completions", json={**CHAT, "messages": messages})
+        assert_error(resp, 400, "messages", "nested deeper than 64 levels")
+        schema: dict = {}
+        for _ in range(70):  # 70 schema levels: within what the body parser takes
+            schema = {"type": "array", "items": schema}
+        tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+        assert_error(await http.post("/v1/chat/completions", json={**CHAT, "tools": [tool]}), 400, "tools", "nested")
+        shallow = {**call, "function": {"name": "f", "arguments": '{"a": [[1, 2], {"b": 3}]}'}}
+        ok = [messages[0], {**messages[1], "tool_calls": [shallow]}, messages[2]]
+        assert (await http.post("/v1/chat/completions", json={**CHAT, "messages": ok})).status_code == 200
+        await still_serves(http)
+
+
 async def test_tokenizing_and_chat_templates_run_off_the_event_loop():
     async with gateway() as (server, http, gw):
         threads: list[str] = []
