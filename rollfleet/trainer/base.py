@@ -198,7 +198,11 @@ class Trainer(abc.ABC):
     async def _train_on(self, groups: list[Group]) -> dict[str, Any]:
         assert self.agent_manager is not None and self.tracker is not None and self.learner is not None
         outputs = [o for g in groups for o in g.outputs]
-        uids = [g.uid for g in groups for _ in g.outputs]
+        owners = [g.uid for g in groups for _ in g.outputs]
+        # A sample the loss never sees (no reward; a partial whose resumption gave up) must not move
+        # its group's baseline either: it is a group of its own (advantage 0), out of the rewards.
+        left_out = [o.reward_score is None or bool(o.extra_fields.get("resume_exhausted")) for o in outputs]
+        uids = [f"{uid}#left-out-{k}" if out else uid for k, (uid, out) in enumerate(zip(owners, left_out))]
         batch = self.agent_manager.collate(outputs, uids)
         unscored = ~batch.has_score
         if unscored.any():  # never train on a sample without a reward
@@ -207,8 +211,10 @@ class Trainer(abc.ABC):
         with self.tracker.span("trainer", "train", step=self.step):
             metrics = await self.learner.update(batch)
         metrics.update(masked)
-        metrics["reward/mean"] = float(batch.scores.mean())
-        metrics["reward/max"] = float(batch.scores.max())
+        kept = [float(o.reward_score) for o, out in zip(outputs, left_out) if not out and o.reward_score is not None]
+        metrics["rollout/left_out_of_baseline"] = float(sum(left_out))
+        metrics["reward/mean"] = statistics.fmean(kept) if kept else 0.0
+        metrics["reward/max"] = max(kept, default=0.0)
         metrics["response_length/mean"] = float(batch.response_lengths.float().mean())
         return metrics
 

@@ -155,3 +155,51 @@ async def test_the_version_moves_only_once_the_new_weights_are_committed():
     await t.sync_weights()
     assert seen == [(0, False)]  # still version 0, and no room, while the weights staged
     assert committed == [1] and t.version == 1 and t.buffer.may_start()
+
+
+class _AdvantageLearner:
+    """Computes the batch's GRPO advantages as the learner does, and keeps them."""
+
+    def __init__(self) -> None:
+        self.advantages: list[float] = []
+        self.masked_rows: list[float] = []
+
+    async def update(self, batch: Any) -> dict[str, float]:
+        from rollfleet.trainer.algos import compute_advantages
+
+        adv = compute_advantages("grpo", batch.scores, batch.uid, batch.response_mask)
+        self.advantages = [float(row.abs().max() * (1 if row.sum() >= 0 else -1)) for row in adv]
+        self.masked_rows = batch.response_mask.sum(1).tolist()
+        return {}
+
+
+@pytest.mark.parametrize("left_out", ["resume_exhausted", "unscored"])
+async def test_a_sample_left_out_of_the_loss_is_left_out_of_its_groups_baseline(left_out):
+    """Three right answers and one partial whose resumption gave up (or one without a reward):
+    masked out of the loss, it still counted as reward 0 in its group's mean, and the three
+    right answers were pushed up (+0.5 each) where their group had nothing to learn (0)."""
+    from rollfleet.agent_loop.base import AgentLoopOutput
+    from rollfleet.agent_loop.batch import collate
+    from rollfleet.trainer.staleness import Group
+
+    def output(score: Any, exhausted: bool = False) -> AgentLoopOutput:
+        extra = {"resume_exhausted": exhausted, "min_global_steps": 0, "max_global_steps": 0}
+        return AgentLoopOutput([1, 2, 3], [5, 6, 7], [1, 1, 1], reward_score=score, extra_fields=extra)
+
+    odd = output(0.0, exhausted=True) if left_out == "resume_exhausted" else output(None)
+    trainer = object.__new__(SeparateAsyncTrainer)
+    trainer.agent_manager = SimpleNamespace(
+        collate=lambda o, u: collate(o, u, prompt_length=4, response_length=4, pad_token_id=0)
+    )
+    trainer.tracker = SimpleNamespace(span=lambda *a, **k: contextlib.nullcontext())
+    trainer.learner = learner = _AdvantageLearner()
+    trainer.train = SimpleNamespace(max_off_policy_strategy="drop", max_off_policy_steps=1)
+    trainer.version, trainer.step = 0, 1
+    groups = [Group("g", [output(1.0), output(1.0), output(1.0), odd], 0, 0, 0)]
+    groups.append(Group("h", [output(1.0), output(0.0)], 0, 0, 0))  # a group of two, untouched
+    metrics = await trainer._train_on(groups)
+    assert learner.masked_rows == [3, 3, 3, 0, 3, 3]
+    assert learner.advantages[:4] == [0.0, 0.0, 0.0, 0.0]
+    assert learner.advantages[4] > 0 > learner.advantages[5]
+    assert metrics["rollout/left_out_of_baseline"] == 1.0
+    assert metrics["reward/mean"] == pytest.approx(4 / 5)
