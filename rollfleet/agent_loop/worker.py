@@ -22,6 +22,7 @@ Logic lives in the plain class; :data:`AgentLoopWorkerActor` is the thin Ray act
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any, Mapping, Optional, Sequence
 
@@ -37,6 +38,8 @@ from rollfleet.config import RollfleetConfig
 from rollfleet.reward import compute_reward
 from rollfleet.types import SamplingParams
 from rollfleet.utils.aio import gather_or_cancel
+
+logger = logging.getLogger(__name__)
 
 
 def load_tokenizer(model: str) -> Any:
@@ -178,8 +181,14 @@ class AgentLoopWorker:
             output.reward_score = float(spec["score"])
             return
         start = time.perf_counter()
-        result = compute_reward(model_text(output, self.tokenizer), spec, self.config.agent.default_reward)
-        output.metrics.compute_score = time.perf_counter() - start
+        try:
+            result = compute_reward(model_text(output, self.tokenizer), spec, self.config.agent.default_reward)
+        except Exception as exc:  # one sample's reward failing must not take its siblings or the step down
+            logger.warning("reward of %s failed: %r", output.extra_fields.get("request_id", "a sample"), exc)
+            output.extra_fields["reward_error"] = repr(exc)[:500]
+            return  # unscored: left out of the loss (a step where every reward failed stops the run)
+        finally:
+            output.metrics.compute_score = time.perf_counter() - start
         if result is not None:
             output.reward_score = result.score
             output.extra_fields["reward_extra_info"] = result.info

@@ -198,6 +198,9 @@ class Trainer(abc.ABC):
     async def _train_on(self, groups: list[Group]) -> dict[str, Any]:
         assert self.agent_manager is not None and self.tracker is not None and self.learner is not None
         outputs = [o for g in groups for o in g.outputs]
+        errors = [o.extra_fields["reward_error"] for o in outputs if o.extra_fields.get("reward_error")]
+        if outputs and len(errors) == len(outputs):  # a reward function that fails on everything is broken
+            raise RuntimeError(f"every sample's reward failed at step {self.step}, the first: {errors[0]}")
         owners = [g.uid for g in groups for _ in g.outputs]
         # A sample the loss never sees (no reward; a partial whose resumption gave up) must not move
         # its group's baseline either: it is a group of its own (advantage 0), out of the rewards.
@@ -213,6 +216,7 @@ class Trainer(abc.ABC):
         metrics.update(masked)
         kept = [float(o.reward_score) for o, out in zip(outputs, left_out) if not out and o.reward_score is not None]
         metrics["rollout/left_out_of_baseline"] = float(sum(left_out))
+        metrics["reward/errors"] = float(len(errors))
         metrics["reward/mean"] = statistics.fmean(kept) if kept else 0.0
         metrics["reward/max"] = max(kept, default=0.0)
         metrics["response_length/mean"] = float(batch.response_lengths.float().mean())

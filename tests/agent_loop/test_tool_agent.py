@@ -4,6 +4,7 @@ tool failures, aborts and resumes, the worker's scoring, and a local-worker mana
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 import torch
@@ -236,3 +237,26 @@ async def test_a_turn_that_gave_up_resuming_marks_the_trajectory_for_the_trainer
     batch = collate([out], ["u"], prompt_length=8, response_length=16, pad_token_id=0)
     assert batch.resume_exhausted.tolist() == [True]
     await storm.close()
+
+
+async def test_a_reward_function_that_fails_on_one_sample_leaves_it_unscored_and_the_rest_scored(tokenizer):
+    """It failed the whole chunk (8 generations) with it; in sync mode the step and the run."""
+    from rollfleet.reward import register_reward
+
+    @register_reward("flaky_judge_for_tests")
+    def flaky(solution: str, ground_truth: str, **kwargs: Any) -> float:
+        if ground_truth == "boom":
+            raise ZeroDivisionError("the judge's bug on one sample")
+        return 1.0
+
+    fleet, _, worker = await make(tokenizer, ["The answer is 7."], rollout={"response_length": 16})
+    samples = [
+        {"raw_prompt": QUESTION, "request_id": f"r{i}",
+         "reward": {"name": "flaky_judge_for_tests", "ground_truth": "boom" if i == 3 else "ok"}}
+        for i in range(8)
+    ]  # fmt: skip
+    outs = await worker.generate_sequences(samples)
+    assert [o.reward_score for o in outs] == [1.0, 1.0, 1.0, None, 1.0, 1.0, 1.0, 1.0]
+    assert "ZeroDivisionError" in outs[3].extra_fields["reward_error"]
+    assert all("reward_error" not in o.extra_fields for i, o in enumerate(outs) if i != 3)
+    await fleet.shutdown()

@@ -173,30 +173,54 @@ class _AdvantageLearner:
         return {}
 
 
-@pytest.mark.parametrize("left_out", ["resume_exhausted", "unscored"])
-async def test_a_sample_left_out_of_the_loss_is_left_out_of_its_groups_baseline(left_out):
-    """Three right answers and one partial whose resumption gave up (or one without a reward):
-    masked out of the loss, it still counted as reward 0 in its group's mean, and the three
-    right answers were pushed up (+0.5 each) where their group had nothing to learn (0)."""
-    from rollfleet.agent_loop.base import AgentLoopOutput
+def _trainer_over(learner: Any) -> Any:
     from rollfleet.agent_loop.batch import collate
-    from rollfleet.trainer.staleness import Group
 
-    def output(score: Any, exhausted: bool = False) -> AgentLoopOutput:
-        extra = {"resume_exhausted": exhausted, "min_global_steps": 0, "max_global_steps": 0}
-        return AgentLoopOutput([1, 2, 3], [5, 6, 7], [1, 1, 1], reward_score=score, extra_fields=extra)
-
-    odd = output(0.0, exhausted=True) if left_out == "resume_exhausted" else output(None)
     trainer = object.__new__(SeparateAsyncTrainer)
     trainer.agent_manager = SimpleNamespace(
         collate=lambda o, u: collate(o, u, prompt_length=4, response_length=4, pad_token_id=0)
     )
     trainer.tracker = SimpleNamespace(span=lambda *a, **k: contextlib.nullcontext())
-    trainer.learner = learner = _AdvantageLearner()
+    trainer.learner = learner
     trainer.train = SimpleNamespace(max_off_policy_strategy="drop", max_off_policy_steps=1)
     trainer.version, trainer.step = 0, 1
-    groups = [Group("g", [output(1.0), output(1.0), output(1.0), odd], 0, 0, 0)]
-    groups.append(Group("h", [output(1.0), output(0.0)], 0, 0, 0))  # a group of two, untouched
+    return trainer
+
+
+def _output(score: Any, exhausted: bool = False, reward_error: Any = None) -> Any:
+    from rollfleet.agent_loop.base import AgentLoopOutput
+
+    extra = {"resume_exhausted": exhausted, "min_global_steps": 0, "max_global_steps": 0}
+    if reward_error:
+        extra["reward_error"] = reward_error
+    return AgentLoopOutput([1, 2, 3], [5, 6, 7], [1, 1, 1], reward_score=score, extra_fields=extra)
+
+
+async def test_a_step_where_every_reward_failed_stops_the_run_and_one_failure_does_not():
+    """The worker leaves a sample whose reward function raised unscored; when every sample of a
+    step is so, the reward function is broken, and training on nothing would hide it."""
+    from rollfleet.trainer.staleness import Group
+
+    trainer = _trainer_over(_AdvantageLearner())
+    broken = [Group("g", [_output(None, reward_error="ZeroDivisionError('x')")] * 2, 0, 0, 0)]
+    with pytest.raises(RuntimeError, match="every sample's reward failed at step 1.*ZeroDivisionError"):
+        await trainer._train_on(broken)
+    one = [Group("g", [_output(1.0), _output(None, reward_error="ZeroDivisionError('x')")], 0, 0, 0)]
+    metrics = await trainer._train_on(one)
+    assert metrics["reward/errors"] == 1.0 and trainer.learner.masked_rows == [3, 0]
+
+
+@pytest.mark.parametrize("left_out", ["resume_exhausted", "unscored"])
+async def test_a_sample_left_out_of_the_loss_is_left_out_of_its_groups_baseline(left_out):
+    """Three right answers and one partial whose resumption gave up (or one without a reward):
+    masked out of the loss, it still counted as reward 0 in its group's mean, and the three
+    right answers were pushed up (+0.5 each) where their group had nothing to learn (0)."""
+    from rollfleet.trainer.staleness import Group
+
+    odd = _output(0.0, exhausted=True) if left_out == "resume_exhausted" else _output(None)
+    trainer = _trainer_over(learner := _AdvantageLearner())
+    groups = [Group("g", [_output(1.0), _output(1.0), _output(1.0), odd], 0, 0, 0)]
+    groups.append(Group("h", [_output(1.0), _output(0.0)], 0, 0, 0))  # a group of two, untouched
     metrics = await trainer._train_on(groups)
     assert learner.masked_rows == [3, 3, 3, 0, 3, 3]
     assert learner.advantages[:4] == [0.0, 0.0, 0.0, 0.0]
