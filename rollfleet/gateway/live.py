@@ -180,7 +180,7 @@ async def live_events(
         if on_done is not None:  # before [DONE]: a caller that hangs up on it, or sends its next
             on_done(done, [c.reply for c in choices])  # turn at once, still finds this one recorded
         if include_usage:
-            usage = responses.usage(len(prompt) * len(done), done)
+            usage = responses.usage(len(prompt), done)
             yield b"data: " + dumps({**base, "choices": [], "usage": usage}) + b"\n\n"
         yield responses.SSE_DONE
     finally:

@@ -51,6 +51,8 @@ def chat_finish_reason(out: TokenOutput, calls: bool) -> str:
 
 
 def usage(prompt_tokens: int, outputs: Sequence[TokenOutput]) -> dict[str, int]:
+    """OpenAI's usage: every prompt counted once however many choices it has (as OpenAI and vLLM
+    count), every choice's completion tokens."""
     completion = sum(len(o.token_ids) for o in outputs)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
 
@@ -140,7 +142,7 @@ def completion_body(
         "created": int(time.time()),
         "model": model,
         "choices": choices,
-        "usage": usage(sum(len(p) for p in prompts) * n, outputs),
+        "usage": usage(sum(len(p) for p in prompts), outputs),
     }
 
 
@@ -175,7 +177,7 @@ def chat_body(
         "created": int(time.time()),
         "model": model,
         "choices": choices,
-        "usage": usage(len(prompt_ids) * len(outputs), outputs),
+        "usage": usage(len(prompt_ids), outputs),
     }
     if return_token_ids:
         body["prompt_token_ids"] = prompt_ids
@@ -194,7 +196,7 @@ def tokens_body(model: str, outputs: Sequence[TokenOutput], prompt_len: int) -> 
         "created": int(time.time()),
         "model": model,
         "choices": choices,
-        "usage": usage(prompt_len * len(outputs), outputs),
+        "usage": usage(prompt_len, outputs),
     }
 
 
@@ -246,7 +248,7 @@ def completion_chunks(
             last.update(meta_fields(out))
         yield {**base, "choices": [last]}
     if include_usage:
-        yield {**base, "choices": [], "usage": usage(sum(len(p) for p in prompts) * n, outputs)}
+        yield {**base, "choices": [], "usage": usage(sum(len(p) for p in prompts), outputs)}
 
 
 def chat_chunks(
@@ -302,7 +304,7 @@ def chat_chunks(
             last.update(meta_fields(out))
         yield {**base, "choices": [last]}
     if include_usage:
-        yield {**base, "choices": [], "usage": usage(len(prompt_ids) * len(outputs), outputs)}
+        yield {**base, "choices": [], "usage": usage(len(prompt_ids), outputs)}
 
 
 __all__ = [

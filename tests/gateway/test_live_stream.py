@@ -129,7 +129,8 @@ async def test_a_refused_stream_keeps_its_status_and_a_caller_that_hangs_up_stop
 @pytest.mark.parametrize("stream", [False, True])
 async def test_n_seeded_choices_are_n_samples_each_seeded_as_vllm_seeds_them(stream):
     """``n`` = 3 with a ``seed``: choice i is the sample of ``seed + i`` (vLLM's children), not
-    three copies of one sample (every choice came back the same: a GRPO group of one answer)."""
+    three copies of one sample (every choice came back the same: a GRPO group of one answer). The
+    usage counts the prompt once, as OpenAI's does (it counted it three times)."""
     async with gateway() as (server, gw, _):
         short = {
             "model": MODEL,
@@ -140,7 +141,9 @@ async def test_n_seeded_choices_are_n_samples_each_seeded_as_vllm_seeds_them(str
         }
         async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
             if stream:
-                events, _, _ = await sse(http, "/v1/completions", {**short, "n": 3, "seed": 7, "stream": True})
+                body = {**short, "n": 3, "seed": 7, "stream": True, "stream_options": {"include_usage": True}}
+                events, _, _ = await sse(http, "/v1/completions", body)
+                usage = events[-1]["usage"]
                 got = [
                     [t for e in events if e["choices"] and e["choices"][0]["index"] == i
                      for t in e["choices"][0].get("token_ids") or []]
@@ -149,9 +152,16 @@ async def test_n_seeded_choices_are_n_samples_each_seeded_as_vllm_seeds_them(str
             else:
                 resp = await http.post("/v1/completions", json={**short, "n": 3, "seed": 7})
                 got = [c["token_ids"] for c in resp.json()["choices"]]
+                usage = resp.json()["usage"]
             alone = []
             for seed in (7, 8, 9):
                 resp = await http.post("/v1/completions", json={**short, "seed": seed})
                 alone.append(resp.json()["choices"][0]["token_ids"])
+            one = resp.json()["usage"]
         assert got == alone
+        assert usage == {
+            "prompt_tokens": one["prompt_tokens"],
+            "completion_tokens": 36,
+            "total_tokens": one["prompt_tokens"] + 36,
+        }
         assert len({tuple(ids) for ids in got}) == 3
