@@ -92,6 +92,11 @@ class OpenAIRoutes(ChatRoutes):
         self._check(req, len(batch) if batch and isinstance(batch[0], (str, list)) else 1)  # before tokenizing
         if req.suffix:
             raise bad_request("suffix", "suffix (insertion) is not supported", code="unsupported_value")
+        if req.echo and req.logprobs is not None:  # scorers read the prompt's logprobs from these
+            raise bad_request(
+                "logprobs", "echo with logprobs needs the prompt's logprobs, which the fleet does not compute",
+                code="unsupported_value",
+            )  # fmt: skip
         codec = self.codec
         prompts, texts = await self._completion_prompts(req.prompt)
         budget = max_len = 0

@@ -64,6 +64,8 @@ BAD_REQUESTS: list[tuple[str, Any, int, Any]] = [
     ("/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "seed": 10**30}, 400, "seed"),  # past 64 bits
     ("/v1/completions", {"model": MODEL, "prompt": "x", "top_k": 2**40}, 400, "top_k"),
+    # scorers read the prompt's logprobs from echo + logprobs: the fleet computes none (they were missing)
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True, "logprobs": 0}, 400, "logprobs"),
     # caught by the replica (InvalidRequest), renamed to the caller's fields
     ("/v1/completions/tokens", {"model": MODEL, "prompt_token_ids": [5, 10**6]}, 400, "prompt_token_ids[1]"),
     (
