@@ -24,8 +24,9 @@ from rollfleet.agent_loop.base import AgentLoopOutput
 from rollfleet.agent_loop.batch import RolloutBatch, collate
 from rollfleet.agent_loop.tools import ToolsLike
 from rollfleet.agent_loop.worker import AgentLoopWorker, AgentLoopWorkerActor, load_tokenizer
+from rollfleet.client.refs import cancel
 from rollfleet.config import RollfleetConfig
-from rollfleet.utils.aio import auto_await
+from rollfleet.utils.aio import auto_await, gather_or_cancel
 
 Batch = Union[Sequence[Mapping[str, Any]], Mapping[str, Sequence[Any]]]
 
@@ -39,7 +40,14 @@ class WorkerRef:
 
     async def call(self, method: str, *args: Any) -> Any:
         fn = getattr(self.target, method)
-        return await (fn.remote(*args) if self.remote else fn(*args))
+        if not self.remote:
+            return await fn(*args)
+        ref = fn.remote(*args)
+        try:
+            return await ref
+        except asyncio.CancelledError:
+            cancel(ref)  # the actor's call goes on otherwise, generating on the fleet for nobody
+            raise
 
 
 def as_samples(batch: Batch) -> list[dict[str, Any]]:
@@ -177,8 +185,9 @@ class AgentLoopManager:
         samples = self.expand(batch, n)
         start = time.perf_counter()
         chunks = self._assign(samples)
-        results = await asyncio.gather(
-            *(self.workers[w].call("generate_sequences", [samples[i] for i in idx]) for w, idx in chunks.items())
+        # one worker's chunk failing ends the others' too (left running, they would go on generating)
+        results = await gather_or_cancel(
+            self.workers[w].call("generate_sequences", [samples[i] for i in idx]) for w, idx in chunks.items()
         )
         outputs: list[Optional[AgentLoopOutput]] = [None] * len(samples)
         for (_, idx), outs in zip(chunks.items(), results):

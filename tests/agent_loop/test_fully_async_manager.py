@@ -1,4 +1,4 @@
-"""FullyAsyncAgentLoopManager without Ray: worker choice and streaming groups as they finish."""
+"""Agent-loop managers without Ray: worker choice, streaming groups as they finish, a failed chunk ending the rest."""
 
 from __future__ import annotations
 
@@ -123,3 +123,25 @@ async def test_with_full_determinism_each_prompt_the_rollouter_expands_is_its_ow
     # the same names in every run: a second expansion of a task gives the same ones
     again = original([tasks.sample_at(groups[0].task_index)], 2)
     assert [s["request_id"] for s in again] == [f"det-{groups[0].task_index}-{j}" for j in range(2)]
+
+
+class ChunkWorker(FakeWorker):
+    """A worker of the batch API: its chunk fails at once when a sample says so."""
+
+    async def generate_sequences(self, samples):
+        if any(s.get("fail") for s in samples):
+            raise RuntimeError("a sample's loop failed")
+        return [await self.run_sample(s) for s in samples]
+
+
+async def test_one_workers_chunk_failing_ends_the_other_workers_chunks():
+    """``asyncio.gather`` left them running: their samples went on generating on the fleet, unseen."""
+    from rollfleet.agent_loop import AgentLoopManager
+
+    config = RollfleetConfig.model_validate({"rollout": {"n": 1, "prompt_length": 4, "response_length": 4}})
+    workers = [ChunkWorker(), ChunkWorker()]
+    mgr = AgentLoopManager(config, [WorkerRef(w, remote=False) for w in workers], pad_token_id=0)
+    batch = [{"prompt_ids": [1], "delay": 30.0}, {"prompt_ids": [2], "delay": 0.0, "fail": True}]
+    with pytest.raises(RuntimeError, match="a sample's loop failed"):
+        await asyncio.wait_for(mgr.generate_sequences(batch), 5)
+    assert workers[0].cancelled == 1
