@@ -331,6 +331,9 @@ class Placer:
                 describe_cluster(nodes, self.config.node_labels),
                 f"Ray could not place it within {self.config.timeout_s:g} s (other jobs may hold the devices)",
             ) from None
+        except BaseException:  # cancelled (a removal, a shutdown): nobody else knows of this group yet
+            remove_placement_group(pg)
+            raise
         return pg
 
     async def devices_of(self, placement: ReplicaPlacement) -> list[str]:

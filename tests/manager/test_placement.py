@@ -111,3 +111,41 @@ def test_vllm_listens_on_its_node_and_sees_exactly_its_devices():
     assert "VLLM_CPU_OMP_THREADS_BIND" in env and env.get("CUDA_VISIBLE_DEVICES") == __import__("os").environ.get(
         "CUDA_VISIBLE_DEVICES"
     )
+
+
+async def test_a_reservation_cancelled_while_it_waits_for_devices_removes_its_group(monkeypatch):
+    """A restart waiting for devices is cancelled by a removal or a shutdown: its placement group,
+    not yet known to the placer, stayed pending, and took the devices when they freed up."""
+    import asyncio
+    import importlib
+
+    from rollfleet.manager.placement import Placer
+
+    ray_pg = importlib.import_module("ray.util.placement_group")  # the module (ray.util's name is the function)
+
+    created: list[object] = []
+    removed: list[object] = []
+
+    class Pending:
+        def ready(self) -> "asyncio.Future[None]":
+            return asyncio.get_running_loop().create_future()  # Ray cannot place it yet
+
+    def placement_group(bundles, **kwargs):
+        created.append(Pending())
+        return created[-1]
+
+    monkeypatch.setattr(ray_pg, "placement_group", placement_group)
+    monkeypatch.setattr(ray_pg, "remove_placement_group", removed.append)
+    placer = Placer(PlacementConfig(device="gpu", timeout_s=30.0), 1, "vllm")
+
+    async def nodes(with_free: bool = True) -> list[NodeInfo]:
+        return [node("n1", gpus=8)]
+
+    placer.nodes = nodes  # type: ignore[method-assign]
+    reserving = asyncio.ensure_future(placer.reserve("replica-3"))
+    while not created:
+        await asyncio.sleep(0.01)
+    reserving.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await reserving
+    assert removed == created and placer.placements == {}
