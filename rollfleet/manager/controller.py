@@ -163,10 +163,7 @@ class FleetController(HealthSupervisor, ControlFanOut):
                     raise RuntimeError(
                         f"{rid}: weights checksum {report['checksum']} differs from the fleet's {self._checksum}"
                     )
-            if self._hold is not None:  # the fleet is paused or asleep (the learner may hold the devices)
-                await handle.pause.remote()
-                if self._hold == "sleeping":
-                    await handle.sleep.remote()
+            await self._bring_to_hold(handle)  # the fleet may be paused or asleep (the learner holds the devices)
             record.consecutive_failures = 0
             record.answered_at = time.monotonic()
             self._set_state(record, HealthState.HEALTHY, "started")

@@ -162,28 +162,42 @@ class ControlFanOut:
         return {"aborted_count": sum(counts.values()), "server_results": counts, "fenced": report["fenced"]}
 
     #: What the fleet's owner last asked of the whole fleet: None (serving), "paused" or
-    #: "sleeping". A replica restarted meanwhile is brought to it before it counts as healthy.
+    #: "sleeping". A replica restarted meanwhile is brought to it before it counts as healthy. It
+    #: is set before the op fans out: a replica that goes live after the op took its list of live
+    #: ones then finds it (:meth:`_bring_to_hold`), instead of staying as the old one left it.
     _hold: Optional[str] = None
 
     async def pause(self) -> dict[str, Any]:
-        report = await self._op("pause")
         self._hold = self._hold or "paused"
-        return report
+        return await self._op("pause")
 
     async def resume(self) -> dict[str, Any]:
-        report = await self._op("resume")
         self._hold = None
-        return report
+        return await self._op("resume")
 
     async def sleep(self) -> dict[str, Any]:
-        report = await self._op("sleep")
         self._hold = "sleeping"
-        return report
+        return await self._op("sleep")
 
     async def wake_up(self) -> dict[str, Any]:
-        report = await self._op("wake_up")
         self._hold = "paused" if self._hold is not None else None  # awake, not yet generating
-        return report
+        return await self._op("wake_up")
+
+    async def _bring_to_hold(self, handle: Any) -> None:
+        """Bring a starting replica (serving, awake) to :attr:`_hold`, again if it changed while
+        this ran: the caller marks the replica healthy, with no await between, once it holds."""
+        reached: Optional[str] = None
+        while reached != self._hold:
+            target = self._hold
+            if target is None:
+                await handle.resume.remote()  # wakes a sleeping one first
+            elif reached == "sleeping":  # asked to wake up: awake, still paused
+                await handle.wake_up.remote()
+            else:
+                await handle.pause.remote()
+                if target == "sleeping":
+                    await handle.sleep.remote()
+            reached = target
 
     async def clear_kv_cache(self) -> dict[str, Any]:
         return await self._op("clear_kv_cache")

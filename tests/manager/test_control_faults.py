@@ -290,3 +290,23 @@ async def test_failures_reported_by_many_clients_at_once_count_as_one_probe():
     await controller.report_failure("replica-0", "again")  # a later report is a second probe
     assert (await controller.status()).replicas["replica-0"].state == "dead"
     await controller.shutdown()
+
+
+async def test_a_replica_restarted_while_the_fleet_resumes_comes_back_serving():
+    """replica-1 restarts while the fleet is paused and goes live while ``resume()`` is still
+    fanning out (replica-2 slow to answer): the fan-out's list predates it, so it came back
+    paused but routable, and every request sent to it waited at its gate."""
+    faults = Faults()
+    faults.hung_methods = {"resume"}
+    controller, replicas = fleet(config(1.5), faults)
+    await controller.launch(3)
+    await controller.pause()
+    faults.hung.add("replica-2")  # resume() waits for it up to control_timeout_s
+    faults.dead_actors.append(replicas["replica-1"])
+    while controller._records["replica-1"].state.value in ("healthy", "suspect"):
+        await asyncio.sleep(0)
+    await controller.resume()
+    await wait_until(lambda: serving_on(controller, "replica-1", 0), "replica-1 back")
+    out = await asyncio.wait_for(replicas["replica-1"].generate("x", [1, 2, 3], {"max_tokens": 4}), 5)
+    assert len(out.token_ids) == 4
+    await controller.shutdown()
