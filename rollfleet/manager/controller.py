@@ -7,8 +7,9 @@ controller can delay a client's view of the fleet but never a request.
 
 Placement: each replica is a placement group on one node (:mod:`rollfleet.manager.placement`),
 kept across restarts while the node lives. Health and restarts live in
-:mod:`rollfleet.manager.supervision`, the control fan-out and weight updates in
-:mod:`rollfleet.manager.fanout`; this module holds membership and what clients read. On every
+:mod:`rollfleet.manager.supervision`, a replica's start-up in :mod:`rollfleet.manager.joining`,
+the control fan-out and weight updates in :mod:`rollfleet.manager.fanout`; this module holds
+membership and what clients read. On every
 membership change the Prometheus scrape config follows (``rollout.prometheus``).
 """
 
@@ -23,6 +24,7 @@ from rollfleet.config import RolloutConfig
 from rollfleet.errors import InsufficientResources
 from rollfleet.health import FleetSnapshot, HealthState, ReplicaRecord
 from rollfleet.manager.fanout import ControlFanOut
+from rollfleet.manager.joining import ReplicaStarter, replica_info
 from rollfleet.manager.placement import Placer, ReplicaPlacement, WorkerPlacement, release_group
 from rollfleet.manager.prometheus import ScrapeConfigWriter
 from rollfleet.manager.supervision import STOP_TIMEOUT_DEAD_S, HealthSupervisor
@@ -37,7 +39,7 @@ logger = logging.getLogger(__name__)
 ReplicaFactory = Callable[[str, int], Any]
 
 
-class FleetController(HealthSupervisor, ControlFanOut):
+class FleetController(HealthSupervisor, ReplicaStarter, ControlFanOut):
     def __init__(self, config: RolloutConfig, replica_factory: Optional[ReplicaFactory] = None) -> None:
         self.config = config
         self._factory = replica_factory
@@ -101,19 +103,6 @@ class FleetController(HealthSupervisor, ControlFanOut):
         self._ensure_prober()
         return [r for r in results if not isinstance(r, BaseException)]  # all of them: none failed
 
-    async def _place(self, rid: str) -> Optional[ReplicaPlacement]:
-        """The replica's placement group: kept across restarts while its node lives, else a new one."""
-        if self._placer is None:
-            return None
-        current = self._placer.placements.get(rid)
-        if current is not None:
-            if current.node_id not in await self._placer.dead_nodes():
-                return current
-            self._placer.release(rid)
-        placement = self.config.placement
-        fraction = 1.0 - placement.colocate_fraction if placement.colocate else 1.0
-        return await self._placer.reserve(rid, fraction)
-
     def _spawn(self, rid: str, placement: Optional[ReplicaPlacement]) -> Any:
         if self._factory is not None:
             return self._factory(rid, self._indices[rid])
@@ -123,77 +112,37 @@ class FleetController(HealthSupervisor, ControlFanOut):
         # mypy keeps a Ray-decorated class's own type: it does not know ActorClass.options
         return ReplicaActor.options(name=None, **options).remote(rid, self.config, self._indices[rid])  # type: ignore[attr-defined]
 
-    async def _start_replica(self, rid: str) -> ReplicaInfo:
-        placement = await self._place(rid)
-        handle = self._spawn(rid, placement)
-        record = self._records.get(rid)
-        if record is None:
-            record = ReplicaRecord(replica_id=rid, handle=handle, state=HealthState.SYNCING)
-            self._records[rid] = record
-        else:
-            record.handle = handle
-            record.data_plane = ""  # the old actor's port is gone; the new one reports its own
-            self._set_state(record, HealthState.SYNCING, "placed; starting, then loading current weights")
-        record.placement = placement
-        record.node_id = placement.node_id if placement is not None else ""
-        self._membership_changed()
-        # The version the engine boots with is decided now: an update may land while it starts
-        # (vLLM takes ~45 s), and then _catch_up must still load the new weights.
-        boot_version = None if self._has_weights else self.current_version
-        if placement is not None and self._placer is not None:
-            info = await handle.start.remote(boot_version, await self._placer.devices_of(placement))
-        else:
-            info = await handle.start.remote(boot_version)
-        record.address = info.get("address", "")
-        record.server_socket = info.get("server_socket") or ""
-        record.node_ip = info.get("node_ip") or ""
-        record.devices = info.get("devices")
-        record.data_plane = info.get("data_plane") or ""
-        record.data_plane_token = info.pop("data_plane_token", None) or ""
-        record.weight_version = boot_version
-        # Never serve stale weights: a new or restarted replica loads the current ones first, outside
-        # the update lock (a big model loads for seconds; the trainer's updates must not wait), then
-        # under it what was published meanwhile (updates skip a replica not yet live).
-        await self._catch_up(record, handle)
-        async with self._update_lock:
-            await self._catch_up(record, handle)
-            if self._checksum is not None:
-                report = await handle.weights_checksum.remote()
-                if report["checksum"] not in (None, self._checksum):
-                    raise RuntimeError(
-                        f"{rid}: weights checksum {report['checksum']} differs from the fleet's {self._checksum}"
-                    )
-            await self._bring_to_hold(handle)  # the fleet may be paused or asleep (the learner holds the devices)
-            record.consecutive_failures = 0
-            record.answered_at = time.monotonic()
-            self._set_state(record, HealthState.HEALTHY, "started")
-        self._membership_changed()
-        return _info(record)
-
-    async def _catch_up(self, record: ReplicaRecord, handle: Any) -> None:
-        """Load the fleet's weights on a starting replica until it has the current version (an
-        update may publish while it loads; weights and version are published together)."""
-        while record.weight_version != self.current_version:
-            version, weights = self.current_version, self._weights
-            await handle.update_weights.remote(weights, version)
-            record.weight_version = version
-
     async def remove_replicas(self, replica_ids: list[str], drain_timeout_s: float = 30.0) -> list[str]:
-        """Stop routing to the replicas, let their in-flight work finish (bounded), then stop them."""
-        removed = []
+        """Stop routing to the replicas, let their in-flight work finish (bounded), then stop them.
+
+        A restart under way is stopped first, so the actor it may have spawned is the one the
+        drain stops (left running, it held its devices with nobody to stop it). A caller that
+        gives up does not stop the removal: it runs to its end (bounded by ``drain_timeout_s``
+        and the stop), rather than leaving the replicas draining, unroutable, for good."""
+        removal = asyncio.ensure_future(self._remove(replica_ids, drain_timeout_s))
+        try:
+            return await asyncio.shield(removal)
+        except asyncio.CancelledError:
+            removal.add_done_callback(_log_unawaited_removal)  # its caller is gone: the outcome goes to the log
+            raise
+
+    async def _remove(self, replica_ids: list[str], drain_timeout_s: float) -> list[str]:
+        removed, restarts = [], []
         for rid in replica_ids:
             record = self._records.get(rid)
             if record is None:
                 continue
             self._set_state(record, HealthState.DRAINING, "removal requested", force=True)
             removed.append(rid)
+            restart = self._restart_tasks.pop(rid, None)
+            if restart is not None:
+                restart.cancel()
+                restarts.append(restart)
         self._membership_changed()
+        await asyncio.gather(*restarts, return_exceptions=True)
         await asyncio.gather(*(self._drain_and_stop(rid, drain_timeout_s) for rid in removed))
         for rid in removed:
             self._records.pop(rid, None)
-            task = self._restart_tasks.pop(rid, None)
-            if task is not None:
-                task.cancel()
             if self._placer is not None:
                 self._placer.release(rid)
         self._membership_changed()
@@ -293,7 +242,7 @@ class FleetController(HealthSupervisor, ControlFanOut):
             event.set()
 
     async def get_replicas(self) -> list[ReplicaInfo]:
-        return [_info(r) for r in self._records.values()]
+        return [replica_info(r) for r in self._records.values()]
 
     async def replica_placements(self) -> dict[str, Optional[ReplicaPlacement]]:
         """Each replica's placement group and node (for tools and tests that ask Ray about it)."""
@@ -322,7 +271,7 @@ class FleetController(HealthSupervisor, ControlFanOut):
             membership_epoch=self._membership_epoch,
             replicas={
                 r.replica_id: ReplicaStatus(
-                    **_info(r).model_dump(),
+                    **replica_info(r).model_dump(),
                     consecutive_failures=r.consecutive_failures,
                     inflight=r.load.inflight if r.load else None,
                     kv_usage=r.load.kv_usage if r.load else None,
@@ -368,12 +317,14 @@ def _route_handle(record: ReplicaRecord, allow_pickle: bool = False) -> Any:
     return record.handle
 
 
-_INFO_FIELDS = ("replica_id", "state", "address", "server_socket", "weight_version", "restarts", "node_id", "node_ip",
-                "devices", "handle")  # fmt: skip
-
-
-def _info(r: ReplicaRecord) -> ReplicaInfo:
-    return ReplicaInfo(**{name: getattr(r, name) for name in _INFO_FIELDS})
+def _log_unawaited_removal(removal: "asyncio.Future[list[str]]") -> None:
+    if removal.cancelled():
+        return
+    exc = removal.exception()
+    if exc is not None:
+        logger.error("a replica removal whose caller gave up failed: %r", exc)
+    else:
+        logger.info("a replica removal whose caller gave up removed %s", removal.result())
 
 
 def _kill(handle: Any) -> None:

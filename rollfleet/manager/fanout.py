@@ -23,7 +23,7 @@ import math
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional
 
 from rollfleet.config import RolloutConfig
 from rollfleet.errors import FleetOperationFailed, InvalidRequest, NotSupported
@@ -183,20 +183,26 @@ class ControlFanOut:
         self._hold = "paused" if self._hold is not None else None  # awake, not yet generating
         return await self._op("wake_up")
 
-    async def _bring_to_hold(self, handle: Any) -> None:
+    async def _bring_to_hold(self, handle: Any, call: Optional[Callable[[str], Awaitable[Any]]] = None) -> None:
         """Bring a starting replica (serving, awake) to :attr:`_hold`, again if it changed while
-        this ran: the caller marks the replica healthy, with no await between, once it holds."""
+        this ran: the caller marks the replica healthy, with no await between, once it holds.
+        ``call(method)`` makes each call (the caller bounds them); by default ``handle``'s."""
+        if call is None:
+
+            async def call(method: str) -> Any:
+                return await getattr(handle, method).remote()
+
         reached: Optional[str] = None
         while reached != self._hold:
             target = self._hold
             if target is None:
-                await handle.resume.remote()  # wakes a sleeping one first
+                await call("resume")  # wakes a sleeping one first
             elif reached == "sleeping":  # asked to wake up: awake, still paused
-                await handle.wake_up.remote()
+                await call("wake_up")
             else:
-                await handle.pause.remote()
+                await call("pause")
                 if target == "sleeping":
-                    await handle.sleep.remote()
+                    await call("sleep")
             reached = target
 
     async def clear_kv_cache(self) -> dict[str, Any]:
