@@ -47,7 +47,7 @@ async def bounded(rid: str, what: str, call: Awaitable[T], timeout_s: float) -> 
 class ReplicaStarter:
     """Places, starts and syncs one replica. Needs from its subclass: ``config``, ``_placer``,
     ``_records``, ``_indices``, the weight state, ``_update_lock``, ``_set_state``,
-    ``_membership_changed``, ``_bring_to_hold`` and ``_spawn``."""
+    ``_membership_changed``, ``_dead_nodes``, ``_bring_to_hold`` and ``_spawn``."""
 
     # What the subclass provides, declared for the type checker (set in its ``__init__``).
     config: RolloutConfig
@@ -65,6 +65,8 @@ class ReplicaStarter:
 
         def _membership_changed(self) -> None: ...
 
+        async def _dead_nodes(self) -> set[str]: ...
+
         def _spawn(self, rid: str, placement: Optional[ReplicaPlacement]) -> Any: ...
 
         async def _bring_to_hold(self, handle: Any, call: Optional[Callable[[str], Awaitable[Any]]] = None) -> None: ...
@@ -75,7 +77,7 @@ class ReplicaStarter:
             return None
         current = self._placer.placements.get(rid)
         if current is not None:
-            if current.node_id not in await self._placer.dead_nodes():
+            if current.node_id not in await self._dead_nodes():
                 return current
             self._placer.release(rid)
         placement = self.config.placement

@@ -6,7 +6,8 @@ saying the actor died (its process or node is gone: no point asking twice). When
 times out in the same rounds, the controller or the host is stalled rather than each replica hung
 (a CPU host whose engines starve everything else): a replica then dies only once it has been
 silent for ``health.busy_grace_s``, so one stall cannot kill the whole fleet at once. Each round also asks
-Ray which nodes live: the replicas of a dead node are dead at once, not after three probes.
+Ray which nodes live: the replicas of a dead node are dead at once, not after three probes (a node
+table that does not answer within ``health.probe_timeout_s`` is skipped, the replicas still probed).
 
 A dead replica is restarted (new actor, same id) and stays ``syncing`` until it has the current
 weights. When its node died and no other node has room, it waits as ``pending`` (visible in
@@ -84,11 +85,34 @@ class HealthSupervisor:
             self._judge(record, handle, outcome, fleet_stalled=stalled)
         self._notify()  # a safety net: whatever changed without a notification shows now
 
+    #: The query of Ray's node table in flight, shared by whoever asks meanwhile (see :meth:`_dead_nodes`).
+    _node_query: Optional[asyncio.Future[set[str]]] = None
+
+    async def _dead_nodes(self) -> set[str]:
+        """The nodes holding this fleet's replicas that Ray reports dead, or none when Ray does not
+        answer within ``health.probe_timeout_s``: a stalled GCS must not stall the probe rounds
+        (the replicas are still asked, and a dead one still found out). One query at a time: a
+        query that hangs is waited on again by the next round, not joined by one thread more."""
+        if self._placer is None:
+            return set()
+        query = self._node_query
+        if query is None or query.done():
+            query = self._node_query = asyncio.ensure_future(self._placer.dead_nodes())
+            query.add_done_callback(_log_failed_query)
+        limit = self.config.health.probe_timeout_s
+        try:
+            return await asyncio.wait_for(asyncio.shield(query), limit)
+        except asyncio.TimeoutError:
+            logger.warning("Ray did not list the cluster's nodes within health.probe_timeout_s=%gs", limit)
+        except Exception:
+            pass  # logged once, by _log_failed_query
+        return set()
+
     async def _check_nodes(self) -> None:
         """A dead node takes its replicas with it: dead at once, restarted where there is room."""
         if self._placer is None:
             return
-        dead = await self._placer.dead_nodes()
+        dead = await self._dead_nodes()
         for record in list(self._records.values()):
             # Only serving replicas: one still starting fails its start call and is re-placed there.
             if record.node_id in dead and record.state in (HealthState.HEALTHY, HealthState.SUSPECT):
@@ -191,11 +215,7 @@ class HealthSupervisor:
                 continue
             except Exception as exc:
                 await self._stop_handle(record.handle, timeout_s=STOP_TIMEOUT_DEAD_S)
-                if (
-                    self._placer is not None
-                    and record.node_id in await self._placer.dead_nodes()
-                    and lost_placements < 3
-                ):
+                if self._placer is not None and record.node_id in await self._dead_nodes() and lost_placements < 3:
                     lost_placements += 1  # its node died while it started: place it again
                     continue
                 tries += 1
@@ -232,6 +252,11 @@ class HealthSupervisor:
 
     async def inject_fault(self, replica_id: str, kind: str, factor: float = 10.0) -> None:
         await self._records[replica_id].handle.inject_fault.remote(kind, factor)
+
+
+def _log_failed_query(query: "asyncio.Future[set[str]]") -> None:
+    if not query.cancelled() and query.exception() is not None:
+        logger.warning("listing the cluster's nodes failed: %r", query.exception())
 
 
 def _actor_died(exc: BaseException) -> bool:

@@ -1,6 +1,6 @@
 """Membership changes that race with failures: a replica removed while it restarts, a removal whose
-caller gives up, a replica that hangs while it joins under the update lock. In-process sim
-replicas, no Ray (the helpers of ``test_control_faults``)."""
+caller gives up, a replica that hangs while it joins under the update lock, a node table that does
+not answer. In-process sim replicas, no Ray (the helpers of ``test_control_faults``)."""
 
 from __future__ import annotations
 
@@ -133,4 +133,47 @@ async def test_a_replica_hanging_as_it_joins_does_not_hold_up_the_trainers_updat
 
     await wait_until(back_on_version_2, "replica-1 back on version 2")
     assert replicas["replica-1"]._state == ReplicaState.PAUSED
+    await controller.shutdown()
+
+
+class StalledNodeTable:
+    """A placer whose node query never returns (Ray's GCS stalled) and that places nothing."""
+
+    def __init__(self) -> None:
+        self.placements: dict[str, Any] = {}
+        self.queries = 0
+
+    async def dead_nodes(self) -> set[str]:
+        self.queries += 1
+        await asyncio.Event().wait()
+        return set()
+
+    async def reserve(self, rid: str, fraction: float) -> None:
+        return None
+
+    def release(self, rid: str) -> None:
+        pass
+
+    def release_all(self) -> None:
+        pass
+
+
+async def test_a_stalled_node_table_does_not_stop_the_probes():
+    """Each probe round asks Ray which nodes died before it probes the replicas; a query that
+    never returned used to stop every round there, so a dead replica was never found out."""
+    faults = Faults()
+    controller, replicas = fleet(config(), faults)
+    await controller.launch(2)
+    nodes = StalledNodeTable()
+    controller._placer = nodes  # type: ignore[assignment]
+    first = replicas["replica-1"]
+    faults.dead_actors.append(first)
+
+    async def restarted() -> bool:
+        status = (await controller.status()).replicas["replica-1"]
+        return status.restarts == 1 and status.state == "healthy"
+
+    await wait_until(restarted, "replica-1 found dead and restarted")
+    assert replicas["replica-1"] is not first
+    assert nodes.queries == 1  # the rounds wait on the one query, they do not start one each
     await controller.shutdown()
