@@ -117,6 +117,12 @@ class Trainer(abc.ABC):
 
     async def init(self) -> None:
         self.tracker = RunTracker(self.run_dir, resume=self.train.resume, clock=self.runtime.clock)
+        if not self.train.resume:
+            from rollfleet.trainer.checkpoint import set_aside
+
+            moved = set_aside(self.run_dir / "checkpoints")
+            if moved is not None:
+                logger.warning("a fresh run (trainer.resume=false): the earlier run's checkpoints moved to %s", moved)
         # The fleet first: it starts Ray and says where the learner goes.
         self.manager = await self.runtime.create_fleet(self.config)
         self.learner = await self.runtime.create_learner(self.build_learner(), self.manager)

@@ -18,6 +18,11 @@ checkpoint, never a torn one. ``find_latest`` trusts ``latest`` but falls back t
 complete ``step_*`` folder, so a crash between the rename and the pointer update loses nothing.
 Only the last ``keep_last`` checkpoints are kept (never deleting the one ``latest`` names).
 
+A root holds one run's checkpoints: a fresh run (``trainer.resume: false``) in a folder an earlier
+run checkpointed into first moves that run's root aside (:func:`set_aside`). Mixed, the fresh
+run's pruning deleted its own checkpoints (the older run's had higher steps) and a later resume
+loaded the older run's weights.
+
 Trade-off: one writer per root is assumed (the trainer's rank 0); two concurrent writers of the
 same step would race on the rename.
 """
@@ -96,6 +101,20 @@ def find_latest(root: str | os.PathLike) -> Optional[Path]:
             return newer[-1] if newer else target
     found = list_checkpoints(root)
     return found[-1] if found else None
+
+
+def set_aside(root: str | os.PathLike) -> Optional[Path]:
+    """Move an earlier run's checkpoint root out of a fresh run's way, to ``<root>.previous``
+    (replacing the one set aside before it); return where it went, or None when ``root`` holds no
+    checkpoint. Kept, not deleted: the earlier run may be the one its owner meant to resume."""
+    root = Path(root)
+    if not list_checkpoints(root) and not (root / LATEST_FILE).is_file():
+        return None
+    previous = root.with_name(root.name + ".previous")
+    if previous.exists():
+        shutil.rmtree(previous)
+    os.replace(root, previous)
+    return previous
 
 
 def _fsync_dir(path: Path) -> None:
@@ -253,6 +272,7 @@ __all__ = [
     "checkpoint_name",
     "list_checkpoints",
     "find_latest",
+    "set_aside",
     "save_checkpoint",
     "load_checkpoint",
     "capture_rng_state",

@@ -209,6 +209,18 @@ async def test_resume_continues_step_count_and_reissues_inflight_prompts(ray_ses
     assert second.version > first.version
 
 
+async def test_a_fresh_run_in_an_earlier_runs_folder_resumes_from_its_own_checkpoints(ray_session, tmp_path):
+    """A fresh run (``resume: false``) in the folder of an earlier, longer run: its checkpoints used
+    to sit beside the earlier run's, so a resume of it found the earlier run's higher step and
+    loaded that run's weights and data position (and the fresh run's pruning deleted its own)."""
+    await run(config(tmp_path, "sync", total_steps=3, save_freq=1))
+    await run(config(tmp_path, "sync", total_steps=1, save_freq=1))
+    resumed = await run(config(tmp_path, "sync", total_steps=2, resume=True))
+    assert [r["step"] for r in resumed.tracker.history] == [2]  # from the fresh run's step 1
+    previous = tmp_path / "sync" / "checkpoints.previous"
+    assert sorted(p.name for p in previous.glob("step_*")) == [f"step_0000000{i}" for i in (1, 2, 3)]
+
+
 def config(tmp_path, mode: str, **trainer):
     """The shared job, with a longer tail of response lengths."""
     return sim_train_config(tmp_path, mode, {"sim.response_sigma": 1.2}, **trainer)
