@@ -12,7 +12,8 @@ three ways:
 * ``wait``: nothing is ever dropped. The rollouter is held back (:meth:`GroupBuffer.may_start`)
   so that the ``i``-th group starts only once ``i < (version + b + 1) x groups_per_version``
   (AReaL's capacity rule; ``i`` and ``version`` both counted from the buffer's start, past
-  version 0 in a resumed run), and the trainer receives groups *in the order they started*,
+  version 0 in a resumed run, and ``i`` past the groups a run resumed between two syncs trained
+  at its version), and the trainer receives groups *in the order they started*,
   waiting for a straggler rather than overtaking it. Then group ``i`` is trained at version
   ``floor(i / groups_per_version)``, no more than ``ceil(b)`` after it started. A group that still
   exceeds the bound (a resumed run re-issuing old prompts) is trained and counted, never dropped.
@@ -60,6 +61,7 @@ class GroupBuffer:
         strategy: Literal["drop", "wait", "mask"],
         groups_per_version: int,
         version: Callable[[], int],
+        trained_in_version: int = 0,
     ) -> None:
         self.capacity = capacity
         self.bound = max_off_policy_steps
@@ -68,6 +70,9 @@ class GroupBuffer:
         self._version = version
         #: The version this buffer's first group is trained at: a resumed run starts past 0.
         self._base_version = version()
+        #: Groups trained at that version before this buffer started: a run resumed between two
+        #: syncs (its step not a multiple of ``parameter_sync_step``) syncs the sooner.
+        self._phase = trained_in_version
         self._queue: deque[Group] = deque()
         self._changed = asyncio.Condition()
         self.started = 0  # groups the rollouter has started
@@ -100,7 +105,7 @@ class GroupBuffer:
             # Groups that will be consumed at version v may start no earlier than v - bound. The
             # count starts with this buffer, so the versions are counted from its first one too.
             versions = self._version() - self._base_version
-            return self.started - self.dropped < (versions + self.bound + 1) * self.groups_per_version
+            return self.started - self.dropped + self._phase < (versions + self.bound + 1) * self.groups_per_version
         return True
 
     async def wait_to_start(self) -> int:

@@ -131,6 +131,51 @@ async def test_wait_bound_holds_in_a_resumed_run():
         assert started == 4, version
 
 
+class Instant:
+    """Every prompt finishes at once, labelled with the version it started at."""
+
+    def expand(self, batch: list[dict], n: int) -> list[dict]:
+        return [{**batch[0], "uid": f"u{batch[0]['task_index']}", "k": k} for k in range(n)]
+
+    async def generate_sequences_single(self, sample: dict) -> Any:
+        await asyncio.sleep(0)
+        return SimpleNamespace(
+            extra_fields={}, metrics=SimpleNamespace(num_resumes=0), response_mask=[1], response_ids=[1]
+        )
+
+
+@pytest.mark.parametrize("resumed_at", [0, 3, 4])
+async def test_wait_bound_holds_when_a_run_resumes_between_two_syncs(resumed_at):
+    """Weights sync every 2 steps of 2 groups, bound 0. A run resumed at step 3 syncs after one
+    step, not two: its buffer used to admit two steps of groups at the resumed version, and the
+    second step trained them one version stale (6 of 12 groups over the bound)."""
+    t = SeparateAsyncTrainer.__new__(SeparateAsyncTrainer)
+    t.train = SimpleNamespace(
+        max_queue_groups=99,
+        max_inflight_groups=99,
+        max_off_policy_steps=0,
+        max_off_policy_strategy="wait",
+        train_batch_size=2,
+        parameter_sync_step=2,
+        partial_rollout=True,
+    )
+    t.config = SimpleNamespace(rollout=SimpleNamespace(n=2))
+    t.agent_manager, t.stream, t._reissue = Instant(), make_task("count", 0), []
+    t.step, t.version = resumed_at, (resumed_at // 2 + 1 if resumed_at else 0)  # resumed: saved version + 1
+    t._start_rollouter()
+    staleness = []
+    for _ in range(6):  # as fit() does: train a step, sync every parameter_sync_step steps
+        t.step += 1
+        await asyncio.sleep(0.01)
+        groups, _ = await asyncio.wait_for(t.buffer.take(2), 5)
+        staleness += [t.version - g.min_version for g in groups]
+        if t.step % 2 == 0:
+            t.version += 1
+            await t.buffer.version_changed()
+    await t.rollouter.stop()
+    assert staleness == [0] * 12 and t.buffer.over_bound == 0
+
+
 async def test_the_version_moves_only_once_the_new_weights_are_committed():
     """While new weights stage the fleet still generates on the old ones: a group started then
     belongs to the old version, so ``wait`` must not admit the next version's groups yet."""

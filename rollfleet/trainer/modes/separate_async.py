@@ -34,6 +34,7 @@ class SeparateAsyncTrainer(Trainer):
             strategy=t.max_off_policy_strategy,
             groups_per_version=t.train_batch_size * t.parameter_sync_step,
             version=lambda: self.version,
+            trained_in_version=t.train_batch_size * (self.step % t.parameter_sync_step),
         )
         self.rollouter = Rollouter(
             self.agent_manager,
