@@ -138,6 +138,17 @@ class FleetOperationFailed(RollfleetError, RuntimeError):
         return (type(self), (self.op, self.failures))
 
 
+class FleetShutDown(RollfleetError, RuntimeError):
+    """The fleet was shut down: it starts no replica any more (``op`` was asked of it after)."""
+
+    def __init__(self, op: str) -> None:
+        self.op = op
+        super().__init__(f"{op}: the fleet is shut down")
+
+    def __reduce__(self):
+        return (type(self), (self.op,))
+
+
 class RetriesExhausted(RollfleetError, RuntimeError):
     """The client's bounded retry policy gave up; ``last_error`` is the final cause."""
 
@@ -214,6 +225,7 @@ __all__ = [
     "NotSupported",
     "InsufficientResources",
     "FleetOperationFailed",
+    "FleetShutDown",
     "RetriesExhausted",
     "UnknownName",
     "AlreadyRegistered",

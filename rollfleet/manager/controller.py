@@ -21,7 +21,7 @@ import time
 from typing import Any, Callable, Optional
 
 from rollfleet.config import RolloutConfig
-from rollfleet.errors import InsufficientResources
+from rollfleet.errors import FleetShutDown, InsufficientResources, InvalidRequest
 from rollfleet.health import FleetSnapshot, HealthState, ReplicaRecord
 from rollfleet.manager.fanout import ControlFanOut
 from rollfleet.manager.joining import ReplicaStarter, replica_info
@@ -60,6 +60,9 @@ class FleetController(HealthSupervisor, ReplicaStarter, ControlFanOut):
         self._rolling_version: Optional[int] = None  # the version a rolling update is committing
         self._probe_task: Optional[asyncio.Task[None]] = None
         self._restart_tasks: dict[str, asyncio.Task[None]] = {}
+        self._starting: set[asyncio.Task[Any]] = set()  # add_replicas' starts, which shutdown stops
+        self._closed = False
+        self._learner_host: Optional[str] = None  # the replica whose devices a colocated learner shares
         self._events: list[FleetEvent] = []
         self._update_lock = asyncio.Lock()  # one weight update at a time; a joining replica's last load
         self._changed: Optional[asyncio.Event] = None  # set (and replaced) on every change
@@ -80,8 +83,10 @@ class FleetController(HealthSupervisor, ReplicaStarter, ControlFanOut):
         Asking for more devices than the cluster has fails at once with
         :class:`InsufficientResources` naming ``field_name``; nothing is started then.
         """
+        self._check_open()
         if self._placer is not None:
             await self._placer.check_capacity(len(self._records) + n, field_name)
+        self._check_open()
         ids = []
         for _ in range(n):
             index = self._next_index
@@ -89,7 +94,11 @@ class FleetController(HealthSupervisor, ReplicaStarter, ControlFanOut):
             rid = f"replica-{index}"
             self._indices[rid] = index
             ids.append(rid)
-        results = await asyncio.gather(*(self._start_in_time(rid) for rid in ids), return_exceptions=True)
+        starts = [asyncio.ensure_future(self._start_in_time(rid)) for rid in ids]
+        self._starting.update(starts)
+        for start in starts:
+            start.add_done_callback(self._starting.discard)
+        results = await asyncio.gather(*starts, return_exceptions=True)
         failed = [(rid, r) for rid, r in zip(ids, results) if isinstance(r, BaseException)]
         for rid, _ in failed:  # the others serve; these leave nothing behind
             record = self._records.pop(rid, None)
@@ -99,6 +108,8 @@ class FleetController(HealthSupervisor, ReplicaStarter, ControlFanOut):
                 self._placer.release(rid)
         if failed:
             self._membership_changed()
+            if self._closed:  # cancelled by shutdown(), not by this call's caller
+                raise FleetShutDown("add_replicas")
             raise failed[0][1]
         self._ensure_prober()
         return [r for r in results if not isinstance(r, BaseException)]  # all of them: none failed
@@ -127,6 +138,13 @@ class FleetController(HealthSupervisor, ReplicaStarter, ControlFanOut):
             raise
 
     async def _remove(self, replica_ids: list[str], drain_timeout_s: float) -> list[str]:
+        if self._learner_host in replica_ids and self._learner_host in self._records:
+            raise InvalidRequest(
+                "replica_ids",
+                f"not {self._learner_host}: the colocated learner (placement.colocate) shares its devices, and "
+                "removing its placement group would kill the learner",
+                replica_ids,
+            )
         removed, restarts = [], []
         for rid in replica_ids:
             record = self._records.get(rid)
@@ -139,7 +157,8 @@ class FleetController(HealthSupervisor, ReplicaStarter, ControlFanOut):
                 restart.cancel()
                 restarts.append(restart)
         self._membership_changed()
-        await asyncio.gather(*restarts, return_exceptions=True)
+        if restarts:
+            await asyncio.wait(restarts, timeout=STOP_TIMEOUT_DEAD_S)
         await asyncio.gather(*(self._drain_and_stop(rid, drain_timeout_s) for rid in removed))
         for rid in removed:
             self._records.pop(rid, None)
@@ -259,6 +278,7 @@ class FleetController(HealthSupervisor, ReplicaStarter, ControlFanOut):
                 raise InsufficientResources(
                     "placement.colocate", "a replica to share devices with", "no replica placed"
                 )
+            self._learner_host = placed[0][0]
             return placed[0][1].rank(0, fraction=self.config.placement.colocate_fraction)
         group = await self._placer.reserve_worker("learner")
         if group is not None:
@@ -293,11 +313,22 @@ class FleetController(HealthSupervisor, ReplicaStarter, ControlFanOut):
         results = await asyncio.gather(*(one(r) for r in records))
         return {r.replica_id: s for r, s in zip(records, results)}
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise FleetShutDown("add_replicas")
+
     async def shutdown(self) -> None:
+        """Stop every replica, those still starting too: their starts and restarts are cancelled
+        and waited for first, so that a placement group still being reserved is removed (left
+        pending, it took the devices once they freed, and a replica came up after the shutdown)."""
+        self._closed = True
         if self._probe_task is not None:
             self._probe_task.cancel()
-        for task in list(self._restart_tasks.values()):
+        starts = [*self._restart_tasks.values(), *self._starting]
+        for task in starts:
             task.cancel()
+        if starts:  # each cleans up as it is cancelled; bounded, should one be stuck in a call that hangs
+            await asyncio.wait(starts, timeout=STOP_TIMEOUT_DEAD_S)
         await asyncio.gather(*(self._stop_handle(r.handle) for r in self._records.values()), return_exceptions=True)
         self._records.clear()
         if self._placer is not None:

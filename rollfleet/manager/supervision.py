@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from rollfleet.errors import InsufficientResources
 from rollfleet.health import HealthState, ReplicaRecord, can_transition
+from rollfleet.manager.fanout import ControlTimeout
 from rollfleet.records import FleetEvent
 
 if TYPE_CHECKING:
@@ -49,6 +50,7 @@ class HealthSupervisor:
     _restart_tasks: dict[str, asyncio.Task[None]]
     _events: list[FleetEvent]
     _probe_task: Optional[asyncio.Task[None]]
+    _closed: bool
 
     if TYPE_CHECKING:
 
@@ -179,11 +181,13 @@ class HealthSupervisor:
         limit = self.config.health.start_timeout_s
         try:
             return await asyncio.wait_for(self._start_replica(rid), limit)
+        except ControlTimeout:
+            raise  # a call of the start-up ran out of its own, shorter, limit: its error says which
         except asyncio.TimeoutError:
             raise TimeoutError(f"{rid}: start took over health.start_timeout_s={limit:g}s") from None
 
     def _schedule_restart(self, record: ReplicaRecord) -> None:
-        if not self.config.health.auto_restart or record.replica_id in self._restart_tasks:
+        if not self.config.health.auto_restart or record.replica_id in self._restart_tasks or self._closed:
             return
         rid = record.replica_id
         task = asyncio.get_running_loop().create_task(self._restart(rid))
@@ -205,16 +209,20 @@ class HealthSupervisor:
         self._set_state(record, HealthState.RESTARTING, f"restart #{record.restarts}")
         lost_placements = 0
         tries = 0
-        while self._records.get(rid) is record:
+        while self._restart_wanted(record):
             try:
                 await self._start_in_time(rid)
                 return
             except InsufficientResources as exc:  # no room now: wait, visibly, and try again
+                if not self._restart_wanted(record):
+                    return
                 self._set_state(record, HealthState.PENDING, f"waiting for devices: {exc}", force=True)
                 await asyncio.sleep(self.config.placement.pending_retry_s)
                 continue
             except Exception as exc:
                 await self._stop_handle(record.handle, timeout_s=STOP_TIMEOUT_DEAD_S)
+                if not self._restart_wanted(record):
+                    return
                 if self._placer is not None and record.node_id in await self._dead_nodes() and lost_placements < 3:
                     lost_placements += 1  # its node died while it started: place it again
                     continue
@@ -224,6 +232,8 @@ class HealthSupervisor:
                     self._set_state(
                         record, HealthState.DEAD, f"gave up after {tries} restart tries: {exc!r}", force=True
                     )
+                    if self._placer is not None:  # nothing revisits it: its devices go back to the cluster
+                        self._placer.release(rid)
                     return
                 delay = min(health.max_restart_backoff_s, health.restart_backoff_s * 2 ** (tries - 1))
                 logger.warning("replica %s: restart try %d failed (%r); next try in %.1fs", rid, tries, exc, delay)
@@ -234,6 +244,15 @@ class HealthSupervisor:
                     force=True,
                 )
                 await asyncio.sleep(delay)
+
+    def _restart_wanted(self, record: ReplicaRecord) -> bool:
+        """Whether ``record``'s restart goes on: still a member, not being removed, the fleet not
+        shut down. Checked besides cancellation, which Python 3.11's ``wait_for`` (in the calls a
+        start makes) swallows when it comes just as the awaited call ends: the restart then went on
+        trying, a removal or a shutdown waiting on it for good."""
+        return (
+            not self._closed and self._records.get(record.replica_id) is record and record.state != HealthState.DRAINING
+        )
 
     def _set_state(self, record: ReplicaRecord, state: HealthState, detail: str, force: bool = False) -> None:
         if not force and not can_transition(record.state, state):

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from rollfleet.errors import FleetShutDown
 from rollfleet.manager import supervision
 from rollfleet.manager.controller import FleetController
 from rollfleet.server.replica import Replica, ReplicaState
@@ -136,26 +137,42 @@ async def test_a_replica_hanging_as_it_joins_does_not_hold_up_the_trainers_updat
     await controller.shutdown()
 
 
-class StalledNodeTable:
-    """A placer whose node query never returns (Ray's GCS stalled) and that places nothing."""
+class FakePlacer:
+    """A placer that places nothing (the replicas are in-process) and records what it is asked:
+    its node query may never return (Ray's GCS stalled), its reservation may wait for devices."""
 
-    def __init__(self) -> None:
+    def __init__(self, stall_nodes: bool = False, block_reserve: bool = False) -> None:
         self.placements: dict[str, Any] = {}
+        self.stall_nodes, self.block_reserve = stall_nodes, block_reserve
         self.queries = 0
+        self.reserving = asyncio.Event()
+        self.reservation_cancelled = False
+        self.released: list[str] = []
+
+    async def check_capacity(self, total: int, field_name: str) -> None:
+        pass
 
     async def dead_nodes(self) -> set[str]:
         self.queries += 1
-        await asyncio.Event().wait()
+        if self.stall_nodes:
+            await asyncio.Event().wait()
         return set()
 
     async def reserve(self, rid: str, fraction: float) -> None:
+        if self.block_reserve:  # no devices free: Placer._create_group waits on pg.ready()
+            self.reserving.set()
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                self.reservation_cancelled = True  # where the real one removes its pending group
+                raise
         return None
 
     def release(self, rid: str) -> None:
-        pass
+        self.released.append(rid)
 
     def release_all(self) -> None:
-        pass
+        self.released.append("*")
 
 
 async def test_a_stalled_node_table_does_not_stop_the_probes():
@@ -164,7 +181,7 @@ async def test_a_stalled_node_table_does_not_stop_the_probes():
     faults = Faults()
     controller, replicas = fleet(config(), faults)
     await controller.launch(2)
-    nodes = StalledNodeTable()
+    nodes = FakePlacer(stall_nodes=True)
     controller._placer = nodes  # type: ignore[assignment]
     first = replicas["replica-1"]
     faults.dead_actors.append(first)
@@ -176,4 +193,40 @@ async def test_a_stalled_node_table_does_not_stop_the_probes():
     await wait_until(restarted, "replica-1 found dead and restarted")
     assert replicas["replica-1"] is not first
     assert nodes.queries == 1  # the rounds wait on the one query, they do not start one each
+    await controller.shutdown()
+
+
+async def test_a_shutdown_during_a_launch_stops_the_reservation_still_waiting_for_devices():
+    """Shut down while a launch waits for devices (another job holds them): the launch used to go
+    on, its placement group pending, and take the devices, and start a replica, once they freed."""
+    controller, _ = fleet(config(), Faults())
+    placer = FakePlacer(block_reserve=True)
+    controller._placer = placer  # type: ignore[assignment]
+    launch = asyncio.ensure_future(controller.launch(2))
+    await asyncio.wait_for(placer.reserving.wait(), 5)
+    await asyncio.wait_for(controller.shutdown(), 5)
+    assert placer.reservation_cancelled  # before shutdown() returned
+    with pytest.raises(FleetShutDown):
+        await launch
+    with pytest.raises(FleetShutDown):
+        await controller.add_replicas(1)
+    assert not (await controller.status()).replicas
+
+
+async def test_a_replica_given_up_on_gives_its_devices_back():
+    """After ``health.max_restart_attempts`` a replica stays dead, visibly, and nothing revisits
+    it: its placement group used to keep its devices until the fleet shut down."""
+    faults = Faults()
+    controller, replicas = fleet(config(max_restart_attempts=1), faults)
+    await controller.launch(2)
+    placer = FakePlacer()
+    controller._placer = placer  # type: ignore[assignment]
+    faults.failed_starts["replica-1"] = 99
+    faults.dead_actors.append(replicas["replica-1"])
+
+    async def given_up() -> bool:
+        return "gave up" in (await controller.status()).replicas["replica-1"].detail
+
+    await wait_until(given_up, "replica-1 given up on")
+    assert placer.released == ["replica-1"]
     await controller.shutdown()

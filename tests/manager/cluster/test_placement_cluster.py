@@ -11,13 +11,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
+from typing import Optional
 
 import pytest
 from conftest import CPUS_PER_NODE, GPUS_PER_NODE, alive_node_ids
 
 from rollfleet.client import FullyAsyncLLMServerClient
 from rollfleet.config import RollfleetConfig
-from rollfleet.errors import InsufficientResources
+from rollfleet.errors import InsufficientResources, InvalidRequest
 from rollfleet.manager import LLMServerManager
 
 pytestmark = [pytest.mark.ray, pytest.mark.cluster]
@@ -100,8 +101,9 @@ async def test_strict_spread_puts_one_replica_per_node_and_refuses_a_fourth(clus
         await manager.shutdown()
 
 
-async def learner_probe(manager):
-    """An actor placed where the fleet says the learner goes; returns (node id, GPU ids)."""
+async def learner_probe(manager, keep: Optional[list] = None):
+    """An actor placed where the fleet says the learner goes; returns (node id, GPU ids). The
+    actor goes into ``keep`` when given (else it is gone with its handle)."""
     import ray
 
     @ray.remote
@@ -112,15 +114,24 @@ async def learner_probe(manager):
 
     placement = await manager.learner_placement()
     probe = Probe.options(**placement.actor_options()).remote()
+    if keep is not None:
+        keep.append(probe)
     return await probe.where.remote()
 
 
 async def test_colocated_learner_shares_the_first_replicas_device(cluster):
+    """...and that replica cannot be removed: its placement group going would kill the learner."""
     manager = await LLMServerManager.create(sim_config(2, colocate=True))
     try:
-        first = (await manager.get_replicas())[0]
-        node, gpus = await learner_probe(manager)
+        first, second = await manager.get_replicas()
+        learner: list = []
+        node, gpus = await learner_probe(manager, keep=learner)
         assert node == first.node_id and gpus == first.devices[:1]
+        with pytest.raises(InvalidRequest) as err:
+            await manager.remove_replicas([first.replica_id], drain_timeout_s=1.0)
+        assert err.value.field == "replica_ids" and "colocated learner" in str(err.value)
+        assert await manager.remove_replicas([second.replica_id], drain_timeout_s=1.0) == [second.replica_id]
+        assert await asyncio.wait_for(learner[0].where.remote(), 10) == (node, gpus)  # alive
     finally:
         await manager.shutdown()
 
