@@ -23,32 +23,33 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
 from rollfleet.config import PlacementConfig
 from rollfleet.errors import InsufficientResources
+from rollfleet.manager.cluster_view import (
+    DEVICE_RESOURCE,
+    NodeInfo,
+    choose_node,
+    describe_cluster,
+    device_bundle,
+    label_matches,
+    one_replica_short,
+    replicas_that_fit,
+)
 
 logger = logging.getLogger(__name__)
 
 #: Ray's built-in label holding a node's id (every node has it).
 NODE_ID_LABEL = "ray.io/node-id"
-#: The Ray resource one device of each kind reserves.
-DEVICE_RESOURCE = {"gpu": "GPU", "cpu": "CPU"}
-
-
-@dataclass(frozen=True)
-class NodeInfo:
-    """One Ray node as placement sees it."""
-
-    node_id: str
-    ip: str
-    alive: bool
-    total: Mapping[str, float]
-    free: Mapping[str, float]
-    labels: Mapping[str, str] = field(default_factory=dict)
+#: Where each built-in engine's devices per replica are set.
+_TP_FIELDS = {
+    "vllm": "rollout.vllm.tensor_parallel_size",
+    "sglang": "rollout.sglang.tp_size",
+    "sim": "rollout.sim.tensor_parallel_size",
+}
 
 
 def list_nodes(with_free: bool = True) -> list[NodeInfo]:
@@ -71,87 +72,6 @@ def list_nodes(with_free: bool = True) -> list[NodeInfo]:
             NodeInfo(n["NodeID"], n["NodeManagerAddress"], bool(n["Alive"]), total, free, n.get("Labels") or {})
         )
     return nodes
-
-
-def label_matches(labels: Mapping[str, str], selector: Mapping[str, str]) -> bool:
-    """Ray's label-selector rules: ``x``, ``!x``, ``in(x,y)``, ``!in(x,y)``."""
-    for key, want in selector.items():
-        have = labels.get(key)
-        negate = want.startswith("!")
-        want = want[1:] if negate else want
-        if want.startswith("in(") and want.endswith(")"):
-            ok = have in {v.strip() for v in want[3:-1].split(",")}
-        else:
-            ok = have == want
-        if ok == negate:
-            return False
-    return True
-
-
-def device_bundle(device: str, config: PlacementConfig) -> dict[str, float]:
-    """The bundle of one device: the device, the CPUs that go with it, custom resources."""
-    bundle = {"CPU": float(config.cpus_per_device)}
-    if device == "gpu":
-        bundle["GPU"] = 1.0
-    bundle.update(config.resources)
-    return bundle
-
-
-def replicas_that_fit(node: NodeInfo, bundle: Mapping[str, float], devices: int, *, free: bool) -> int:
-    """How many replicas of ``devices`` bundles fit on ``node`` (in its free or total resources)."""
-    have = node.free if free else node.total
-    counts = [
-        math.floor(have.get(res, 0.0) / (amount * devices) + 1e-9) for res, amount in bundle.items() if amount > 0
-    ]
-    return max(0, min(counts)) if counts else 0
-
-
-def choose_node(
-    nodes: Sequence[NodeInfo],
-    bundle: Mapping[str, float],
-    devices: int,
-    strategy: str,
-    selector: Mapping[str, str],
-    hosted: Mapping[str, int],
-) -> Optional[NodeInfo]:
-    """The node for the next replica, or None when no live node has room.
-
-    ``hosted`` counts this fleet's replicas per node. PACK: the node already hosting most of them,
-    then the tightest fit (a node is filled before the next is opened); SPREAD: the node hosting
-    fewest, then the most room; STRICT_SPREAD: only nodes hosting none. Ties keep Ray's node order.
-    """
-    # (Ray's order, node, replicas that fit in its free resources): room is computed once a node.
-    candidates = [
-        (i, n, room)
-        for i, n in enumerate(nodes)
-        if n.alive
-        and label_matches(n.labels, selector)
-        and (room := replicas_that_fit(n, bundle, devices, free=True)) > 0
-    ]
-    if strategy == "STRICT_SPREAD":
-        candidates = [c for c in candidates if hosted.get(c[1].node_id, 0) == 0]
-    if not candidates:
-        return None
-    if strategy == "PACK":
-        key = lambda c: (-hosted.get(c[1].node_id, 0), c[2], c[0])  # noqa: E731
-    else:
-        key = lambda c: (hosted.get(c[1].node_id, 0), -c[2], c[0])  # noqa: E731
-    return min(candidates, key=key)[1]
-
-
-def describe_cluster(nodes: Sequence[NodeInfo], selector: Mapping[str, str]) -> str:
-    """'3 live nodes with 12 GPU, 6 CPU (at most 4 GPU on one node)' for error messages."""
-    live = [n for n in nodes if n.alive and label_matches(n.labels, selector)]
-    where = f" matching {dict(selector)}" if selector else ""
-    if not live:
-        return f"no live node{where}"
-    totals: dict[str, float] = {}
-    for n in live:
-        for res in ("GPU", "CPU"):
-            totals[res] = totals.get(res, 0.0) + n.total.get(res, 0.0)
-    most_gpu = max(n.total.get("GPU", 0.0) for n in live)
-    parts = ", ".join(f"{v:g} {k}" for k, v in totals.items() if v)
-    return f"{len(live)} live node{'s' if len(live) != 1 else ''}{where} with {parts} (at most {most_gpu:g} GPU on one node)"
 
 
 @dataclass
@@ -257,16 +177,36 @@ class Placer:
         ]
         if self.config.strategy == "STRICT_SPREAD":
             per_node = [min(1, c) for c in per_node]
-        if total_replicas > sum(per_node):
-            tp = self.devices_per_replica
-            res = DEVICE_RESOURCE[device]
+        if total_replicas <= sum(per_node):
+            return
+        tp = self.devices_per_replica
+        res = DEVICE_RESOURCE[device]
+        cluster = describe_cluster(nodes, selector, list(bundle))
+        short = one_replica_short(nodes, bundle, tp, selector)
+        if short is not None:  # no node holds even one replica: the replica's size is the limit
+            name, need, most = short
             raise InsufficientResources(
-                field_name,
-                f"{total_replicas} replicas x {tp} {res} (tensor_parallel_size={tp}, "
-                f"{self.config.cpus_per_device:g} CPU per device, strategy {self.config.strategy})",
-                describe_cluster(nodes, selector),
-                f"room for {sum(per_node)} such replicas",
+                self._field_of(name, device),
+                f"{need:g} {name} on one node for one replica ({tp} x {bundle[name]:g} {name}: a replica's "
+                f"devices share a node)",
+                cluster,
+                f"at most {most:g} {name} on one live node",
             )
+        raise InsufficientResources(
+            field_name,
+            f"{total_replicas} replicas x {tp} {res} (tensor_parallel_size={tp}, "
+            f"{self.config.cpus_per_device:g} CPU per device, strategy {self.config.strategy})",
+            cluster,
+            f"room for {sum(per_node)} such replicas",
+        )
+
+    def _field_of(self, resource: str, device: str) -> str:
+        """The setting that sizes ``resource`` in one replica."""
+        if resource == DEVICE_RESOURCE[device]:
+            return _TP_FIELDS.get(self.engine, "rollout.engine_args.tensor_parallel_size")
+        if resource == "CPU":
+            return "rollout.placement.cpus_per_device"
+        return f"rollout.placement.resources.{resource}"
 
     # ------------------------------------------------------------------ reserve / release
     async def reserve(self, rid: str, fraction: float = 1.0) -> Optional[ReplicaPlacement]:
@@ -290,7 +230,7 @@ class Placer:
                 raise InsufficientResources(
                     f"replica {rid}",
                     f"{tp} free {DEVICE_RESOURCE[device]} on one node (strategy {self.config.strategy})",
-                    describe_cluster(nodes, self.config.node_labels),
+                    describe_cluster(nodes, self.config.node_labels, list(bundle)),
                     "no live node has room now",
                 )
             selector = {**self.config.node_labels, NODE_ID_LABEL: node.node_id}
@@ -328,7 +268,7 @@ class Placer:
             raise InsufficientResources(
                 "rollout.placement.timeout_s",
                 f"{len(bundles)} x {bundles[0]} for {owner}",
-                describe_cluster(nodes, self.config.node_labels),
+                describe_cluster(nodes, self.config.node_labels, list(bundles[0])),
                 f"Ray could not place it within {self.config.timeout_s:g} s (other jobs may hold the devices)",
             ) from None
         except BaseException:  # cancelled (a removal, a shutdown): nobody else knows of this group yet

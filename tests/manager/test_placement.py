@@ -7,8 +7,10 @@ import pytest
 
 from rollfleet.config import PlacementConfig, RolloutConfig
 from rollfleet.engines.vllm import VLLMEngine
+from rollfleet.errors import InsufficientResources
 from rollfleet.manager.placement import (
     NodeInfo,
+    Placer,
     choose_node,
     describe_cluster,
     device_bundle,
@@ -149,3 +151,43 @@ async def test_a_reservation_cancelled_while_it_waits_for_devices_removes_its_gr
     with pytest.raises(asyncio.CancelledError):
         await reserving
     assert removed == created and placer.placements == {}
+
+
+def placer_over(nodes: list[NodeInfo], tp: int, engine: str = "vllm", **placement) -> Placer:
+    """A placer that sees ``nodes`` as Ray's node table (no Ray)."""
+    placer = Placer(PlacementConfig(device="gpu", **placement), tp, engine)
+
+    async def listed(with_free: bool = True) -> list[NodeInfo]:
+        return nodes
+
+    placer.nodes = listed  # type: ignore[method-assign]
+    return placer
+
+
+@pytest.mark.parametrize(
+    "tp, engine, placement, field, limit, seen",
+    [
+        # 16 GPUs in all, 8 on a node: no number of replicas fits a 16-device replica
+        (16, "vllm", {}, "rollout.vllm.tensor_parallel_size", "16 GPU on one node", "at most 8 GPU on one live node"),
+        (16, "sglang", {}, "rollout.sglang.tp_size", "16 GPU on one node", "at most 8 GPU on one live node"),
+        (2, "vllm", {"cpus_per_device": 6}, "rollout.placement.cpus_per_device", "12 CPU on one node", "at most 8 CPU"),
+        # a custom resource no node has: named, and counted in the cluster's description
+        (1, "vllm", {"resources": {"rollout_slot": 1}}, "rollout.placement.resources.rollout_slot", "1 rollout_slot on one node", "0 rollout_slot"),
+    ],
+)  # fmt: skip
+async def test_a_replica_no_node_can_hold_is_blamed_on_the_setting_that_sizes_it(
+    tp, engine, placement, field, limit, seen
+):
+    """It used to name ``rollout.num_replicas`` and say nothing of a custom resource."""
+    placer = placer_over([node("n1", gpus=8), node("n2", gpus=8)], tp, engine, **placement)
+    with pytest.raises(InsufficientResources) as err:
+        await placer.check_capacity(1, "rollout.num_replicas")
+    assert err.value.field == field and limit in str(err.value) and seen in str(err.value)
+
+
+async def test_too_many_replicas_that_each_fit_are_blamed_on_the_count():
+    placer = placer_over([node("n1", gpus=8), node("n2", gpus=8)], 4)
+    await placer.check_capacity(4, "rollout.num_replicas")
+    with pytest.raises(InsufficientResources) as err:
+        await placer.check_capacity(5, "rollout.num_replicas")
+    assert err.value.field == "rollout.num_replicas" and "room for 4 such replicas" in str(err.value)

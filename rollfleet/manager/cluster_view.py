@@ -1,0 +1,141 @@
+"""The cluster as placement sees it: nodes, what one replica needs, where it fits, and how to say
+so when it does not (pure functions over a snapshot of Ray's node table: no Ray calls here).
+
+An error about room names what limits it: a replica's devices share one node, so a cluster with
+enough devices in all may still have no node that holds one replica; the setting to change is
+then the replica's (its tensor parallelism, its CPUs per device, a custom resource), not the
+number of replicas.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Sequence
+
+from rollfleet.config import PlacementConfig
+
+#: The Ray resource one device of each kind reserves.
+DEVICE_RESOURCE = {"gpu": "GPU", "cpu": "CPU"}
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """One Ray node as placement sees it."""
+
+    node_id: str
+    ip: str
+    alive: bool
+    total: Mapping[str, float]
+    free: Mapping[str, float]
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+
+def label_matches(labels: Mapping[str, str], selector: Mapping[str, str]) -> bool:
+    """Ray's label-selector rules: ``x``, ``!x``, ``in(x,y)``, ``!in(x,y)``."""
+    for key, want in selector.items():
+        have = labels.get(key)
+        negate = want.startswith("!")
+        want = want[1:] if negate else want
+        if want.startswith("in(") and want.endswith(")"):
+            ok = have in {v.strip() for v in want[3:-1].split(",")}
+        else:
+            ok = have == want
+        if ok == negate:
+            return False
+    return True
+
+
+def device_bundle(device: str, config: PlacementConfig) -> dict[str, float]:
+    """The bundle of one device: the device, the CPUs that go with it, custom resources."""
+    bundle = {"CPU": float(config.cpus_per_device)}
+    if device == "gpu":
+        bundle["GPU"] = 1.0
+    bundle.update(config.resources)
+    return bundle
+
+
+def replicas_that_fit(node: NodeInfo, bundle: Mapping[str, float], devices: int, *, free: bool) -> int:
+    """How many replicas of ``devices`` bundles fit on ``node`` (in its free or total resources)."""
+    have = node.free if free else node.total
+    counts = [
+        math.floor(have.get(res, 0.0) / (amount * devices) + 1e-9) for res, amount in bundle.items() if amount > 0
+    ]
+    return max(0, min(counts)) if counts else 0
+
+
+def choose_node(
+    nodes: Sequence[NodeInfo],
+    bundle: Mapping[str, float],
+    devices: int,
+    strategy: str,
+    selector: Mapping[str, str],
+    hosted: Mapping[str, int],
+) -> Optional[NodeInfo]:
+    """The node for the next replica, or None when no live node has room.
+
+    ``hosted`` counts this fleet's replicas per node. PACK: the node already hosting most of them,
+    then the tightest fit (a node is filled before the next is opened); SPREAD: the node hosting
+    fewest, then the most room; STRICT_SPREAD: only nodes hosting none. Ties keep Ray's node order.
+    """
+    # (Ray's order, node, replicas that fit in its free resources): room is computed once a node.
+    candidates = [
+        (i, n, room)
+        for i, n in enumerate(nodes)
+        if n.alive
+        and label_matches(n.labels, selector)
+        and (room := replicas_that_fit(n, bundle, devices, free=True)) > 0
+    ]
+    if strategy == "STRICT_SPREAD":
+        candidates = [c for c in candidates if hosted.get(c[1].node_id, 0) == 0]
+    if not candidates:
+        return None
+    if strategy == "PACK":
+        key = lambda c: (-hosted.get(c[1].node_id, 0), c[2], c[0])  # noqa: E731
+    else:
+        key = lambda c: (hosted.get(c[1].node_id, 0), -c[2], c[0])  # noqa: E731
+    return min(candidates, key=key)[1]
+
+
+def describe_cluster(nodes: Sequence[NodeInfo], selector: Mapping[str, str], resources: Sequence[str] = ()) -> str:
+    """'3 live nodes with 12 GPU, 6 CPU (at most 4 GPU on one node)' for error messages; with
+    ``resources`` (a replica's custom ones), their totals too, none left out for being 0."""
+    live = [n for n in nodes if n.alive and label_matches(n.labels, selector)]
+    where = f" matching {dict(selector)}" if selector else ""
+    if not live:
+        return f"no live node{where}"
+    totals: dict[str, float] = {}
+    custom = [r for r in resources if r not in ("GPU", "CPU")]
+    for n in live:
+        for res in ("GPU", "CPU", *custom):
+            totals[res] = totals.get(res, 0.0) + n.total.get(res, 0.0)
+    most_gpu = max(n.total.get("GPU", 0.0) for n in live)
+    parts = ", ".join(f"{v:g} {k}" for k, v in totals.items() if v or k in custom)
+    return f"{len(live)} live node{'s' if len(live) != 1 else ''}{where} with {parts} (at most {most_gpu:g} GPU on one node)"
+
+
+def one_replica_short(
+    nodes: Sequence[NodeInfo], bundle: Mapping[str, float], devices: int, selector: Mapping[str, str]
+) -> Optional[tuple[str, float, float]]:
+    """``(resource, needed on one node, most any live node has)`` for a resource no live node
+    matching ``selector`` has enough of to hold one replica of ``devices`` bundles, or None. The
+    devices and custom resources come before CPUs: short of both, the replica's size is the fix."""
+    live = [n for n in nodes if n.alive and label_matches(n.labels, selector)]
+    for res, amount in sorted(bundle.items(), key=lambda kv: kv[0] == "CPU"):  # the devices' CPUs last
+        need = amount * devices
+        most = max((n.total.get(res, 0.0) for n in live), default=0.0)
+        if need > 0 and most + 1e-9 < need:
+            return res, need, most
+    return None
+
+
+__all__ = [
+    "DEVICE_RESOURCE",
+    "NodeInfo",
+    "choose_node",
+    "describe_cluster",
+    "device_bundle",
+    "label_matches",
+    "one_replica_short",
+    "replicas_that_fit",
+]
