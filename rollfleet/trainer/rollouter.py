@@ -67,6 +67,17 @@ class Rollouter:
         return sorted(set(self.inflight) | set(self._reissue))
 
     async def _run(self) -> None:
+        """Start groups for good; should that fail (the task stream raised), the trainer hears so
+        at its next ``take`` instead of waiting forever for groups nobody starts."""
+        try:
+            await self._start_groups()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            logger.error("the rollouter stopped starting groups: %r", exc)
+            await self.buffer.fail(exc)
+
+    async def _start_groups(self) -> None:
         sem = asyncio.Semaphore(self.max_inflight_groups)
 
         def group_done(task: asyncio.Task[None]) -> None:
@@ -80,7 +91,14 @@ class Rollouter:
             except BaseException:
                 sem.release()
                 raise
-            sample = self.stream.sample_at(self._reissue.pop(0)) if self._reissue else self.stream.next()
+            try:
+                sample = self.stream.sample_at(self._reissue[0]) if self._reissue else self.stream.next()
+            except BaseException:
+                sem.release()
+                await asyncio.shield(self.buffer.abandon(ticket))
+                raise
+            if self._reissue:
+                self._reissue.pop(0)  # taken only once its sample is: a failed one stays to be re-issued
             # Counted before the task runs: a task cancelled before its first step runs no code.
             self.inflight[int(sample.get("task_index", -1))] = self._version()
             task = asyncio.get_running_loop().create_task(self._group(sample, ticket))

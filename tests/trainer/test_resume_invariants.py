@@ -272,3 +272,26 @@ async def test_a_sample_left_out_of_the_loss_is_left_out_of_its_groups_baseline(
     assert learner.advantages[4] > 0 > learner.advantages[5]
     assert metrics["rollout/left_out_of_baseline"] == 1.0
     assert metrics["reward/mean"] == pytest.approx(4 / 5)
+
+
+async def test_a_task_stream_that_fails_stops_the_run_instead_of_hanging_it():
+    """The rollouter's loop died with the stream's error, unseen: the trainer waited forever."""
+
+    class Failing:
+        position = 0
+
+        def next(self) -> dict:
+            self.position += 1
+            if self.position > 3:
+                raise OSError("dataset shard unreadable")
+            return {"task_index": self.position - 1}
+
+    buffer = GroupBuffer(capacity=8, max_off_policy_steps=2, strategy="drop", groups_per_version=4, version=lambda: 0)
+    rollouter = Rollouter(
+        Instant(), Failing(), buffer, n=2, max_inflight_groups=8, partial_rollout=True, version=lambda: 0
+    )
+    rollouter.start()
+    with pytest.raises(RuntimeError, match="dataset shard unreadable"):
+        await asyncio.wait_for(buffer.take(4), 5)
+    assert buffer.started == 3  # the failed start gave its ticket back
+    await rollouter.stop()
