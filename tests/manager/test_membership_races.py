@@ -126,6 +126,12 @@ async def test_a_replica_hanging_as_it_joins_does_not_hold_up_the_trainers_updat
     await asyncio.sleep(0.1)  # in its start's last calls by now (the sim engine starts at once)
     report = await asyncio.wait_for(controller.update_weights({"step": 2}, 2), 5.0)
     assert report["version"] == 2 and report["replicas"] == 1
+
+    async def told_why() -> bool:  # the call's own limit, not "start took over start_timeout_s"
+        detail = (await controller.status()).replicas["replica-1"].detail
+        return f"{hang} on starting replica-1 took over 0.5s" in detail
+
+    await wait_until(told_why, "replica-1's start failing on the hung call's own limit")
     faults.hung.clear()
 
     async def back_on_version_2() -> bool:
