@@ -30,6 +30,7 @@ from rollfleet.manager.prometheus import ScrapeConfigWriter
 from rollfleet.manager.supervision import STOP_TIMEOUT_DEAD_S, HealthSupervisor
 from rollfleet.records import FleetEvent, FleetStatus, ReplicaInfo, ReplicaStatus
 from rollfleet.server.direct import DirectHandle
+from rollfleet.utils.aio import run_to_end
 from rollfleet.utils.ids import unique_hex
 
 logger = logging.getLogger(__name__)
@@ -130,12 +131,9 @@ class FleetController(HealthSupervisor, ReplicaStarter, ControlFanOut):
         drain stops (left running, it held its devices with nobody to stop it). A caller that
         gives up does not stop the removal: it runs to its end (bounded by ``drain_timeout_s``
         and the stop), rather than leaving the replicas draining, unroutable, for good."""
-        removal = asyncio.ensure_future(self._remove(replica_ids, drain_timeout_s))
-        try:
-            return await asyncio.shield(removal)
-        except asyncio.CancelledError:
-            removal.add_done_callback(_log_unawaited_removal)  # its caller is gone: the outcome goes to the log
-            raise
+        return await run_to_end(
+            self._remove(replica_ids, drain_timeout_s), "a replica removal", lambda r: f"removed {r}"
+        )
 
     async def _remove(self, replica_ids: list[str], drain_timeout_s: float) -> list[str]:
         if self._learner_host in replica_ids and self._learner_host in self._records:
@@ -346,16 +344,6 @@ def _route_handle(record: ReplicaRecord, allow_pickle: bool = False) -> Any:
         token = record.data_plane_token
         return DirectHandle(record.handle, record.data_plane, record.replica_id, token, allow_pickle)
     return record.handle
-
-
-def _log_unawaited_removal(removal: "asyncio.Future[list[str]]") -> None:
-    if removal.cancelled():
-        return
-    exc = removal.exception()
-    if exc is not None:
-        logger.error("a replica removal whose caller gave up failed: %r", exc)
-    else:
-        logger.info("a replica removal whose caller gave up removed %s", removal.result())
 
 
 def _kill(handle: Any) -> None:

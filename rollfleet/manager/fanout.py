@@ -18,7 +18,6 @@ version (see the controller's start-up path). The version is published only afte
 from __future__ import annotations
 
 import asyncio
-import logging
 import math
 import time
 from collections import Counter
@@ -28,12 +27,11 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional
 from rollfleet.config import RolloutConfig
 from rollfleet.errors import FleetOperationFailed, InvalidRequest, NotSupported
 from rollfleet.health import HealthState, ReplicaRecord
+from rollfleet.utils.aio import run_to_end
 
 #: What a replica raises when the caller asked for something it cannot do, not because it failed:
 #: every replica would answer the same, so nothing is fenced and the error goes back as is.
 CALLER_ERRORS = (NotSupported, InvalidRequest, ValueError, TypeError)
-
-logger = logging.getLogger(__name__)
 
 
 class ControlTimeout(asyncio.TimeoutError):
@@ -46,16 +44,6 @@ class ReplicaGone(RuntimeError):
 
 async def _awaited(ref: Any) -> Any:
     return await ref
-
-
-def _log_unawaited(update: "asyncio.Future[dict[str, Any]]") -> None:
-    if update.cancelled():
-        return
-    exc = update.exception()
-    if exc is not None:
-        logger.error("a weight update whose caller gave up failed: %r", exc)
-    else:
-        logger.info("a weight update whose caller gave up published version %s", update.result()["version"])
 
 
 @dataclass(frozen=True)
@@ -232,12 +220,11 @@ class ControlFanOut:
         does not know they have (committed, still labelled with the old version), and one
         restarted meanwhile would load the old weights beside them unnoticed. It is bounded by
         the stage and commit timeouts."""
-        update = asyncio.ensure_future(self._update_weights(weights, version, mode))
-        try:
-            return await asyncio.shield(update)
-        except asyncio.CancelledError:
-            update.add_done_callback(_log_unawaited)  # its caller is gone: its outcome goes to the log
-            raise
+        return await run_to_end(
+            self._update_weights(weights, version, mode),
+            "a weight update",
+            lambda r: f"published version {r['version']}",
+        )
 
     async def _update_weights(self, weights: Any, version: int, mode: Optional[str]) -> dict[str, Any]:
         if isinstance(weights, WeightsRef):

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 from typing import Any, Awaitable, Callable, Coroutine, Iterable, TypeVar
 
 T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
 
 
 def auto_await(fn: Callable[..., Coroutine[Any, Any, T]]) -> Callable[..., Any]:
@@ -41,3 +44,25 @@ async def gather_or_cancel(calls: Iterable[Awaitable[T]]) -> list[T]:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
+
+
+async def run_to_end(work: Awaitable[T], what: str, outcome: Callable[[T], str]) -> T:
+    """``work``'s result; a caller that gives up (cancelled, timed out) does not stop it: it runs
+    to its end, which goes to the log (``what`` ... ``outcome(result)``). For control operations
+    that, stopped half-way, would leave the fleet in a state nobody knows of."""
+    task = asyncio.ensure_future(work)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        task.add_done_callback(functools.partial(_log_outcome, what, outcome))
+        raise
+
+
+def _log_outcome(what: str, outcome: Callable[[Any], str], task: "asyncio.Future[Any]") -> None:
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is not None:
+        logger.error("%s whose caller gave up failed: %r", what, exc)
+    else:
+        logger.info("%s whose caller gave up %s", what, outcome(task.result()))
