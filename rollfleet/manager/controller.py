@@ -47,7 +47,8 @@ class FleetController(HealthSupervisor, ReplicaStarter, ControlFanOut):
         self._placer = (
             Placer(config.placement, config.tensor_parallel_size, config.name) if replica_factory is None else None
         )
-        self._worker_groups: list[WorkerPlacement] = []  # learner groups of their own (separate mode)
+        self._learner_group: Optional[WorkerPlacement] = None  # the learner's own device (separate mode)
+        self._learner_lock = asyncio.Lock()
         self._scrape = ScrapeConfigWriter(config.prometheus, config.name)
         self._background: set[asyncio.Task[Any]] = set()
         self._records: dict[str, ReplicaRecord] = {}
@@ -267,7 +268,9 @@ class FleetController(HealthSupervisor, ReplicaStarter, ControlFanOut):
 
     async def learner_placement(self) -> Optional[WorkerPlacement]:
         """Where the learner goes: a share of the first replica's first bundle when colocated
-        (``placement.colocate``), else a device bundle of its own; None when nothing is placed."""
+        (``placement.colocate``), else a device bundle of its own, reserved once (a learner made
+        again, after a failure, goes where the first was; each call used to reserve one more
+        device, held until shutdown); None when nothing is placed."""
         if self._placer is None or await self._placer.device() == "none":
             return None
         if self.config.placement.colocate:
@@ -278,10 +281,10 @@ class FleetController(HealthSupervisor, ReplicaStarter, ControlFanOut):
                 )
             self._learner_host = placed[0][0]
             return placed[0][1].rank(0, fraction=self.config.placement.colocate_fraction)
-        group = await self._placer.reserve_worker("learner")
-        if group is not None:
-            self._worker_groups.append(group)
-        return group
+        async with self._learner_lock:  # two callers at once get one device
+            if self._learner_group is None:
+                self._learner_group = await self._placer.reserve_worker("learner")
+        return self._learner_group
 
     async def status(self) -> FleetStatus:
         return FleetStatus(
@@ -331,9 +334,9 @@ class FleetController(HealthSupervisor, ReplicaStarter, ControlFanOut):
         self._records.clear()
         if self._placer is not None:
             self._placer.release_all()
-        for group in self._worker_groups:
-            release_group(group)
-        self._worker_groups.clear()
+        if self._learner_group is not None:
+            release_group(self._learner_group)
+            self._learner_group = None
         self._membership_changed()
 
 

@@ -236,3 +236,26 @@ async def test_a_replica_given_up_on_gives_its_devices_back():
     await wait_until(given_up, "replica-1 given up on")
     assert placer.released == ["replica-1"]
     await controller.shutdown()
+
+
+async def test_a_learner_made_again_goes_to_the_device_reserved_for_the_first():
+    """Each call of ``learner_placement`` (a learner made again after a failure) reserved one
+    more device for the learner, held until the fleet shut down."""
+    controller, _ = fleet(config(), Faults())
+    await controller.launch(1)
+    reserved: list[object] = []
+
+    class Devices(FakePlacer):
+        async def device(self) -> str:
+            return "gpu"
+
+        async def reserve_worker(self, name: str) -> object:
+            await asyncio.sleep(0.01)
+            reserved.append(object())
+            return reserved[-1]
+
+    controller._placer = Devices()  # type: ignore[assignment]
+    first, again, at_once = await asyncio.gather(*(controller.learner_placement() for _ in range(3)))
+    assert len(reserved) == 1 and first is again is at_once is reserved[0]
+    controller._learner_group = None  # released by shutdown() through Ray otherwise: none here
+    await controller.shutdown()
