@@ -121,6 +121,8 @@ def one_replica_short(
     matching ``selector`` has enough of to hold one replica of ``devices`` bundles, or None. The
     devices and custom resources come before CPUs: short of both, the replica's size is the fix."""
     live = [n for n in nodes if n.alive and label_matches(n.labels, selector)]
+    if not live:
+        return None  # no node at all: not a question of the replica's size
     for res, amount in sorted(bundle.items(), key=lambda kv: kv[0] == "CPU"):  # the devices' CPUs last
         need = amount * devices
         most = max((n.total.get(res, 0.0) for n in live), default=0.0)

@@ -102,6 +102,8 @@ class FleetController(HealthSupervisor, ReplicaStarter, ControlFanOut):
             start.add_done_callback(self._starting.discard)
         results = await asyncio.gather(*starts, return_exceptions=True)
         failed = [(rid, r) for rid, r in zip(ids, results) if isinstance(r, BaseException)]
+        if failed and self._closed:  # cancelled by shutdown(), which stops them and waits for that
+            raise FleetShutDown("add_replicas")
         for rid, _ in failed:  # the others serve; these leave nothing behind
             record = self._records.pop(rid, None)
             if record is not None:
@@ -110,8 +112,6 @@ class FleetController(HealthSupervisor, ReplicaStarter, ControlFanOut):
                 self._placer.release(rid)
         if failed:
             self._membership_changed()
-            if self._closed:  # cancelled by shutdown(), not by this call's caller
-                raise FleetShutDown("add_replicas")
             raise failed[0][1]
         self._ensure_prober()
         return [r for r in results if not isinstance(r, BaseException)]  # all of them: none failed
@@ -167,7 +167,9 @@ class FleetController(HealthSupervisor, ReplicaStarter, ControlFanOut):
         return removed
 
     async def _drain_and_stop(self, rid: str, timeout_s: float) -> None:
-        record = self._records[rid]
+        record = self._records.get(rid)
+        if record is None:  # removed meanwhile (another removal, a shutdown): stopped there
+            return
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:

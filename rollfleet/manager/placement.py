@@ -201,11 +201,13 @@ class Placer:
         )
 
     def _field_of(self, resource: str, device: str) -> str:
-        """The setting that sizes ``resource`` in one replica."""
-        if resource == DEVICE_RESOURCE[device]:
-            return _TP_FIELDS.get(self.engine, "rollout.engine_args.tensor_parallel_size")
+        """The setting that sizes ``resource`` in one replica (on CPU devices the CPUs per device,
+        unless the replica spans several devices)."""
+        tp_field = _TP_FIELDS.get(self.engine, "rollout.engine_args.tensor_parallel_size")
         if resource == "CPU":
-            return "rollout.placement.cpus_per_device"
+            return tp_field if device == "cpu" and self.devices_per_replica > 1 else "rollout.placement.cpus_per_device"
+        if resource == DEVICE_RESOURCE[device]:
+            return tp_field
         return f"rollout.placement.resources.{resource}"
 
     # ------------------------------------------------------------------ reserve / release

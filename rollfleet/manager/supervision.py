@@ -51,6 +51,7 @@ class HealthSupervisor:
     _events: list[FleetEvent]
     _probe_task: Optional[asyncio.Task[None]]
     _closed: bool
+    _learner_host: Optional[str]  # its placement group also holds a colocated learner: never released here
 
     if TYPE_CHECKING:
 
@@ -61,6 +62,8 @@ class HealthSupervisor:
         async def _stop_handle(self, handle: Any, timeout_s: float = 30.0) -> None: ...
 
     def _ensure_prober(self) -> None:
+        if self._closed:
+            return
         if self._probe_task is None or self._probe_task.done():
             self._probe_task = asyncio.get_running_loop().create_task(self._probe_forever())
 
@@ -232,8 +235,8 @@ class HealthSupervisor:
                     self._set_state(
                         record, HealthState.DEAD, f"gave up after {tries} restart tries: {exc!r}", force=True
                     )
-                    if self._placer is not None:  # nothing revisits it: its devices go back to the cluster
-                        self._placer.release(rid)
+                    if self._placer is not None and rid != self._learner_host:
+                        self._placer.release(rid)  # nothing revisits it: its devices go back to the cluster
                     return
                 delay = min(health.max_restart_backoff_s, health.restart_backoff_s * 2 ** (tries - 1))
                 logger.warning("replica %s: restart try %d failed (%r); next try in %.1fs", rid, tries, exc, delay)

@@ -136,7 +136,9 @@ class Trainer(abc.ABC):
         from rollfleet.trainer.checkpoint import find_latest
 
         if find_latest(ckpt_root) is None:
-            logger.warning("resume requested but no checkpoint under %s: starting fresh", ckpt_root)
+            aside = ckpt_root.with_name(ckpt_root.name + ".previous")
+            hint = f" (the run before the last fresh one left {aside})" if find_latest(aside) else ""
+            logger.warning("resume requested but no checkpoint under %s%s: starting fresh", ckpt_root, hint)
             return
         state = await self.learner.load(ckpt_root)
         self.step = int(state.get("step", 0))

@@ -104,9 +104,10 @@ def find_latest(root: str | os.PathLike) -> Optional[Path]:
 
 
 def set_aside(root: str | os.PathLike) -> Optional[Path]:
-    """Move an earlier run's checkpoint root out of a fresh run's way, to ``<root>.previous``
-    (replacing the one set aside before it); return where it went, or None when ``root`` holds no
-    checkpoint. Kept, not deleted: the earlier run may be the one its owner meant to resume."""
+    """Move an earlier run's checkpoint root out of a fresh run's way, to ``<root>.previous``;
+    return where it went, or None when ``root`` holds no checkpoint. One run back is kept (the
+    earlier run may be the one its owner meant to resume); the run set aside before it is deleted.
+    ``root`` is the driver's view, where a resume looks for checkpoints too."""
     root = Path(root)
     if not list_checkpoints(root) and not (root / LATEST_FILE).is_file():
         return None

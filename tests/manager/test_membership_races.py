@@ -259,3 +259,54 @@ async def test_a_learner_made_again_goes_to_the_device_reserved_for_the_first():
     assert len(reserved) == 1 and first is again is at_once is reserved[0]
     controller._learner_group = None  # released by shutdown() through Ray otherwise: none here
     await controller.shutdown()
+
+
+async def test_a_shutdown_during_a_start_returns_once_the_starting_replica_is_stopped():
+    """The launch's own clean-up used to take the starting replica's record as shutdown()
+    cancelled it: shutdown() found nothing to stop and returned while the engine still stopped
+    (and the caller then killed the controller, cutting that stop short)."""
+    controller, replicas = fleet(config(), Faults())
+    make = controller._factory
+    assert make is not None
+
+    def slow_to_start_and_stop(rid: str, index: int) -> Any:
+        handle = make(rid, index)
+        replica, stop_engine = handle.target, handle.target.shutdown
+
+        async def hangs(*args: Any, **kwargs: Any) -> None:
+            await asyncio.Event().wait()
+
+        async def slow_stop() -> None:
+            await asyncio.sleep(0.5)
+            await stop_engine()
+
+        replica.start, replica.shutdown = hangs, slow_stop
+        return handle
+
+    controller._factory = slow_to_start_and_stop
+    launch = asyncio.ensure_future(controller.launch(1))
+    await asyncio.sleep(0.1)
+    await controller.shutdown()
+    assert replicas["replica-0"]._state == ReplicaState.STOPPED
+    with pytest.raises(FleetShutDown):
+        await launch
+    assert controller._probe_task is None  # and no prober started for a fleet that is shut down
+
+
+async def test_a_colocated_learners_replica_given_up_on_keeps_its_devices():
+    """Its placement group also holds the learner: released, it took the learner with it."""
+    faults = Faults()
+    controller, replicas = fleet(config(max_restart_attempts=1), faults)
+    await controller.launch(2)
+    placer = FakePlacer()
+    controller._placer = placer  # type: ignore[assignment]
+    controller._learner_host = "replica-0"  # what learner_placement() notes under placement.colocate
+    faults.failed_starts["replica-0"] = 99
+    faults.dead_actors.append(replicas["replica-0"])
+
+    async def given_up() -> bool:
+        return "gave up" in (await controller.status()).replicas["replica-0"].detail
+
+    await wait_until(given_up, "replica-0 given up on")
+    assert placer.released == []
+    await controller.shutdown()

@@ -185,6 +185,19 @@ async def test_a_replica_no_node_can_hold_is_blamed_on_the_setting_that_sizes_it
     assert err.value.field == field and limit in str(err.value) and seen in str(err.value)
 
 
+async def test_on_cpu_devices_the_cpus_per_device_are_blamed_and_a_selector_matching_nothing_is_said():
+    nodes = [node("n1", gpus=0), node("n2", gpus=0)]  # 8 CPUs each
+    placer = placer_over(nodes, 1, cpus_per_device=16)
+    placer.config = placer.config.model_copy(update={"device": "cpu"})
+    with pytest.raises(InsufficientResources) as err:
+        await placer.check_capacity(1, "rollout.num_replicas")
+    assert err.value.field == "rollout.placement.cpus_per_device" and "at most 8 CPU" in str(err.value)
+    placer = placer_over([node("n1", gpus=8)], 1, node_labels={"pool": "rollout"})
+    with pytest.raises(InsufficientResources) as err:
+        await placer.check_capacity(1, "rollout.num_replicas")
+    assert err.value.field == "rollout.num_replicas" and "no live node matching {'pool': 'rollout'}" in str(err.value)
+
+
 async def test_too_many_replicas_that_each_fit_are_blamed_on_the_count():
     placer = placer_over([node("n1", gpus=8), node("n2", gpus=8)], 4)
     await placer.check_capacity(4, "rollout.num_replicas")
