@@ -24,9 +24,9 @@ from rollfleet.agent_loop.base import AgentLoopOutput
 from rollfleet.agent_loop.batch import RolloutBatch, collate
 from rollfleet.agent_loop.tools import ToolsLike
 from rollfleet.agent_loop.worker import AgentLoopWorker, AgentLoopWorkerActor, load_tokenizer
-from rollfleet.client.refs import cancel
 from rollfleet.config import RollfleetConfig
 from rollfleet.utils.aio import auto_await, gather_or_cancel
+from rollfleet.utils.refs import cancel
 
 Batch = Union[Sequence[Mapping[str, Any]], Mapping[str, Sequence[Any]]]
 

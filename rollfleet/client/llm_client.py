@@ -22,7 +22,6 @@ from typing import Any, AsyncIterator, Optional, Union
 
 from rollfleet.client.dispatch import DISPATCH_ORDERS, DispatchGate
 from rollfleet.client.fleet_view import FleetView
-from rollfleet.client.refs import awaited, cancel
 from rollfleet.client.retry import RetryPolicy, is_replica_failure, is_retryable, unwrap
 from rollfleet.client.streaming import stream_generate
 from rollfleet.config import RollfleetConfig, RolloutConfig
@@ -30,6 +29,7 @@ from rollfleet.errors import NoServerAvailable, RetriesExhausted
 from rollfleet.routing import GlobalRequestLoadBalancer
 from rollfleet.types import ReplicaResponse, SamplingParams, TokenDelta, TokenOutput
 from rollfleet.utils import virtual_time
+from rollfleet.utils.refs import awaited, cancel
 
 logger = logging.getLogger(__name__)
 

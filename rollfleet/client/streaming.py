@@ -34,11 +34,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Optional, Union, cast
 
 from rollfleet.client.budget import StallCount, resumed_params, token_budget
-from rollfleet.client.refs import cancel
 from rollfleet.client.retry import is_replica_failure, is_retryable, unwrap
 from rollfleet.errors import NoServerAvailable, RetriesExhausted
 from rollfleet.types import ReplicaResponse, SamplingParams, TokenDelta, TokenOutput
 from rollfleet.utils import virtual_time
+from rollfleet.utils.refs import cancel
 
 if TYPE_CHECKING:  # pragma: no cover
     from rollfleet.client.llm_client import LLMServerClient

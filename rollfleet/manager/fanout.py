@@ -28,6 +28,7 @@ from rollfleet.config import RolloutConfig
 from rollfleet.errors import FleetOperationFailed, InvalidRequest, NotSupported
 from rollfleet.health import HealthState, ReplicaRecord
 from rollfleet.utils.aio import run_to_end
+from rollfleet.utils.refs import awaited
 
 #: What a replica raises when the caller asked for something it cannot do, not because it failed:
 #: every replica would answer the same, so nothing is fenced and the error goes back as is.
@@ -40,10 +41,6 @@ class ControlTimeout(asyncio.TimeoutError):
 
 class ReplicaGone(RuntimeError):
     """The replica was declared dead (by the prober) while a control call waited for it."""
-
-
-async def _awaited(ref: Any) -> Any:
-    return await ref
 
 
 @dataclass(frozen=True)
@@ -84,7 +81,7 @@ class ControlFanOut:
         """One replica's answer to ``method``, or the error it failed with (a timeout included):
         never raises, so that one hung or dead replica cannot fail or stall a fleet-wide call."""
         try:
-            return await asyncio.wait_for(_awaited(getattr(record.handle, method).remote(*args, **kwargs)), timeout_s)
+            return await asyncio.wait_for(awaited(getattr(record.handle, method).remote(*args, **kwargs)), timeout_s)
         except asyncio.TimeoutError:
             return ControlTimeout(f"{method} on {record.replica_id} took over {timeout_s:g}s")
         except Exception as exc:

@@ -8,7 +8,8 @@ from typing import Any
 
 
 async def awaited(ref: Any) -> Any:
-    """A coroutine of the call (``asyncio.wait_for`` and ``ensure_future`` take one, not a ref)."""
+    """The call as a coroutine: one task shape (``wait_for``, ``ensure_future``, cancellation)
+    whatever the handle returned."""
     return await ref
 
 
