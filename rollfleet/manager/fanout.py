@@ -168,15 +168,10 @@ class ControlFanOut:
         self._hold = "paused" if self._hold is not None else None  # awake, not yet generating
         return await self._op("wake_up")
 
-    async def _bring_to_hold(self, handle: Any, call: Optional[Callable[[str], Awaitable[Any]]] = None) -> None:
+    async def _bring_to_hold(self, call: Callable[[str], Awaitable[Any]]) -> None:
         """Bring a starting replica (serving, awake) to :attr:`_hold`, again if it changed while
         this ran: the caller marks the replica healthy, with no await between, once it holds.
-        ``call(method)`` makes each call (the caller bounds them); by default ``handle``'s."""
-        if call is None:
-
-            async def call(method: str) -> Any:
-                return await getattr(handle, method).remote()
-
+        ``call(method)`` makes each call on the replica (the caller bounds them)."""
         reached: Optional[str] = None
         while reached != self._hold:
             target = self._hold

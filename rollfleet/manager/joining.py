@@ -69,7 +69,7 @@ class ReplicaStarter:
 
         def _spawn(self, rid: str, placement: Optional[ReplicaPlacement]) -> Any: ...
 
-        async def _bring_to_hold(self, handle: Any, call: Optional[Callable[[str], Awaitable[Any]]] = None) -> None: ...
+        async def _bring_to_hold(self, call: Callable[[str], Awaitable[Any]]) -> None: ...
 
     async def _place(self, rid: str) -> Optional[ReplicaPlacement]:
         """The replica's placement group: kept across restarts while its node lives, else a new one."""
@@ -131,9 +131,7 @@ class ReplicaStarter:
             async def hold_call(method: str) -> Any:
                 return await bounded(rid, method, getattr(handle, method).remote(), control_s)
 
-            await self._bring_to_hold(
-                handle, hold_call
-            )  # the fleet may be paused or asleep (the learner holds the devices)
+            await self._bring_to_hold(hold_call)  # the fleet may be paused or asleep (the learner holds the devices)
             record.consecutive_failures = 0
             record.answered_at = time.monotonic()
             self._set_state(record, HealthState.HEALTHY, "started")

@@ -226,7 +226,7 @@ class HealthSupervisor:
                 await self._stop_handle(record.handle, timeout_s=STOP_TIMEOUT_DEAD_S)
                 if not self._restart_wanted(record):
                     return
-                if self._placer is not None and record.node_id in await self._dead_nodes() and lost_placements < 3:
+                if record.node_id in await self._dead_nodes() and lost_placements < 3:
                     lost_placements += 1  # its node died while it started: place it again
                     continue
                 tries += 1
