@@ -133,10 +133,10 @@ class Trainer(abc.ABC):
     async def _resume(self) -> None:
         assert self.manager is not None and self.learner is not None  # called by init() once both exist
         ckpt_root = self.run_dir / "checkpoints"
-        from rollfleet.trainer.checkpoint import find_latest
+        from rollfleet.trainer.checkpoint import aside_of, find_latest
 
         if find_latest(ckpt_root) is None:
-            aside = ckpt_root.with_name(ckpt_root.name + ".previous")
+            aside = aside_of(ckpt_root)
             hint = f" (the run before the last fresh one left {aside})" if find_latest(aside) else ""
             logger.warning("resume requested but no checkpoint under %s%s: starting fresh", ckpt_root, hint)
             return

@@ -103,6 +103,12 @@ def find_latest(root: str | os.PathLike) -> Optional[Path]:
     return found[-1] if found else None
 
 
+def aside_of(root: str | os.PathLike) -> Path:
+    """Where :func:`set_aside` moves ``root``."""
+    root = Path(root)
+    return root.with_name(root.name + ".previous")
+
+
 def set_aside(root: str | os.PathLike) -> Optional[Path]:
     """Move an earlier run's checkpoint root out of a fresh run's way, to ``<root>.previous``;
     return where it went, or None when ``root`` holds no checkpoint. One run back is kept (the
@@ -111,7 +117,7 @@ def set_aside(root: str | os.PathLike) -> Optional[Path]:
     root = Path(root)
     if not list_checkpoints(root) and not (root / LATEST_FILE).is_file():
         return None
-    previous = root.with_name(root.name + ".previous")
+    previous = aside_of(root)
     if previous.exists():
         shutil.rmtree(previous)
     os.replace(root, previous)
@@ -273,6 +279,7 @@ __all__ = [
     "checkpoint_name",
     "list_checkpoints",
     "find_latest",
+    "aside_of",
     "set_aside",
     "save_checkpoint",
     "load_checkpoint",

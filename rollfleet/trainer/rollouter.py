@@ -86,16 +86,14 @@ class Rollouter:
 
         while True:
             await sem.acquire()
+            ticket: Optional[int] = None
             try:
                 ticket = await self.buffer.wait_to_start()
-            except BaseException:
-                sem.release()
-                raise
-            try:
                 sample = self.stream.sample_at(self._reissue[0]) if self._reissue else self.stream.next()
             except BaseException:
                 sem.release()
-                await asyncio.shield(self.buffer.abandon(ticket))
+                if ticket is not None:
+                    await asyncio.shield(self.buffer.abandon(ticket))
                 raise
             if self._reissue:
                 self._reissue.pop(0)  # taken only once its sample is: a failed one stays to be re-issued
