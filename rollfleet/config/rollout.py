@@ -17,6 +17,19 @@ from rollfleet.config.fleet import (
     WeightSyncConfig,
 )
 
+#: Where each built-in engine sets its devices per replica: (section, key) under ``rollout``.
+TP_SETTINGS = {
+    "vllm": ("vllm", "tensor_parallel_size"),
+    "sglang": ("sglang", "tp_size"),
+    "sim": ("sim", "tensor_parallel_size"),
+}
+
+
+def tensor_parallel_field(engine: str) -> str:
+    """The dotted name of ``engine``'s devices-per-replica setting (for errors that blame it)."""
+    section, key = TP_SETTINGS.get(engine, ("engine_args", "tensor_parallel_size"))
+    return f"rollout.{section}.{key}"
+
 
 class RolloutConfig(_Section):
     """The fleet: engine, model, replicas, lengths, routing, retries (verl's ``rollout`` section)."""
@@ -104,14 +117,11 @@ class RolloutConfig(_Section):
     @property
     def tensor_parallel_size(self) -> int:
         """Devices per replica: the engine's own tensor-parallel setting."""
-        sizes = {
-            "vllm": self.vllm.tensor_parallel_size,
-            "sglang": self.sglang.tp_size,
-            "sim": self.sim.tensor_parallel_size,
-        }
-        if self.name not in sizes:  # a registered third-party engine
+        setting = TP_SETTINGS.get(self.name)
+        if setting is None:  # a registered third-party engine
             return int(self.engine_args.get("tensor_parallel_size") or self.engine_args.get("tp_size") or 1)
-        return sizes[self.name]
+        section, key = setting
+        return int(getattr(getattr(self, section), key))
 
     @model_validator(mode="after")
     def _lengths(self) -> "RolloutConfig":

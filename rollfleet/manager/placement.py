@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
 from rollfleet.config import PlacementConfig
+from rollfleet.config.rollout import tensor_parallel_field
 from rollfleet.errors import InsufficientResources
 from rollfleet.manager.cluster_view import (
     DEVICE_RESOURCE,
@@ -44,12 +45,6 @@ logger = logging.getLogger(__name__)
 
 #: Ray's built-in label holding a node's id (every node has it).
 NODE_ID_LABEL = "ray.io/node-id"
-#: Where each built-in engine's devices per replica are set.
-_TP_FIELDS = {
-    "vllm": "rollout.vllm.tensor_parallel_size",
-    "sglang": "rollout.sglang.tp_size",
-    "sim": "rollout.sim.tensor_parallel_size",
-}
 
 
 def list_nodes(with_free: bool = True) -> list[NodeInfo]:
@@ -203,7 +198,7 @@ class Placer:
     def _field_of(self, resource: str, device: str) -> str:
         """The setting that sizes ``resource`` in one replica (on CPU devices the CPUs per device,
         unless the replica spans several devices)."""
-        tp_field = _TP_FIELDS.get(self.engine, "rollout.engine_args.tensor_parallel_size")
+        tp_field = tensor_parallel_field(self.engine)
         if resource == "CPU":
             return tp_field if device == "cpu" and self.devices_per_replica > 1 else "rollout.placement.cpus_per_device"
         if resource == DEVICE_RESOURCE[device]:
