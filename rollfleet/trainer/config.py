@@ -64,14 +64,16 @@ class TrainConfig(BaseModel):
         2,
         ge=0,
         description="Most weight versions a trained token may lag: ceil of this (version now - version that sampled "
-        "it). A fraction also bounds how far ahead the rollouter runs, like verl's staleness_threshold: 0.5 lets it "
-        "start half a batch more than the current version needs.",
+        "it). It also bounds how far ahead the rollouter runs, under every strategy: at most (this + 1) x a sync's "
+        "groups started beyond what the learner has taken, so a fraction acts like verl's staleness_threshold "
+        "(0.5 lets it start half a sync's groups more than the current version needs).",
     )
     max_off_policy_strategy: Literal["drop", "wait", "mask"] = Field(
         "drop",
-        description="drop: discard stale groups (counted with their lengths) and generate more; wait: hold the "
-        "rollouter back and train groups in the order they started, so none goes stale or is dropped; mask: train "
-        "every group but mask the tokens sampled more than the bound ago out of the loss.",
+        description="What becomes of a group that finishes past the bound (a straggler others overtook): drop: "
+        "discard it (counted with its lengths) and generate another; wait: train groups in the order they started, "
+        "so none goes stale or is dropped; mask: train every group but mask the tokens sampled more than the bound "
+        "ago out of the loss.",
     )
     partial_rollout: bool = Field(
         True, description="Resume aborted requests on the new weights; off: regenerate them from scratch."

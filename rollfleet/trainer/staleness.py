@@ -2,21 +2,28 @@
 
 A group's staleness at training time is ``trainer_version - min_version``: how many weight
 versions separate the policy being trained from the oldest token in the group. The bound
-``max_off_policy_steps`` (``b``; fractional like verl's ``staleness_threshold``) is kept in one of
-three ways:
+``max_off_policy_steps`` (``b``; fractional like verl's ``staleness_threshold``) limits two things.
 
-* ``drop``: groups beyond the bound are discarded when the trainer samples (returned, so that their
-  count and lengths reach the metrics), and the rollouter, which keeps the queue topped up,
-  generates replacements. Long responses take longest, so they are the ones that go stale: this
-  biases training toward short answers, which is why it is not the only choice.
-* ``wait``: nothing is ever dropped. The rollouter is held back (:meth:`GroupBuffer.may_start`)
-  so that the ``i``-th group starts only once ``i < (version + b + 1) x groups_per_version``
-  (AReaL's capacity rule; ``i`` and ``version`` both counted from the buffer's start, past
-  version 0 in a resumed run, and ``i`` past the groups a run resumed between two syncs trained
-  at its version), and the trainer receives groups *in the order they started*,
-  waiting for a straggler rather than overtaking it. Then group ``i`` is trained at version
-  ``floor(i / groups_per_version)``, no more than ``ceil(b)`` after it started. A group that still
-  exceeds the bound (a resumed run re-issuing old prompts) is trained and counted, never dropped.
+How far ahead the rollouter runs, whatever the strategy (:meth:`GroupBuffer.may_start`): the
+``i``-th group starts only once ``i < (version + b + 1) x groups_per_version`` (AReaL's capacity
+rule, and verl's ``staleness_samples`` pause; ``i`` and ``version`` both counted from the buffer's
+start, past version 0 in a resumed run, ``i`` past the groups a run resumed between two syncs
+trained at its version, and net of dropped groups, which are replaced). A group started later
+could only be trained past the bound: without the rule, a rollouter that outpaces the learner
+fills its queue and in-flight limit with groups that ``drop`` then throws away (2.28x the tokens
+trained in ``benchmarks/plan_served.py``'s plan before the rule held for every strategy).
+
+What happens to a group that still ends up past it (a straggler, overtaken by groups that started
+after it and finished first), one of three ways:
+
+* ``drop``: discarded when the trainer samples (returned, so that their count and lengths reach
+  the metrics), and the rollouter generates a replacement. Long responses take longest, so they
+  are the ones that go stale: this biases training toward short answers, which is why it is not
+  the only choice.
+* ``wait``: nothing is ever dropped. The trainer receives groups *in the order they started*,
+  waiting for a straggler rather than overtaking it. With the rule above, group ``i`` is trained
+  at version ``floor(i / groups_per_version)``, no more than ``ceil(b)`` after it started. A group
+  that still exceeds the bound (a resumed run re-issuing old prompts) is trained and counted.
 * ``mask``: groups are delivered as they finish and never dropped; the trainer masks each *token*
   sampled more than ``b`` versions ago out of the loss (exact per-token versions, see
   ``RolloutBatch.token_versions``), counting the masked tokens.
@@ -79,7 +86,7 @@ class GroupBuffer:
         self.consumed = 0  # groups handed to the learner
         self.dropped = 0
         self.over_bound = 0  # wait mode: groups trained beyond the bound (never dropped)
-        self.waits = 0  # times the rollouter was held back by the staleness bound
+        self.waits = 0  # times the rollouter was held back by the capacity rule
         self._tickets = 0  # tickets handed out so far
         self._outstanding: set[int] = set()  # tickets started and neither delivered nor abandoned
         self._failure: Optional[BaseException] = None
@@ -98,21 +105,19 @@ class GroupBuffer:
 
     # ------------------------------------------------------------------ rollouter side
     def may_start(self) -> bool:
-        """Whether one more group may start now (queue room and, with ``wait``, the bound)."""
+        """Whether one more group may start now: queue room, and the capacity rule (module doc)."""
         if len(self._queue) >= self.capacity:
             return False
-        if self.strategy == "wait":
-            # Groups that will be consumed at version v may start no earlier than v - bound. The
-            # count starts with this buffer, so the versions are counted from its first one too.
-            versions = self._version() - self._base_version
-            return self.started - self.dropped + self._phase < (versions + self.bound + 1) * self.groups_per_version
-        return True
+        # Groups that will be consumed at version v may start no earlier than v - bound. The count
+        # starts with this buffer, so the versions are counted from its first one too.
+        versions = self._version() - self._base_version
+        return self.started - self.dropped + self._phase < (versions + self.bound + 1) * self.groups_per_version
 
     async def wait_to_start(self) -> int:
         """Wait until one more group may start; return its ticket (for :meth:`put`/:meth:`abandon`)."""
         async with self._changed:
             if not self.may_start():
-                if self.strategy == "wait" and len(self._queue) < self.capacity:
+                if len(self._queue) < self.capacity:
                     self.waits += 1
                 await self._changed.wait_for(self.may_start)
             self.started += 1
@@ -181,7 +186,7 @@ class GroupBuffer:
         return None
 
     async def version_changed(self) -> None:
-        """Wake a rollouter held by the bound after a weight sync."""
+        """Wake a rollouter held by the capacity rule after a weight sync."""
         async with self._changed:
             self._changed.notify_all()
 

@@ -63,7 +63,7 @@ async def test_wait_skips_abandoned_tickets():
 
 async def test_drop_returns_the_dropped_groups_with_their_lengths():
     clock = Clock()
-    buf = GroupBuffer(capacity=8, max_off_policy_steps=0, strategy="drop", groups_per_version=2, version=clock)
+    buf = GroupBuffer(capacity=8, max_off_policy_steps=0, strategy="drop", groups_per_version=3, version=clock)
     for _ in range(3):
         await buf.wait_to_start()
     await buf.put(_group(0, 0, 300))
@@ -96,6 +96,56 @@ async def test_fractional_bound_lets_the_rollouter_run_part_of_a_batch_ahead():
         await buf.wait_to_start()
         started += 1
     assert started == 6  # (0 + 0.5 + 1) x 4
+
+
+class InstantAgents:
+    """Agent loops whose trajectories end at once: a rollouter far faster than its learner."""
+
+    def expand(self, batch: list[dict], n: int) -> list[dict]:
+        return [{**batch[0], "uid": f"u{batch[0]['task_index']}"} for _ in range(n)]
+
+    async def generate_sequences_single(self, sample: dict) -> Any:
+        await asyncio.sleep(0)
+        return SimpleNamespace(
+            extra_fields={}, metrics=SimpleNamespace(num_resumes=0), response_mask=[1, 1], response_ids=[1, 1]
+        )
+
+
+class Prompts:
+    def __init__(self) -> None:
+        self.index = 0
+
+    def next(self) -> dict:
+        self.index += 1
+        return {"task_index": self.index - 1}
+
+
+@pytest.mark.parametrize("strategy", ["drop", "wait", "mask"])
+async def test_every_strategy_keeps_the_rollouter_within_the_bound_ahead_of_the_learner(strategy: str):
+    """A rollouter that outpaces its learner starts no group that could only be trained past the
+    bound: (version + bound + 1) x groups per version, whatever the queue and in-flight limits
+    allow. Under drop it used to fill both with groups it then threw away (2.28x the tokens
+    trained in benchmarks/plan_served.py's plan)."""
+    clock = Clock()
+    buffer = GroupBuffer(capacity=64, max_off_policy_steps=1, strategy=strategy, groups_per_version=2, version=clock)
+    rollouter = Rollouter(
+        InstantAgents(), Prompts(), buffer, n=2, max_inflight_groups=64, partial_rollout=True, version=clock
+    )
+    rollouter.start()
+    try:
+        await asyncio.sleep(0.05)
+        assert buffer.started == 4 and len(buffer) == 4  # (0 + 1 + 1) x 2
+        assert buffer.waits == 1  # held by the bound, not by the queue
+        for version in (1, 2, 3):
+            taken, dropped = await asyncio.wait_for(buffer.take(2), 1)
+            assert len(taken) == 2 and dropped == []  # nothing started past the bound
+            clock.version = version
+            await buffer.version_changed()
+            await asyncio.sleep(0.05)
+            assert buffer.started == 2 * (version + 2) and len(buffer) == 4
+    finally:
+        await rollouter.stop()
+    assert buffer.dropped == 0
 
 
 def test_mask_strategy_takes_stale_tokens_and_exhausted_partials_out_of_the_loss():
