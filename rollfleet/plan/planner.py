@@ -40,12 +40,13 @@ from rollfleet.utils import virtual_time
 MODES = ("sync", "colocate_async", "separate_async")
 
 #: About how long a run of each mode takes, relative to ``sync``: ``benchmarks/plan_speed.py``'s
-#: 128-accelerator workload, 100 steps, gave 57, 89 and 104 s (another run: 47, 85 and 105 s). The
-#: async modes generate more than they train on (groups dropped as stale, requests resumed after
-#: each sync). Spread over processes, the longest runs start first, so that none starts last on a
-#: worker that has already run another (longest-processing-time order); a mode not listed counts
-#: as the longest. Only the order matters.
-RELATIVE_RUN_COST = {"sync": 1.0, "colocate_async": 1.7, "separate_async": 2.0}
+#: 128-accelerator workload, 100 steps, gave 55, 104 and 69 s. The async modes serve more than
+#: they train on: ``colocate_async`` resumes what each sync aborted, ``separate_async`` drops
+#: stragglers (before the staleness bound held its rollouter back, it dropped four times as many
+#: and was the longest). Spread over processes, the longest runs start first, so that none starts
+#: last on a worker that has already run another (longest-processing-time order); a mode not
+#: listed counts as the longest. Only the order matters.
+RELATIVE_RUN_COST = {"sync": 1.0, "colocate_async": 1.9, "separate_async": 1.25}
 
 
 @dataclass(frozen=True)

@@ -155,10 +155,10 @@ def test_spread_over_processes_the_longest_runs_start_first():
     assert [jobs[i] for i in start_order(jobs)] == [
         ("plugin_mode", 0),
         ("plugin_mode", 1),
-        ("separate_async", 0),
-        ("separate_async", 1),
         ("colocate_async", 0),
         ("colocate_async", 1),
+        ("separate_async", 0),
+        ("separate_async", 1),
         ("sync", 0),
         ("sync", 1),
     ]
