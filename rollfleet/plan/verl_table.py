@@ -218,7 +218,9 @@ def row_specs(
         }
         if mode == "separate_async":
             # verl's rollouter: 16 prompts in flight per server, and at most (1 + staleness) x a
-            # sync's prompts generated ahead of the trainer.
+            # sync's prompts started (in flight or finished) ahead of the trainer, its
+            # staleness_samples pause: the staleness bound holds rollfleet's rollouter to the same
+            # (GroupBuffer.may_start); the queue bound caps the finished ones alone.
             replicas = gpus // 2 // TP
             overrides.update(
                 {
