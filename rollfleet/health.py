@@ -83,6 +83,9 @@ class ReplicaRecord:
     devices: Optional[list[str]] = None
     #: Its placement group (manager layer's ``ReplicaPlacement``); None when nothing is reserved.
     placement: Any = field(default=None, repr=False)
+    #: Its restarts ran out (``health.max_restart_attempts``) and its devices went back to the
+    #: cluster: nothing revisits it, and it counts against no capacity until it is removed.
+    released: bool = False
 
     def routable(self, current_version: Optional[int]) -> bool:
         return self.state in (HealthState.HEALTHY, HealthState.SUSPECT) and self.weight_version == current_version

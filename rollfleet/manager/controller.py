@@ -87,7 +87,9 @@ class FleetController(HealthSupervisor, ReplicaStarter, ControlFanOut):
         """
         self._check_open()
         if self._placer is not None:
-            await self._placer.check_capacity(len(self._records) + n, field_name)
+            # A replica given up on gave its devices back: the new ones may have them.
+            holding = sum(1 for r in self._records.values() if not r.released)
+            await self._placer.check_capacity(holding + n, field_name)
         self._check_open()
         ids = []
         for _ in range(n):

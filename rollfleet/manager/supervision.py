@@ -237,6 +237,7 @@ class HealthSupervisor:
                     )
                     if self._placer is not None and rid != self._learner_host:
                         self._placer.release(rid)  # nothing revisits it: its devices go back to the cluster
+                        record.placement, record.devices, record.released = None, None, True
                     return
                 delay = min(health.max_restart_backoff_s, health.restart_backoff_s * 2 ** (tries - 1))
                 logger.warning("replica %s: restart try %d failed (%r); next try in %.1fs", rid, tries, exc, delay)

@@ -154,9 +154,10 @@ class FakePlacer:
         self.reserving = asyncio.Event()
         self.reservation_cancelled = False
         self.released: list[str] = []
+        self.capacity_asked: list[int] = []
 
     async def check_capacity(self, total: int, field_name: str) -> None:
-        pass
+        self.capacity_asked.append(total)
 
     async def dead_nodes(self) -> set[str]:
         self.queries += 1
@@ -221,7 +222,8 @@ async def test_a_shutdown_during_a_launch_stops_the_reservation_still_waiting_fo
 
 async def test_a_replica_given_up_on_gives_its_devices_back():
     """After ``health.max_restart_attempts`` a replica stays dead, visibly, and nothing revisits
-    it: its placement group used to keep its devices until the fleet shut down."""
+    it: its placement group used to keep its devices until the fleet shut down. A replica added
+    then may have them: the capacity check used to count the dead one as still holding its share."""
     faults = Faults()
     controller, replicas = fleet(config(max_restart_attempts=1), faults)
     await controller.launch(2)
@@ -235,6 +237,8 @@ async def test_a_replica_given_up_on_gives_its_devices_back():
 
     await wait_until(given_up, "replica-1 given up on")
     assert placer.released == ["replica-1"]
+    await controller.add_replicas(1)
+    assert placer.capacity_asked == [2]  # replica-0 and the new one, not the one given up on
     await controller.shutdown()
 
 
