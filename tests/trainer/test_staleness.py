@@ -148,6 +148,40 @@ async def test_every_strategy_keeps_the_rollouter_within_the_bound_ahead_of_the_
     assert buffer.dropped == 0
 
 
+async def test_the_step_metrics_count_the_rollouts_that_failed():
+    """A trajectory that raises is retried (its prompt re-issued) and the run goes on; the step's
+    metrics say how many did, which a run used to count and never report."""
+    from rollfleet.trainer.modes.separate_async import SeparateAsyncTrainer
+
+    class FailsOnce(InstantAgents):
+        failed = False
+
+        async def generate_sequences_single(self, sample: dict) -> Any:
+            if sample["task_index"] == 0 and not self.failed:
+                self.failed = True
+                raise RuntimeError("this trajectory failed")
+            return await super().generate_sequences_single(sample)
+
+    class Reissuing(Prompts):
+        def sample_at(self, index: int) -> dict:
+            return {"task_index": index}
+
+    clock = Clock()
+    buffer = GroupBuffer(capacity=8, max_off_policy_steps=1, strategy="drop", groups_per_version=2, version=clock)
+    rollouter = Rollouter(
+        FailsOnce(), Reissuing(), buffer, n=2, max_inflight_groups=4, partial_rollout=True, version=clock
+    )
+    trainer = SeparateAsyncTrainer.__new__(SeparateAsyncTrainer)  # its sampling hook alone, no fleet
+    trainer.buffer, trainer.rollouter = buffer, rollouter
+    trainer.train = SimpleNamespace(train_batch_size=2)
+    rollouter.start()
+    try:
+        groups, metrics = await asyncio.wait_for(trainer.sample(), 1)
+    finally:
+        await rollouter.stop()
+    assert len(groups) == 2 and metrics["rollout/errors"] == 1
+
+
 def test_mask_strategy_takes_stale_tokens_and_exhausted_partials_out_of_the_loss():
     import torch
 

@@ -65,6 +65,7 @@ class SeparateAsyncTrainer(Trainer):
             "rollout/queue": len(self.buffer),
             "rollout/inflight_groups": len(self.rollouter.inflight),
             "rollout/regenerated": self.rollouter.regenerated,
+            "rollout/errors": self.rollouter.errors,  # trajectories that raised; their prompts re-issued
             "rollout/waits": self.buffer.waits,
         }
 
