@@ -148,40 +148,24 @@ def _write_text_atomic(path: Path, text: str) -> None:
         raise
 
 
-def save_checkpoint(
-    root: str | os.PathLike,
-    step: int,
-    model_state: dict[str, torch.Tensor],
-    *,
-    optimizer_state: Optional[dict[str, Any]] = None,
-    trainer_state: Optional[dict[str, Any]] = None,
-    keep_last: Optional[int] = 3,
-    write_extra: Optional[Callable[[Path], None]] = None,
-) -> Path:
-    """Write checkpoint ``step`` under ``root`` atomically, point ``latest`` at it, prune to
-    ``keep_last`` (``None`` keeps all). ``trainer_state`` must be JSON-serialisable (checked before
-    anything is written). ``write_extra(tmp_dir)`` may add files. Returns the checkpoint folder."""
-    import torch
+DEFAULT_KEEP_LAST = 3
 
+
+def commit_checkpoint(
+    root: str | os.PathLike, step: int, fill: Callable[[Path], None], keep_last: Optional[int] = DEFAULT_KEEP_LAST
+) -> Path:
+    """Write checkpoint ``step`` under ``root`` atomically, whatever it holds: ``fill(tmp_dir)``
+    writes its files (``meta.json`` last) into a fresh folder that then replaces any earlier one of
+    that step, ``latest`` points at it, and older ones beyond ``keep_last`` go (``None`` keeps
+    all). Returns the checkpoint folder."""
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
-    state_json = json.dumps(trainer_state or {}, indent=2, sort_keys=True)  # fails early if not JSON
-    from safetensors.torch import save_file
-
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     target = root / checkpoint_name(step)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=str(root)))
     try:
-        tensors = {k: v.detach().to("cpu").contiguous() for k, v in model_state.items()}
-        save_file(tensors, str(tmp / MODEL_FILE), metadata={"format": "pt"})
-        if optimizer_state is not None:
-            torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
-        (tmp / TRAINER_STATE_FILE).write_text(state_json + "\n")
-        if write_extra is not None:
-            write_extra(tmp)
-        meta = {"format_version": FORMAT_VERSION, "step": step, "has_optimizer": optimizer_state is not None}
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+        fill(tmp)
         for p in tmp.iterdir():
             if p.is_file():
                 with open(p, "rb") as f:
@@ -201,6 +185,38 @@ def save_checkpoint(
             if old != target:
                 shutil.rmtree(old, ignore_errors=True)
     return target
+
+
+def save_checkpoint(
+    root: str | os.PathLike,
+    step: int,
+    model_state: dict[str, torch.Tensor],
+    *,
+    optimizer_state: Optional[dict[str, Any]] = None,
+    trainer_state: Optional[dict[str, Any]] = None,
+    keep_last: Optional[int] = DEFAULT_KEEP_LAST,
+    write_extra: Optional[Callable[[Path], None]] = None,
+) -> Path:
+    """Write checkpoint ``step`` under ``root`` atomically, point ``latest`` at it, prune to
+    ``keep_last`` (``None`` keeps all). ``trainer_state`` must be JSON-serialisable (checked before
+    anything is written). ``write_extra(tmp_dir)`` may add files. Returns the checkpoint folder."""
+    import torch
+
+    state_json = json.dumps(trainer_state or {}, indent=2, sort_keys=True)  # fails early if not JSON
+    from safetensors.torch import save_file
+
+    def fill(folder: Path) -> None:
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in model_state.items()}
+        save_file(tensors, str(folder / MODEL_FILE), metadata={"format": "pt"})
+        if optimizer_state is not None:
+            torch.save(optimizer_state, folder / OPTIMIZER_FILE)
+        (folder / TRAINER_STATE_FILE).write_text(state_json + "\n")
+        if write_extra is not None:
+            write_extra(folder)
+        meta = {"format_version": FORMAT_VERSION, "step": step, "has_optimizer": optimizer_state is not None}
+        (folder / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+
+    return commit_checkpoint(root, step, fill, keep_last)
 
 
 def load_checkpoint(
@@ -281,6 +297,8 @@ __all__ = [
     "find_latest",
     "aside_of",
     "set_aside",
+    "DEFAULT_KEEP_LAST",
+    "commit_checkpoint",
     "save_checkpoint",
     "load_checkpoint",
     "capture_rng_state",

@@ -16,7 +16,14 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from rollfleet.trainer.checkpoint import checkpoint_name, find_latest
+from rollfleet.trainer.checkpoint import (
+    DEFAULT_KEEP_LAST,
+    FORMAT_VERSION,
+    META_FILE,
+    TRAINER_STATE_FILE,
+    commit_checkpoint,
+    find_latest,
+)
 from rollfleet.trainer.config import SimLearnerConfig
 
 
@@ -64,22 +71,30 @@ class SimulatedLearner:
     def save(
         self, root: str | Path, trainer_state: Optional[dict[str, Any]] = None, keep_last: Optional[int] = None
     ) -> Path:
-        folder = Path(root) / checkpoint_name(self.global_step)
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "trainer_state.json").write_text(json.dumps(trainer_state or {}))
-        (folder / "meta.json").write_text(json.dumps({"format_version": 1, "step": self.global_step}))
-        (Path(root) / "latest").write_text(folder.name + "\n")
-        return folder
+        """Checkpoint the step counter, the tokens trained and the caller's JSON ``trainer_state``
+        under ``root/step_<global_step>``, as atomically and pruned as the torch learner's (see
+        :mod:`rollfleet.trainer.checkpoint`): a plan saving every few steps keeps the last few."""
+        state_json = json.dumps(trainer_state or {})  # fails before anything is written
+        meta = {"format_version": FORMAT_VERSION, "step": self.global_step, "trained_tokens": self.trained_tokens}
+
+        def fill(folder: Path) -> None:
+            (folder / TRAINER_STATE_FILE).write_text(state_json)
+            (folder / META_FILE).write_text(json.dumps(meta))
+
+        return commit_checkpoint(root, self.global_step, fill, keep_last or DEFAULT_KEEP_LAST)
 
     def load(self, path: str | Path) -> dict[str, Any]:
+        """Restore the step counter and the tokens trained; returns the saved ``trainer_state``."""
         folder = Path(path)
-        if not (folder / "meta.json").is_file():
+        if not (folder / META_FILE).is_file():
             latest = find_latest(folder)
             if latest is None:
                 raise FileNotFoundError(f"no checkpoint under '{path}'")
             folder = latest
-        self.global_step = int(json.loads((folder / "meta.json").read_text())["step"])
-        return json.loads((folder / "trainer_state.json").read_text())
+        meta = json.loads((folder / META_FILE).read_text())
+        self.global_step = int(meta["step"])
+        self.trained_tokens = int(meta.get("trained_tokens", 0))
+        return json.loads((folder / TRAINER_STATE_FILE).read_text())
 
 
 __all__ = ["SimulatedLearner"]

@@ -242,6 +242,29 @@ def test_resave_same_step_and_non_json_state(tmp_path):
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000003"]
 
 
+def test_the_simulated_learner_checkpoints_like_the_real_one(tmp_path):
+    """A plan's learner keeps the last few checkpoints, written atomically, and a resume gets its
+    step and the tokens it trained back: it kept every checkpoint, wrote each in place (a crash
+    between its files left a torn one, a non-JSON state half a folder) and lost the token count."""
+    from types import SimpleNamespace
+
+    from rollfleet.trainer.config import SimLearnerConfig
+    from rollfleet.trainer.sim_learner import SimulatedLearner
+
+    learner = SimulatedLearner(SimLearnerConfig(enabled=True, seconds_per_token=0.0))
+    batch = SimpleNamespace(attention_mask=torch.ones(2, 5))
+    for step in range(1, 6):
+        learner.step(batch)
+        learner.save(tmp_path, {"s": step})
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000003", "step_00000004", "step_00000005"]
+    with pytest.raises(TypeError):
+        learner.save(tmp_path, {"bad": object()})
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp leftovers
+    resumed = SimulatedLearner(SimLearnerConfig(enabled=True))
+    assert resumed.load(tmp_path) == {"s": 5}
+    assert (resumed.global_step, resumed.trained_tokens) == (5, 50)
+
+
 def test_rng_state_round_trip():
     state = json.loads(json.dumps(capture_rng_state()))
     expected = (random.random(), np.random.rand(), torch.rand(1).item())
