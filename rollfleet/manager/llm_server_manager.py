@@ -7,6 +7,7 @@ method is async and also callable from synchronous code (``auto_await``).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from typing import Any, Optional, Union
@@ -18,6 +19,11 @@ from rollfleet.records import FleetStatus, ReplicaInfo
 from rollfleet.utils.aio import auto_await
 
 logger = logging.getLogger(__name__)
+
+#: How long a shutdown waits for the controller to stop the fleet itself. It stops the replicas
+#: still starting (10 s at most) and then every replica (30 s at most each, all at once); a
+#: controller past this is wedged, and is killed: the replica actors it owns die with it.
+CONTROLLER_SHUTDOWN_TIMEOUT_S = 60.0
 
 
 async def _answer(ref: Any) -> Any:
@@ -217,7 +223,12 @@ class LLMServerManager:
 
         if self.controller is not None:
             try:
-                await self.controller.shutdown.remote()
+                await asyncio.wait_for(self.controller.shutdown.remote(), CONTROLLER_SHUTDOWN_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                logger.error(
+                    "the fleet controller did not shut down within %.0f s; killing it (its replicas with it)",
+                    CONTROLLER_SHUTDOWN_TIMEOUT_S,
+                )
             except Exception:
                 logger.exception("controller shutdown failed")
             try:
