@@ -241,13 +241,15 @@ class Placer:
         return placement
 
     async def reserve_worker(self, name: str) -> Optional[WorkerPlacement]:
-        """One device of the fleet's kind for a worker of its own (the learner in separate mode)."""
+        """One device of the fleet's kind for a worker of its own (the learner in separate mode),
+        on a node of the fleet's pool (``node_labels``) as its replicas are."""
         device = await self.device()
         if device == "none":
             return None
         bundle = device_bundle(device, self.config)
         nodes = await self.nodes()
-        pg = await self._create_group([dict(bundle)], "STRICT_PACK", None, name, nodes)
+        selector = [dict(self.config.node_labels)] if self.config.node_labels else None
+        pg = await self._create_group([dict(bundle)], "STRICT_PACK", selector, name, nodes)
         return WorkerPlacement(pg, 0, device, bundle, 1.0)
 
     async def _create_group(

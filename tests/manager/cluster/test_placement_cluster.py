@@ -158,6 +158,25 @@ async def test_more_devices_than_the_cluster_has_fail_fast_naming_the_field(clus
     assert ray.available_resources().get("GPU") == 3 * GPUS_PER_NODE  # nothing left reserved
 
 
+async def test_a_separate_learner_stays_in_the_fleets_node_pool(cluster):
+    """A fleet confined to nodes labelled ``pool: learn`` reserves its learner's device there too:
+    it used to take one on any node, outside the pool its owner gave it."""
+    node_args = dict(num_cpus=CPUS_PER_NODE, num_gpus=GPUS_PER_NODE, node_ip_address="127.0.0.1")
+    pool = cluster.add_node(labels={"pool": "learn"}, **node_args)
+    cluster.wait_for_nodes()
+    try:
+        manager = await LLMServerManager.create(sim_config(1, node_labels={"pool": "learn"}))
+        try:
+            (replica,) = await manager.get_replicas()
+            node, gpus = await learner_probe(manager)
+            assert replica.node_id == pool.node_id
+            assert node == pool.node_id and len(gpus) == 1 and gpus[0] not in replica.devices
+        finally:
+            await manager.shutdown()
+    finally:
+        await asyncio.to_thread(cluster.remove_node, pool)
+
+
 async def test_a_dead_nodes_replicas_resume_elsewhere_without_losing_a_trajectory(cluster):
     """Two fresh nodes labelled 'elastic' host the fleet; one dies mid-rollout, then the other."""
     import ray
