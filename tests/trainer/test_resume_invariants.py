@@ -12,6 +12,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from trainer_support import InstantAgents
 
 from rollfleet.trainer.modes.separate_async import SeparateAsyncTrainer
 from rollfleet.trainer.rollouter import Rollouter
@@ -131,19 +132,6 @@ async def test_wait_bound_holds_in_a_resumed_run():
         assert started == 4, version
 
 
-class Instant:
-    """Every prompt finishes at once, labelled with the version it started at."""
-
-    def expand(self, batch: list[dict], n: int) -> list[dict]:
-        return [{**batch[0], "uid": f"u{batch[0]['task_index']}", "k": k} for k in range(n)]
-
-    async def generate_sequences_single(self, sample: dict) -> Any:
-        await asyncio.sleep(0)
-        return SimpleNamespace(
-            extra_fields={}, metrics=SimpleNamespace(num_resumes=0), response_mask=[1], response_ids=[1]
-        )
-
-
 @pytest.mark.parametrize("resumed_at", [0, 3, 4])
 async def test_wait_bound_holds_when_a_run_resumes_between_two_syncs(resumed_at):
     """Weights sync every 2 steps of 2 groups, bound 0. A run resumed at step 3 syncs after one
@@ -160,7 +148,7 @@ async def test_wait_bound_holds_when_a_run_resumes_between_two_syncs(resumed_at)
         partial_rollout=True,
     )
     t.config = SimpleNamespace(rollout=SimpleNamespace(n=2))
-    t.agent_manager, t.stream, t._reissue = Instant(), make_task("count", 0), []
+    t.agent_manager, t.stream, t._reissue = InstantAgents(), make_task("count", 0), []
     t.step, t.version = resumed_at, (resumed_at // 2 + 1 if resumed_at else 0)  # resumed: saved version + 1
     t._start_rollouter()
     staleness = []
@@ -288,7 +276,7 @@ async def test_a_task_stream_that_fails_stops_the_run_instead_of_hanging_it():
 
     buffer = GroupBuffer(capacity=8, max_off_policy_steps=2, strategy="drop", groups_per_version=4, version=lambda: 0)
     rollouter = Rollouter(
-        Instant(), Failing(), buffer, n=2, max_inflight_groups=8, partial_rollout=True, version=lambda: 0
+        InstantAgents(), Failing(), buffer, n=2, max_inflight_groups=8, partial_rollout=True, version=lambda: 0
     )
     rollouter.start()
     with pytest.raises(RuntimeError, match="dataset shard unreadable"):

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from trainer_support import InstantAgents
 
 from rollfleet.trainer.rollouter import Rollouter
 from rollfleet.trainer.staleness import Group, GroupBuffer
@@ -96,19 +97,6 @@ async def test_fractional_bound_lets_the_rollouter_run_part_of_a_batch_ahead():
         await buf.wait_to_start()
         started += 1
     assert started == 6  # (0 + 0.5 + 1) x 4
-
-
-class InstantAgents:
-    """Agent loops whose trajectories end at once: a rollouter far faster than its learner."""
-
-    def expand(self, batch: list[dict], n: int) -> list[dict]:
-        return [{**batch[0], "uid": f"u{batch[0]['task_index']}"} for _ in range(n)]
-
-    async def generate_sequences_single(self, sample: dict) -> Any:
-        await asyncio.sleep(0)
-        return SimpleNamespace(
-            extra_fields={}, metrics=SimpleNamespace(num_resumes=0), response_mask=[1, 1], response_ids=[1, 1]
-        )
 
 
 class Prompts:

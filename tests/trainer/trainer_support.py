@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+from types import SimpleNamespace
 from typing import Any, Optional
 
 from rollfleet.config import RollfleetConfig, load_config
@@ -30,3 +32,17 @@ def sim_train_config(tmp_path, mode: str, rollout: Optional[dict[str, Any]] = No
     overrides.update({f"rollout.{k}": v for k, v in (rollout or {}).items()})
     overrides.update({f"trainer.{k}": v for k, v in trainer.items()})
     return fit_sim_to_model(load_config(None, overrides))
+
+
+class InstantAgents:
+    """Agent loops whose trajectories end at once (one token each): a rollouter far faster than
+    its learner, for tests that drive the rollouter and the group buffer by hand."""
+
+    def expand(self, batch: list[dict], n: int) -> list[dict]:
+        return [{**batch[0], "uid": f"u{batch[0]['task_index']}", "k": k} for k in range(n)]
+
+    async def generate_sequences_single(self, sample: dict) -> Any:
+        await asyncio.sleep(0)
+        return SimpleNamespace(
+            extra_fields={}, metrics=SimpleNamespace(num_resumes=0), response_mask=[1], response_ids=[1]
+        )
