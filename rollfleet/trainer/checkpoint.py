@@ -103,6 +103,18 @@ def find_latest(root: str | os.PathLike) -> Optional[Path]:
     return found[-1] if found else None
 
 
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """``path`` itself when it is a complete checkpoint, else the latest one under it (a root);
+    :class:`FileNotFoundError` when there is none."""
+    path = Path(path)
+    if (path / META_FILE).is_file():
+        return path
+    latest = find_latest(path)
+    if latest is None:
+        raise FileNotFoundError(f"no complete checkpoint at or under '{path}'")
+    return latest
+
+
 def aside_of(root: str | os.PathLike) -> Path:
     """Where :func:`set_aside` moves ``root``."""
     root = Path(root)
@@ -226,12 +238,7 @@ def load_checkpoint(
     import torch
     from safetensors.torch import load_file
 
-    path = Path(path)
-    if not (path / META_FILE).is_file():
-        latest = find_latest(path)
-        if latest is None:
-            raise FileNotFoundError(f"no complete checkpoint at or under '{path}'")
-        path = latest
+    path = resolve_checkpoint(path)
     meta = json.loads((path / META_FILE).read_text())
     if meta.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"checkpoint '{path}' has format {meta.get('format_version')}, expected {FORMAT_VERSION}")
@@ -295,6 +302,7 @@ __all__ = [
     "checkpoint_name",
     "list_checkpoints",
     "find_latest",
+    "resolve_checkpoint",
     "aside_of",
     "set_aside",
     "DEFAULT_KEEP_LAST",

@@ -22,7 +22,7 @@ from rollfleet.trainer.checkpoint import (
     META_FILE,
     TRAINER_STATE_FILE,
     commit_checkpoint,
-    find_latest,
+    resolve_checkpoint,
 )
 from rollfleet.trainer.config import SimLearnerConfig
 
@@ -85,12 +85,7 @@ class SimulatedLearner:
 
     def load(self, path: str | Path) -> dict[str, Any]:
         """Restore the step counter and the tokens trained; returns the saved ``trainer_state``."""
-        folder = Path(path)
-        if not (folder / META_FILE).is_file():
-            latest = find_latest(folder)
-            if latest is None:
-                raise FileNotFoundError(f"no checkpoint under '{path}'")
-            folder = latest
+        folder = resolve_checkpoint(path)
         meta = json.loads((folder / META_FILE).read_text())
         self.global_step = int(meta["step"])
         self.trained_tokens = int(meta.get("trained_tokens", 0))
