@@ -336,3 +336,61 @@ async def test_a_control_call_whose_connect_timed_out_is_sent_once_more():
     with pytest.raises(ReplicaUnavailable, match="commit_weights"):
         await link.request("POST", "/update_weights", op="commit_weights")
     assert link.clients.calls == 2  # type: ignore[attr-defined]
+
+
+class _KeepAliveCloser:
+    """A raw HTTP/1.1 server that answers each connection's first request and then, as uvicorn does
+    when its event loop was held up past the keep-alive, closes the connection under the next
+    request without reading it; with ``every``, it answers nothing at all."""
+
+    def __init__(self, every: bool = False) -> None:
+        self.every = every
+        self.connections = 0
+        self.answered: list[bytes] = []
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        served = 0
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                if self.every or served:
+                    return  # closed under the request: no byte of an answer
+                self.answered.append(head.split(b"\r\n", 1)[0])
+                writer.write(b'HTTP/1.1 200 OK\r\ncontent-length: 11\r\n\r\n{"ok":true}')
+                await writer.drain()
+                served += 1
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return
+        finally:
+            writer.close()
+
+
+async def test_a_control_call_whose_keep_alive_connection_was_closed_under_it_is_sent_once_more():
+    """A server that closed a pooled connection under a control call never read the call: it is
+    sent again, once, on a fresh connection; a server that answers nothing is still an error."""
+    from rollfleet.engines.http.link import ServerLink
+    from rollfleet.engines.http.transport import HTTPClients
+
+    for every in (False, True):
+        fake = _KeepAliveCloser(every)
+        server = await asyncio.start_server(fake.serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        link = ServerLink("vllm-0", "vLLM server", request_timeout_s=5, control_timeout_s=5)
+        link.clients = HTTPClients(f"http://127.0.0.1:{port}", request_timeout_s=5, control_timeout_s=5)
+        try:
+            if not every:
+                first = await link.request("GET", "/metrics", op="load")  # leaves its connection pooled
+                second = await link.request("POST", "/pause", op="pause", params={"mode": "abort"})
+                assert first.status_code == second.status_code == 200
+                assert fake.answered == [b"GET /metrics HTTP/1.1", b"POST /pause?mode=abort HTTP/1.1"]
+                assert fake.connections == 2  # the pause went out again on a fresh connection
+            else:
+                with pytest.raises(ReplicaUnavailable, match="pause") as caught:
+                    await link.request("POST", "/pause", op="pause")
+                assert "without sending a response" in str(caught.value)
+                assert fake.connections == 2  # once more, not forever
+        finally:
+            await link.clients.close()
+            server.close()
+            await server.wait_closed()

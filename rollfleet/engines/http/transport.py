@@ -11,9 +11,12 @@ Two clients, each where it is cheapest:
 
 Both drop idle connections after :data:`KEEPALIVE_S`, under the servers' own keep-alive (uvicorn's
 default, and vLLM's ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, is 5 s), so a request is never written into a
-socket the server is closing. The race is not fully closed (the server may close a connection just
-as a request goes out), so :func:`is_stale` names the errors that mean "the reused connection was
-dead", and the engine sends such a request once more on a fresh connection.
+socket the server is closing. The race is not fully closed: the server may close a connection just
+as a request goes out, and a server whose event loop was held up past its keep-alive (a starved
+CPU, a long synchronous step) closes its idle connections as soon as it runs again, the requests
+already waiting on them unread. So :func:`is_stale` names the errors that mean "the reused
+connection was dead" on the generation path, :func:`is_unanswered` the control client's, and such
+a request is sent once more on a fresh connection.
 
 The transport-error rule (:func:`transport_error`), the same for every route and engine:
 
@@ -66,6 +69,13 @@ def is_stale(exc: BaseException) -> bool:
     )
 
 
+def is_unanswered(exc: BaseException) -> bool:
+    """The server closed the connection before a byte of its answer: the control client's sign of
+    a keep-alive connection closed under the request (a process that died meanwhile refuses the
+    next connection, so a second try cannot run the request twice on it)."""
+    return isinstance(exc, httpx.RemoteProtocolError) and "without sending a response" in str(exc)
+
+
 async def transport_error(
     op: str, exc: BaseException, label: str, url: str, server_gone: Callable[[], Awaitable[Optional[str]]]
 ) -> ReplicaUnavailable:
@@ -116,8 +126,15 @@ class HTTPClients:
             return resp.status, await resp.read()
 
     async def request(self, method: str, path: str, *, timeout: Optional[float] = None, **kw: Any) -> httpx.Response:
+        """A control call; one that found its keep-alive connection closed under it
+        (:func:`is_unanswered`) is sent once more (the pool has dropped that connection)."""
         if timeout is not None:
             kw["timeout"] = httpx.Timeout(timeout, connect=min(timeout, CONNECT_TIMEOUT_S))
+        try:
+            return await self.control.request(method, path, **kw)
+        except httpx.RemoteProtocolError as e:
+            if not is_unanswered(e):
+                raise
         return await self.control.request(method, path, **kw)
 
     async def close(self) -> None:
@@ -130,6 +147,7 @@ __all__ = [
     "StaleConnection",
     "transport_error",
     "is_stale",
+    "is_unanswered",
     "is_refused",
     "is_timeout",
     "KEEPALIVE_S",

@@ -59,8 +59,10 @@ logger = logging.getLogger(__name__)
 
 #: Weight loads take longer than a control call.
 SLOW_CONTROL_S = 300.0
-#: Commit calls each use a fresh connection: after an error answer vLLM closes the connection it
-#: answered on, and the next step of a commit must not be the one to find out.
+#: Commit calls leave no connection in the pool: after an error answer vLLM closes the connection it
+#: answered on, and the next step of a commit must not be the one to find out. (A call that meets
+#: a pooled connection closed under it for any other reason is sent once more:
+#: :meth:`~rollfleet.engines.http.transport.HTTPClients.request`.)
 FRESH_CONNECTION = {"Connection": "close"}
 
 
