@@ -226,7 +226,13 @@ async def _first_and_total(url: str, body: dict, uds: str | None = None) -> tupl
 async def test_a_stream_through_the_gateway_starts_as_vllm_samples(vllm_fleet, tokenizer):
     """vLLM streams, the replica forwards over the data plane, the gateway sends SSE as tokens come:
     the first text arrives long before the last token, and the streamed ids are the output's.
-    Time to first token is measured side by side with vLLM's own server."""
+    Time to first token is measured side by side with vLLM's own server.
+
+    A starved host can hold up vLLM's API server (or the replica) for a whole generation, so that
+    every token arrives at once on either path (seen on a CI host, and here under two busy loops:
+    the first byte of vLLM's answer reached the replica 2.1 s after the request, with the last
+    token). Such a try proves nothing either way and is made again, up to three times; a path that
+    buffers fails every try."""
     from rollfleet.gateway import Gateway, GatewayServer, TextCodec
 
     _, fleet = vllm_fleet
@@ -237,20 +243,28 @@ async def test_a_stream_through_the_gateway_starts_as_vllm_samples(vllm_fleet, t
     await client.generate(
         "warm-up", prompt_ids=[1, 2, 3], sampling_params={"max_tokens": 8}
     )  # the first forward is slow
+    tries: list[str] = []
     try:
-        ours = await _first_and_total(f"{server.url}/v1/completions", {**body, "return_token_ids": True})
-        # vLLM's own server, over the private socket the replica talks to it on.
-        socket = (await fleet.get_replicas())[0].server_socket
-        theirs = await _first_and_total("http://localhost/v1/completions", body, uds=socket)
+        for _ in range(3):
+            first, total, events = await _first_and_total(
+                f"{server.url}/v1/completions", {**body, "return_token_ids": True}
+            )
+            # vLLM's own server, over the private socket the replica talks to it on.
+            socket = (await fleet.get_replicas())[0].server_socket
+            theirs = await _first_and_total("http://localhost/v1/completions", body, uds=socket)
+            ids = [t for e in events if e["choices"] for t in e["choices"][0].get("token_ids") or []]
+            text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+            assert len(ids) == 400 and text == tokenizer.decode(ids, skip_special_tokens=True)
+            tries.append(
+                f"first text after {first:.3f}s of {total:.3f}s through the gateway; vLLM's own server: "
+                f"{theirs[0]:.3f}s of {theirs[1]:.3f}s"
+            )
+            print(tries[-1])
+            if first < 0.25 * total:
+                return
     finally:
         await server.stop()
-    first, total, events = ours
-    ids = [t for e in events if e["choices"] for t in e["choices"][0].get("token_ids") or []]
-    text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
-    print(f"first text after {first:.3f}s of {total:.3f}s through the gateway; vLLM's own server: "
-          f"{theirs[0]:.3f}s of {theirs[1]:.3f}s")  # fmt: skip
-    assert len(ids) == 400 and text == tokenizer.decode(ids, skip_special_tokens=True)
-    assert first < 0.25 * total
+    raise AssertionError("the gateway's stream came all at once in every try:\n" + "\n".join(tries))
 
 
 #: A Hermes tool call, as the chat template writes one: vLLM samples within it (structured outputs).
