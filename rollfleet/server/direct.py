@@ -233,6 +233,13 @@ def close_connections() -> None:
 
 
 # ---------------------------------------------------------------------- handle
+def _warn_ray_path(address: str, exc: ReplicaUnavailable) -> None:
+    """Say once per address that its requests go through Ray (slower; streams arrive whole)."""
+    if address not in _WARNED:
+        _WARNED.add(address)
+        logger.warning("%s; sending its requests through Ray instead (streams arrive as one piece)", exc)
+
+
 class _DirectCall:
     __slots__ = ("_handle", "_output_only")
 
@@ -255,9 +262,7 @@ class _DirectCall:
                 raise
             # The port may be closed to us (a firewall that lets only Ray's ports through) while the
             # replica is fine: take the Ray path. A dead replica fails there too, as it should.
-            if handle.address not in _WARNED:
-                _WARNED.add(handle.address)
-                logger.warning("%s; sending its requests through Ray instead", exc)
+            _warn_ray_path(handle.address, exc)
             return await self._through_ray(request_id, prompt_ids, sampling_params, kwargs)
         try:
             response = await conn.generate_with_load(request_id, prompt_ids, sampling_params, **kwargs)
@@ -307,10 +312,11 @@ class DirectHandle:
         with the load); through Ray when the data plane cannot carry it, as one final item."""
         try:
             conn = await get_connection(self.address, self.replica_id, self.token, self.allow_pickle)
-        except ReplicaUnavailable:
+        except ReplicaUnavailable as exc:
             if self.actor is None:
                 raise
-            conn = None  # the port is closed to us while the replica may be fine: Ray carries it
+            _warn_ray_path(self.address, exc)  # the port is closed to us while the replica may be fine
+            conn = None
         if conn is not None:
             stream = conn.generate_stream(request_id, prompt_ids, sampling_params, **kwargs)
             try:

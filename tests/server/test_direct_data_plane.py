@@ -169,7 +169,9 @@ async def test_cancelling_the_caller_aborts_the_request_on_the_replica():
         assert len((await handle.generate.remote("next", [1], {"max_tokens": 2})).token_ids) >= 1
 
 
-async def test_a_lost_connection_fails_pending_requests_as_replica_unavailable():
+async def test_a_lost_connection_fails_pending_requests_as_replica_unavailable(caplog):
+    from rollfleet.server import direct
+
     async with served_replica(time_scale=20.0) as (r, handle):
         pending = [handle.generate.remote(f"p{i}", [1, 2], {"max_tokens": 3000, "ignore_eos": True}) for i in range(5)]
         await asyncio.sleep(0.1)
@@ -178,8 +180,16 @@ async def test_a_lost_connection_fails_pending_requests_as_replica_unavailable()
         assert all(isinstance(e, ReplicaUnavailable) and e.replica_id == "r0" for e in results)
         with pytest.raises(ReplicaUnavailable, match="cannot reach its data plane"):
             await get_connection(handle.address, "r0", handle.token)
-        # The replica itself is alive: its requests take the actor path instead of failing.
+        # The replica itself is alive: its requests take the actor path instead of failing, a
+        # stream as one piece (said once, in the log: a stream that arrives whole is no silent loss).
+        direct._WARNED.discard(handle.address)
+        with caplog.at_level("WARNING", logger="rollfleet.server.direct"):
+            items = [item async for item in handle.stream_generate("s", [1], {"max_tokens": 2})]
+        assert len(items) == 1 and isinstance(items[0], ReplicaResponse) and items[0].output.token_ids
+        warned = [rec.getMessage() for rec in caplog.records if "through Ray instead" in rec.getMessage()]
+        assert len(warned) == 1, warned
         assert len((await handle.generate.remote("again", [1], {"max_tokens": 2})).token_ids) >= 1
+        assert len([rec for rec in caplog.records if "through Ray instead" in rec.getMessage()]) == 1  # once
         no_actor = DirectHandle(None, handle.address, "r0", handle.token)
         with pytest.raises(ReplicaUnavailable, match="cannot reach its data plane"):
             await no_actor.generate.remote("again", [1], {"max_tokens": 2})
