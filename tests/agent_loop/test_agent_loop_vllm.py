@@ -231,8 +231,8 @@ async def test_a_stream_through_the_gateway_starts_as_vllm_samples(vllm_fleet, t
     A starved host can hold up vLLM's API server (or the replica) for a whole generation, so that
     every token arrives at once on either path (seen on a CI host, and here under two busy loops:
     the replica read the first byte of vLLM's answer 2.1 s after the request, with the last token,
-    and vLLM's own stream came whole too). Such a try proves nothing either way and is made again, up to three times; a path that
-    buffers fails every try."""
+    and vLLM's own stream came whole too). Such a try proves nothing either way and is made again,
+    up to three times; a path that buffers fails every try."""
     from rollfleet.gateway import Gateway, GatewayServer, TextCodec
 
     _, fleet = vllm_fleet
