@@ -96,7 +96,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def read_lengths(path: str) -> list[int]:
     """Response lengths from a file: a JSON list, or integers separated by commas or whitespace."""
-    text = Path(path).read_text()
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--response-lengths {path}: cannot be read ({exc})") from None
     as_json = text.lstrip().startswith("[")
     try:
         values = json.loads(text) if as_json else text.replace(",", " ").split()
@@ -156,6 +159,13 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _seed(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"--seeds: {text.strip()!r} is not an integer (seeds are comma-separated: 0,1,2)") from None
+
+
 def spec_from_args(args: argparse.Namespace, config: RollfleetConfig) -> PlanSpec:
     return PlanSpec(
         config,
@@ -163,7 +173,7 @@ def spec_from_args(args: argparse.Namespace, config: RollfleetConfig) -> PlanSpe
         tp=args.tp,
         rollout_share=args.rollout_share,
         modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
-        seeds=tuple(int(s) for s in args.seeds.split(",") if s.strip()),
+        seeds=tuple(_seed(s) for s in args.seeds.split(",") if s.strip()),
         warmup_steps=args.warmup_steps,
         output_dir=str(Path(args.out) / "runs"),
     )

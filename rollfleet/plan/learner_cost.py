@@ -5,6 +5,15 @@ is given a model (``rollfleet plan --model-params-b``) instead of measured const
 from __future__ import annotations
 
 
+def _check(**values: float) -> None:
+    """Every value > 0 (``gpus`` >= 1), or a ValueError naming the first that is not."""
+    for name, value in values.items():
+        if name == "gpus" and value < 1:
+            raise ValueError(f"gpus must be >= 1, got {value}")
+        if value <= 0:
+            raise ValueError(f"{name} must be > 0, got {value:g}")
+
+
 def learner_seconds_per_token(
     params_b: float, gpus: int, tflops_per_gpu: float, mfu: float, flops_per_param_token: float = 6.0
 ) -> float:
@@ -12,8 +21,13 @@ def learner_seconds_per_token(
     billion parameters: ``flops_per_param_token`` (6: forward and backward, the usual estimate;
     add 2 per extra forward pass such as old log-probs or a reference model) x parameters, over
     the cluster's ``tflops_per_gpu`` peak at ``mfu`` utilisation."""
-    if min(params_b, tflops_per_gpu, mfu) <= 0 or gpus < 1:
-        raise ValueError("params_b, tflops_per_gpu and mfu must be > 0 and gpus >= 1")
+    _check(
+        params_b=params_b,
+        tflops_per_gpu=tflops_per_gpu,
+        mfu=mfu,
+        gpus=gpus,
+        flops_per_param_token=flops_per_param_token,
+    )
     return flops_per_param_token * params_b * 1e9 / (gpus * tflops_per_gpu * 1e12 * mfu)
 
 
@@ -25,8 +39,14 @@ def learner_seconds_per_token_squared(
     length^2 / 2 pairs: 2 x layers x hidden x length^2 per sample. Backward costs twice the
     forward, as for the weights, so the total is ``flops_per_param_token`` (6) x layers x hidden
     x length^2."""
-    if min(layers, hidden, tflops_per_gpu, mfu) <= 0 or gpus < 1:
-        raise ValueError("layers, hidden, tflops_per_gpu and mfu must be > 0 and gpus >= 1")
+    _check(
+        layers=layers,
+        hidden=hidden,
+        tflops_per_gpu=tflops_per_gpu,
+        mfu=mfu,
+        gpus=gpus,
+        flops_per_param_token=flops_per_param_token,
+    )
     return flops_per_param_token * layers * hidden / (gpus * tflops_per_gpu * 1e12 * mfu)
 
 

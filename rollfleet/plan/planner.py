@@ -193,12 +193,15 @@ class PlanResult:
         for mode, runs in modes.items():
             rollout_gpus, learner_gpus = self.spec.gpus_of(mode)
             speedups = [sync[r.seed] / r.step_s for r in runs if r.seed in sync and r.step_s > 0]
+            low, high = min(r.step_s for r in runs), max(r.step_s for r in runs)
             rows.append(
                 {
                     "mode": mode,
                     "replicas": runs[0].replicas,
-                    "step_s": statistics.fmean(r.step_s for r in runs),
-                    "step_s_range": [min(r.step_s for r in runs), max(r.step_s for r in runs)],
+                    # fmean of equal values can round past them (three of 3.7990400000000344 give
+                    # ...035): held in the range, or the plot's error bars go negative and it fails
+                    "step_s": min(max(statistics.fmean(r.step_s for r in runs), low), high),
+                    "step_s_range": [low, high],
                     "speedup_vs_sync": statistics.fmean(speedups) if speedups else None,
                     "trainer_idle": statistics.fmean(r.trainer_idle for r in runs),
                     "fleet_idle": statistics.fmean(r.fleet_idle for r in runs),

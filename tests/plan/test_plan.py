@@ -25,6 +25,7 @@ from rollfleet.plan.planner import (
     run_plan,
     run_plans,
     start_order,
+    write_plan,
 )
 from rollfleet.trainer import get_trainer_cls
 from rollfleet.trainer.config import SimLearnerConfig, TrainConfig
@@ -230,8 +231,12 @@ def test_learner_cost_from_model_size():
     assert learner_seconds_per_token(7, 128, 989, 0.35) == pytest.approx(
         learner_seconds_per_token(7, 64, 989, 0.35) / 2
     )
-    with pytest.raises(ValueError, match="mfu"):
+    with pytest.raises(ValueError, match="mfu must be > 0, got 0"):
         learner_seconds_per_token(7, 8, 989, 0)
+    with pytest.raises(ValueError, match="params_b must be > 0, got -1"):  # named alone, with its value
+        learner_seconds_per_token(-1, 8, 989, 0.35)
+    with pytest.raises(ValueError, match="flops_per_param_token must be > 0, got 0"):  # a free learner
+        learner_seconds_per_token(7, 8, 989, 0.35, flops_per_param_token=0)
 
 
 @pytest.mark.parametrize(
@@ -300,6 +305,20 @@ def test_the_summary_means_dropped_groups_over_seeds_and_names_each_modes_accele
     assert (rows["sync"]["rollout_gpus"], rows["sync"]["learner_gpus"]) == (4, 4)
 
 
+def test_seeds_that_plan_the_same_step_keep_its_mean_in_its_range_and_the_plot_draws(tmp_path):
+    """Seeds agree when nothing they draw changes a step (every response one length). The mean of
+    three equal step times came out past them (fsum rounding), and the plot's error bar then had
+    a negative length: writing the plan failed after every run had finished."""
+    step = 3.7990400000000344  # three of it average to 3.799040000000035
+    spec = PlanSpec(workload_config(), gpus=4, modes=("sync",), seeds=(0, 1, 2))
+    runs = [ModeRun("sync", seed, 4, step, 0.9, 0.1, 0.0, 0.0, 0, 0, 1.0, "", 1.0, 1.0) for seed in (0, 1, 2)]
+    (row,) = PlanResult(spec, runs).summary()
+    assert row["step_s_range"] == [step, step]
+    assert row["step_s_range"][0] <= row["step_s"] <= row["step_s_range"][1]
+    written = write_plan(PlanResult(spec, runs), tmp_path)
+    assert (tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", written
+
+
 def test_a_virtual_run_refuses_a_torch_learner():
     async def main_() -> None:
         runtime = VirtualRuntime()
@@ -350,13 +369,19 @@ def test_response_lengths_from_a_file_replace_the_log_normal(tmp_path, capsys):
 
 def test_the_command_refuses_flags_that_would_plan_something_else(capsys):
     """A percentage for --mfu (a 100x faster learner), a profile of one accelerator's replica at
-    --tp 4 (a replica of four priced as one), a model that no replica holds, half a model shape."""
+    --tp 4 (a replica of four priced as one), a model that no replica holds, half a model shape;
+    a seed that is no number and a lengths file that is not there (both were tracebacks)."""
     base = ["plan", "--gpus", "4", "--seeds", "0", "--modes", "sync"]
     cases = [
         (["--mfu", "35"], "--mfu must be in (0, 1] (a fraction, not a percentage), got 35"),
         (["--profile", "h100-7b", "--tp", "4"], "tp (4) differs from rollout.sim.tensor_parallel_size (1)"),
         (["--profile", "h100-7b", "--model-params-b", "70", "--gpus", "1"], "leave no room for a KV cache"),
         (["--model-params-b", "7", "--model-layers", "28"], "--model-layers and --model-hidden go together"),
+        (["--seeds", "0,a"], "--seeds: 'a' is not an integer"),
+        (
+            ["--response-lengths", "/nonexistent/lengths.txt"],
+            "--response-lengths /nonexistent/lengths.txt: cannot be read",
+        ),
     ]
     for extra, message in cases:
         assert main([*base, *extra]) == 2, extra
