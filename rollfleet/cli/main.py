@@ -28,6 +28,9 @@ def _load(path: Optional[str], overrides: dict) -> RollfleetConfig:
     except (ValidationError, RollfleetError) as exc:
         print(f"rollfleet: invalid config{f' {path}' if path else ''}:\n{exc}", file=sys.stderr)
         raise _ConfigRejected() from exc
+    except (OSError, ValueError) as exc:  # not there, unreadable, not YAML, not a mapping
+        print(f"rollfleet: cannot read config: {exc}", file=sys.stderr)
+        raise _ConfigRejected() from exc
 
 
 def _simulate(args: argparse.Namespace) -> int:
@@ -44,7 +47,13 @@ def _simulate(args: argparse.Namespace) -> int:
     if config.rollout.name != "sim":
         print(f"rollfleet simulate runs the sim engine; the config names '{config.rollout.name}'", file=sys.stderr)
         return 2
-    opts = SimulateOptions(sessions=args.sessions, turns=args.turns, weight_updates=args.weight_updates)
+    try:
+        opts = SimulateOptions(sessions=args.sessions, turns=args.turns, weight_updates=args.weight_updates)
+        if config.rollout.num_replicas < 1:  # a fleet may start empty and grow; a simulation cannot
+            raise ValueError(f"rollout.num_replicas must be >= 1, got {config.rollout.num_replicas}")
+    except ValueError as exc:
+        print(f"rollfleet simulate: {exc}", file=sys.stderr)
+        return 2
     console = Console()
     pace = "virtual time" if args.virtual else f"time scale {config.rollout.sim.time_scale}x"
     console.print(

@@ -41,6 +41,13 @@ class SimulateOptions:
     weight_updates: int = 3
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        for name, low in (("sessions", 1), ("turns", 1), ("prompt_tokens", 1), ("tool_tokens", 0),
+                          ("max_tokens_per_turn", 1), ("weight_updates", 0)):  # fmt: skip
+            value = getattr(self, name)
+            if value < low:
+                raise ValueError(f"{name} must be >= {low}, got {value}")
+
 
 @dataclass
 class SimulateResult:

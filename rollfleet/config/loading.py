@@ -72,7 +72,12 @@ def load_config(path: str | Path | None = None, overrides: Optional[dict[str, An
     data: dict[str, Any] = {}
     if path is not None:
         with open(path) as f:
-            data = yaml.safe_load(f) or {}
+            try:
+                data = yaml.safe_load(f) or {}
+            except yaml.YAMLError as exc:
+                raise ValueError(f"{path} is not YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: the top level must map section names to settings, got a {type(data).__name__}")
     for key, value in (overrides or {}).items():
         node = data
         parts = key.split(".")

@@ -287,6 +287,32 @@ def test_rollfleet_train_rejects_a_trainer_typo_before_starting_ray(tmp_path, mo
     assert "trainer.totl_steps" in capsys.readouterr().err
 
 
+def test_a_config_file_that_is_missing_or_not_a_yaml_mapping_is_named_and_refused(tmp_path, monkeypatch, capsys):
+    """Each was a traceback from every command (FileNotFoundError, a YAML parser error, or an
+    AttributeError from a list); now one line naming the file, status 2, before Ray starts."""
+    import ray
+
+    from rollfleet.cli.main import main
+
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray started on a config that was not read"))
+    missing = tmp_path / "missing.yaml"
+    not_yaml = tmp_path / "broken.yaml"
+    not_yaml.write_text("rollout: [\n")
+    a_list = tmp_path / "list.yaml"
+    a_list.write_text("- rollout\n- trainer\n")
+    for path, says in (
+        (missing, "No such file or directory"),
+        (not_yaml, "broken.yaml is not YAML"),
+        (a_list, "list.yaml: the top level must map section names to settings, got a list"),
+    ):
+        with pytest.raises(ValueError if path != missing else OSError, match=says):
+            load_config(path)
+        for command in (["train"], ["simulate", "--virtual"], ["plan", "--gpus", "2"]):
+            assert main([*command, "--config", str(path)]) == 2, (command, path)
+            err = capsys.readouterr().err
+            assert "rollfleet: cannot read config:" in err and says in err, (command, err)
+
+
 def test_section_validators_skip_sections_not_given(monkeypatch):
     from rollfleet import config as config_mod
 

@@ -39,3 +39,18 @@ def test_a_virtual_simulation_repeats_exactly():
     assert all(b > 0 for b in first.per_replica_busy_s.values())
     busy = list(first.per_replica_busy_s.values())
     assert first.busy_imbalance == max(busy) / (sum(busy) / len(busy)) >= 1.0
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--sessions", "0"], "sessions must be >= 1, got 0"),  # was a ZeroDivisionError in the report
+        (["--sessions", "-3"], "sessions must be >= 1, got -3"),
+        (["--turns", "0"], "turns must be >= 1, got 0"),  # was an IndexError
+        (["--weight-updates", "-1"], "weight_updates must be >= 0, got -1"),  # was taken as none
+        (["--replicas", "0"], "rollout.num_replicas must be >= 1, got 0"),  # waited 300 s, then a traceback
+    ],
+)
+def test_the_command_refuses_a_simulation_of_nothing_naming_the_flag(flags, says, capsys):
+    assert main(["simulate", "--virtual", *flags]) == 2
+    assert f"rollfleet simulate: {says}" in capsys.readouterr().err
