@@ -39,6 +39,8 @@ async def calibrate(
 ) -> Profile:
     """Start the engine, measure ``grid``, stop the engine, fit."""
     rollout = config.rollout
+    if repeats < 1:  # before an engine starts (a vLLM start is most of a minute)
+        raise ValueError(f"--repeats must be >= 1, got {repeats}")
     longest = max(p.prompt_tokens + p.output_tokens for p in grid)
     if rollout.max_model_len is not None and longest > rollout.max_model_len:
         raise ValueError(f"rollout.max_model_len ({rollout.max_model_len}) must be >= {longest} for this grid")

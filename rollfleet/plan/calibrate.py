@@ -148,6 +148,8 @@ async def measure(
     the whole grid once untimed first: an engine's first batches of a new shape pay one-off
     costs (kernel selection, allocations; on vLLM's CPU build up to 10x the step) that are not
     what a long run pays."""
+    if repeats < 1:  # none would leave every probe unmeasured (inf) and fit a free engine
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     salt = 0
     if warmup:
         for probe in grid:

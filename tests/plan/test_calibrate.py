@@ -56,6 +56,20 @@ def test_too_few_measurements_are_refused():
         fit(synthetic(TRUE)[:3])
 
 
+def test_no_repeats_are_refused_before_an_engine_starts(tmp_path, monkeypatch, capsys):
+    """``--repeats 0`` measured nothing, fitted every probe's inf seconds to a free engine and wrote
+    that profile; a plan on it would have priced every step at 0."""
+    import rollfleet.cli.calibrate as calibrate_cli
+
+    monkeypatch.setattr(calibrate_cli, "build_engine", lambda *a, **k: pytest.fail("an engine started"))
+    out = tmp_path / "p.yaml"
+    assert main(["calibrate", "--engine", "sim", "--repeats", "0", "--out", str(out)]) == 2
+    assert "--repeats must be >= 1, got 0" in capsys.readouterr().err
+    assert not out.exists()
+    with pytest.raises(ValueError, match="repeats must be >= 1, got -1"):
+        virtual_time.run(measure(build_engine(RolloutConfig(name="sim"), replica_index=0), default_grid(), repeats=-1))
+
+
 def test_calibrating_the_sim_engine_finds_its_own_costs():
     """The probe model matches how the sim engine schedules: measured through the engine
     interface in virtual time, the fit returns the constants the engine was given."""
