@@ -69,9 +69,9 @@ class PlanSpec:
             raise ValueError(f"gpus ({self.gpus}) must hold at least one replica of tp={self.tp}")
         if not 0 < self.rollout_share < 1:
             raise ValueError(f"rollout_share must be in (0, 1), got {self.rollout_share}")
-        if not self.modes or not self.seeds:
-            raise ValueError("modes and seeds must not be empty")
         for name, values in (("modes", self.modes), ("seeds", self.seeds)):
+            if not values:
+                raise ValueError(f"{name} must not be empty")
             if len(set(values)) < len(values):
                 raise ValueError(f"{name} must not repeat, got {list(values)}")
         for mode in self.modes:
