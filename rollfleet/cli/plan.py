@@ -4,7 +4,8 @@ The config gives the workload (``rollout.n``, ``prompt_length``, ``response_leng
 engine's response-length distribution and step costs), the trainer's batch, staleness and sync
 settings and the learner's cost; the command line gives the cluster. Outputs: a table (step time,
 speed-up over ``sync``, trainer / fleet / cluster idle, staleness, dropped groups), ``plan.json``,
-``plan.png`` and one timeline PNG per mode, under ``--out``.
+``plan.png`` and one timeline PNG per mode, under ``--out``. ``--rollout-share 0.25,0.5,0.75``
+plans ``separate_async`` at each of those splits, side by side, and names the fastest.
 """
 
 from __future__ import annotations
@@ -21,14 +22,8 @@ from rich.table import Table
 
 from rollfleet.config import RollfleetConfig
 from rollfleet.plan.learner_cost import learner_seconds_per_token, learner_seconds_per_token_squared
-from rollfleet.plan.planner import (
-    MODES,
-    ModeRun,
-    PlanResult,
-    PlanSpec,
-    run_plan,
-    write_plan,
-)
+from rollfleet.plan.planner import MODES, ModeRun, PlanResult, PlanSpec, run_plan
+from rollfleet.plan.report import write_plan
 from rollfleet.plan.roofline import ACCELERATORS, accelerator, engine_costs
 
 
@@ -42,7 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--tp", type=int, default=1, help="accelerators per replica (tensor parallelism)")
     p.add_argument(
-        "--rollout-share", type=float, default=0.5, help="separate_async: share of the accelerators that generate"
+        "--rollout-share",
+        default="0.5",
+        help="separate_async: share of the accelerators that generate; several, comma-separated, plan each split",
     )
     p.add_argument("--modes", default=",".join(MODES), help="trainer modes, comma-separated")
     p.add_argument("--seeds", default="0,1,2", help="one run per seed per mode, comma-separated")
@@ -159,6 +156,13 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _share(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"--rollout-share: {text.strip()!r} is not a number (a share in (0, 1): 0.5)") from None
+
+
 def _seed(text: str) -> int:
     try:
         return int(text)
@@ -167,11 +171,15 @@ def _seed(text: str) -> int:
 
 
 def spec_from_args(args: argparse.Namespace, config: RollfleetConfig) -> PlanSpec:
+    shares = tuple(_share(s) for s in str(args.rollout_share).split(",") if s.strip())
+    if not shares:
+        raise ValueError("--rollout-share: give at least one share in (0, 1)")
     return PlanSpec(
         config,
         gpus=args.gpus,
         tp=args.tp,
-        rollout_share=args.rollout_share,
+        rollout_share=shares[0] if shares else 0.5,
+        more_shares=shares[1:],
         modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
         seeds=tuple(_seed(s) for s in args.seeds.split(",") if s.strip()),
         warmup_steps=args.warmup_steps,
@@ -180,12 +188,13 @@ def spec_from_args(args: argparse.Namespace, config: RollfleetConfig) -> PlanSpe
 
 
 def run(spec: PlanSpec, console: Console, workers: Optional[int] = None) -> PlanResult:
-    total = len(spec.modes) * len(spec.seeds)
+    total = sum(len(spec.shares_of(mode)) for mode in spec.modes) * len(spec.seeds)
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("planning", total=total)
 
         def done(r: ModeRun) -> None:
-            progress.update(task, advance=1, description=f"{r.mode} seed {r.seed}: {r.step_s:.2f} s/step")
+            label = PlanResult(spec).label(r)
+            progress.update(task, advance=1, description=f"{label} seed {r.seed}: {r.step_s:.2f} s/step")
 
         return run_plan(spec, on_run=done, workers=workers or os.cpu_count() or 1)
 
@@ -208,12 +217,12 @@ def render(result: PlanResult, console: Console) -> None:
         "dropped groups",
         "trained tok/s",
     ):
-        table.add_column(col, justify="left" if col == "mode" else "right")
+        table.add_column(col, justify="left" if col == "mode" else "right", no_wrap=col == "mode")
     for r in result.summary():
         lo, hi = r["step_s_range"]
         speedup: Any = r["speedup_vs_sync"]
         table.add_row(
-            r["mode"],
+            r["label"],
             str(r["replicas"]),
             f"{r['step_s']:.2f} ({lo:.2f}-{hi:.2f})",
             "-" if speedup is None else f"{speedup:.2f}x",
@@ -238,12 +247,20 @@ def render(result: PlanResult, console: Console) -> None:
     for r in result.summary():
         shared = "" if r["mode"] == "separate_async" else " (the same ones)"
         served.add_row(
-            r["mode"],
+            r["label"],
             f"{r['rollout_gpus']} / {r['learner_gpus']}{shared}",
             f"{r['generated_per_trained']:.2f}",
             f"{r['requests_per_sample']:.2f}",
         )
     console.print(served)
+    best = result.best_split()
+    if best is not None:
+        speedup = best["speedup_vs_sync"]
+        console.print(
+            f"fastest split of separate_async: [bold]{best['rollout_gpus']}:{best['learner_gpus']}[/] "
+            f"(generating : training), {best['step_s']:.2f} s a step"
+            + ("" if speedup is None else f", {speedup:.2f}x sync")
+        )
 
 
 def write_outputs(result: PlanResult, out: str) -> list[Path]:
@@ -252,8 +269,8 @@ def write_outputs(result: PlanResult, out: str) -> list[Path]:
     written = write_plan(result, out)
     first: dict[str, ModeRun] = {}
     for r in result.runs:
-        first.setdefault(r.mode, r)
-    for r in first.values():  # one timeline per mode (its first seed)
+        first.setdefault(result.label(r), r)
+    for r in first.values():  # one timeline per mode and split (its first seed)
         written += [p for p in plot_run(r.run_dir) if p.name == "timeline.png"]
     return written
 

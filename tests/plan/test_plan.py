@@ -25,8 +25,8 @@ from rollfleet.plan.planner import (
     run_plan,
     run_plans,
     start_order,
-    write_plan,
 )
+from rollfleet.plan.report import write_plan
 from rollfleet.trainer import get_trainer_cls
 from rollfleet.trainer.config import SimLearnerConfig, TrainConfig
 from rollfleet.trainer.sim_learner import SimulatedLearner
@@ -99,6 +99,60 @@ def test_every_mode_runs_on_its_share_of_the_cluster_and_a_plan_repeats_exactly(
         assert r["speedup_vs_sync"] > 1.2, rows
     # sync's learner waits for every trajectory of its batch: it idles more than either async mode
     assert sync["trainer_idle"] > max(rows["colocate_async"]["trainer_idle"], rows["separate_async"]["trainer_idle"])
+
+
+def test_separate_async_is_planned_at_every_split_asked_beside_the_colocated_modes(tmp_path):
+    """Which split of the cluster trains fastest is what a plan of ``separate_async`` asks: each
+    split is its own run (its own folder), the same run a plan of that split alone makes, with its
+    speed-up over the same ``sync`` runs; the fastest is named. Over two processes too."""
+    spec = PlanSpec(workload_config(), gpus=4, modes=("sync", "separate_async"), seeds=(0, 1),
+                    rollout_share=0.5, more_shares=(0.25, 0.75), output_dir=str(tmp_path / "sweep"))  # fmt: skip
+    result = run_plan(spec, workers=2)
+    rows = {r["label"]: r for r in result.summary()}
+    assert list(rows) == ["sync", "separate_async 2:2", "separate_async 1:3", "separate_async 3:1"]
+    for label, share, replicas in (("separate_async 2:2", 0.5, 2), ("separate_async 1:3", 0.25, 1),
+                                   ("separate_async 3:1", 0.75, 3)):  # fmt: skip
+        row = rows[label]
+        assert (row["rollout_share"], row["replicas"], row["rollout_gpus"] + row["learner_gpus"]) == (
+            share,
+            replicas,
+            4,
+        )
+    run_dirs = {r.run_dir for r in result.runs}
+    assert len(run_dirs) == len(result.runs) == 8  # (sync + 3 splits) x 2 seeds, none overwriting another
+    assert any(d.endswith("separate_async-1x3-seed0") for d in run_dirs)
+
+    alone = run_plan(dataclasses.replace(spec, more_shares=(), output_dir=str(tmp_path / "alone")))
+    half = {r["mode"]: r for r in alone.summary()}["separate_async"]
+    assert half["label"] == "separate_async"  # a plan of one split names no split
+    for key in ("step_s", "speedup_vs_sync", "trainer_idle", "fleet_idle", "dropped_groups"):
+        assert rows["separate_async 2:2"][key] == half[key], key
+    sync_steps = {r.seed: r.step_s for r in result.runs if r.mode == "sync"}
+    quarter = [r for r in result.runs if r.rollout_share == 0.25]
+    assert rows["separate_async 1:3"]["speedup_vs_sync"] == pytest.approx(
+        sum(sync_steps[r.seed] / r.step_s for r in quarter) / len(quarter)
+    )
+    best = result.best_split()
+    assert best is not None and best["step_s"] == min(r["step_s"] for k, r in rows.items() if k != "sync")
+    assert alone.best_split() is None
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"more_shares": (0.5,)}, r"rollout shares must not repeat, got \[0.5, 0.5\]"),
+        (
+            {"more_shares": (0.6,)},
+            r"give the same split twice \(4 accelerators, whole tp=1 replicas\): \['2:2', '2:2'\]",
+        ),
+        ({"more_shares": (1.2,)}, r"rollout_share must be in \(0, 1\), got 1.2"),
+        ({"more_shares": (0.1,)}, r"rollout_share x gpus = 0.4 holds no tp=1 replica"),
+        ({"more_shares": (0.25,), "modes": ("sync",)}, r"more_shares: splits of separate_async, which modes does not"),
+    ],
+)
+def test_a_split_that_plans_nothing_new_is_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        PlanSpec(workload_config(), gpus=4, **kwargs)
 
 
 def test_a_plan_counts_what_the_fleet_served_beyond_the_samples_trained(tmp_path):
@@ -347,6 +401,26 @@ def test_the_command_writes_the_table_the_json_and_the_pngs(tmp_path, capsys):
     pngs = [out / "plan.png"] + [out / "runs" / f"{m}-seed0" / "timeline.png" for m in ("sync", "separate_async")]
     for png in pngs:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+
+
+def test_the_command_plans_several_splits_and_names_the_fastest(tmp_path, capsys):
+    config = tmp_path / "plan.yaml"
+    config.write_text(json.dumps(WORKLOAD))
+    out = tmp_path / "out"
+    args = ["plan", "--config", str(config), "--gpus", "4", "--seeds", "0", "--steps", "3", "--out", str(out)]
+    assert main([*args, "--modes", "sync,separate_async", "--rollout-share", "0.25, 0.5,0.75"]) == 0
+    printed = capsys.readouterr().out
+    for label in ("separate_async 1:3", "separate_async 2:2", "separate_async 3:1"):
+        assert label in printed
+    doc = json.loads((out / "plan.json").read_text())
+    assert doc["rollout_shares"] == [0.25, 0.5, 0.75]
+    best = min((r for r in doc["summary"] if r["mode"] == "separate_async"), key=lambda r: r["step_s"])
+    assert f"fastest split of separate_async: {best['rollout_gpus']}:{best['learner_gpus']}" in printed
+    for split in ("1x3", "2x2", "3x1"):  # a timeline per split
+        png = out / "runs" / f"separate_async-{split}-seed0" / "timeline.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+    assert main([*args, "--rollout-share", "0.5,half"]) == 2
+    assert "--rollout-share: 'half' is not a number" in capsys.readouterr().err
 
 
 def test_response_lengths_from_a_file_replace_the_log_normal(tmp_path, capsys):

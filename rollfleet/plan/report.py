@@ -1,0 +1,67 @@
+"""A plan's files: ``plan.json`` (the summary and every run) and ``plan.png`` (step time and idle
+fractions per mode, and per split of ``separate_async`` where a plan has several)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rollfleet.plan.result import PlanResult
+
+
+def write_plan(result: PlanResult, out: str | Path) -> list[Path]:
+    """``plan.json`` (the summary and every run) and ``plan.png`` (step time and idle fractions
+    per mode) under ``out``; each run's own timeline PNG is in its run folder."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    spec = result.spec
+    doc = {
+        "gpus": spec.gpus,
+        "tp": spec.tp,
+        "rollout_share": spec.rollout_share,
+        "rollout_shares": list(spec.shares),
+        "seeds": list(spec.seeds),
+        "summary": result.summary(),
+        "runs": [vars(r) for r in result.runs],
+    }
+    json_path = out / "plan.json"
+    json_path.write_text(json.dumps(doc, indent=2) + "\n")
+    return [json_path, _plot_summary(result, out / "plan.png")]
+
+
+def _plot_summary(result: PlanResult, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result.summary()
+    names = [r["label"] for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(max(10.0, 2.2 * len(rows)), 3.8))
+    errs = [[r["step_s"] - r["step_s_range"][0] for r in rows], [r["step_s_range"][1] - r["step_s"] for r in rows]]
+    ax1.bar(names, [r["step_s"] for r in rows], yerr=errs, color="#4c72b0", capsize=4)
+    ax1.set_ylabel("simulated seconds per step")
+    ax1.set_title(f"step time ({result.spec.gpus} accelerators, tp {result.spec.tp})")
+    x = range(len(rows))
+    bars = [
+        ("trainer_idle", "trainer idle", "#d9d9d9"),
+        ("fleet_idle", "fleet idle", "#c44e52"),
+        ("cluster_idle", "cluster idle", "#8172b3"),
+    ]
+    for k, (key, label, color) in enumerate(bars):
+        ax2.bar([i + (k - 1) * 0.27 for i in x], [r[key] for r in rows], width=0.27, label=label, color=color)
+    ax2.set_xticks(list(x), names)
+    for ax in (ax1, ax2):
+        ax.tick_params(axis="x", labelrotation=20 if len(rows) > 3 else 0)
+    ax2.set_ylim(0, 1)
+    ax2.set_title("idle fractions")
+    ax2.legend()
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+__all__ = ["write_plan"]
