@@ -174,14 +174,23 @@ def row_specs(
     output_dir: str = "runs/verl_table",
     fits: dict[str, LearnerFit] | None = None,
     strategy: str = "drop",
+    rollout_share: float = 0.5,
 ) -> dict[str, PlanSpec]:
     """The row's two plans, ``sync`` and ``separate_async``, at ``scale`` of verl's size; ``steps``
     512-prompt steps each (the first left out). An async plan's step is one local step (a
     quarter of verl's): multiply its step time by :data:`ASYNC_LOCAL_STEPS`. ``strategy``: the
-    async plan's ``trainer.max_off_policy_strategy``."""
+    async plan's ``trainer.max_off_policy_strategy``. ``rollout_share``: the async plan's split
+    (verl's: half), in whole tp-4 replicas; the rollouter's prompts in flight follow its servers,
+    the learner (``a + b / gpus``) its accelerators."""
     gpus = round(row.gpus * scale)
     if gpus < 2 * TP:
         raise ValueError(f"scale {scale}: {row.gpus} accelerators become {gpus}, too few for two tp={TP} halves")
+    rollout_gpus = math.floor(gpus * rollout_share + 1e-9) // TP * TP  # whole replicas, as PlanSpec rounds
+    if not TP <= rollout_gpus <= gpus - 1:
+        raise ValueError(
+            f"rollout_share {rollout_share:g} of {gpus} accelerators holds no whole tp={TP} replica with an "
+            "accelerator left to train"
+        )
     if round(PROMPTS * scale) % ASYNC_LOCAL_STEPS:
         raise ValueError(
             f"scale {scale}: {PROMPTS} prompts become {round(PROMPTS * scale)}, not {ASYNC_LOCAL_STEPS} equal local steps"
@@ -221,7 +230,7 @@ def row_specs(
             # sync's prompts started (in flight or finished) ahead of the trainer, its
             # staleness_samples pause: the staleness bound holds rollfleet's rollouter to the same
             # (GroupBuffer.may_start); the queue bound caps the finished ones alone.
-            replicas = gpus // 2 // TP
+            replicas = rollout_gpus // TP
             overrides.update(
                 {
                     "trainer.max_off_policy_steps": row.staleness,
@@ -235,7 +244,7 @@ def row_specs(
             load_config(None, overrides),
             gpus=gpus,
             tp=TP,
-            rollout_share=0.5,
+            rollout_share=rollout_share,
             modes=(mode,),
             seeds=seeds,
             warmup_steps=local_steps,

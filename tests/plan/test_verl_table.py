@@ -87,3 +87,23 @@ def test_a_scale_too_small_for_two_replicas_or_uneven_local_steps_is_refused():
         row_specs(VERL_ROWS[0], scale=0.125)
     with pytest.raises(ValueError, match="local steps"):
         row_specs(VERL_ROWS[2], scale=0.2)  # 102 prompts
+
+
+def test_another_split_moves_the_learner_and_the_rollouters_prompts_in_flight_with_it():
+    """verl's rows split half and half; at 40:24 the async learner costs a + b / 24 a step and the
+    rollouter keeps 16 prompts in flight per server of the 10 that generate. A split rounds down to
+    whole replicas, as every plan's does."""
+    assumed = Assumed(prompt_tokens=256, mean_response_tokens=1000)
+    row, fits = VERL_ROWS[1], learner_fits()
+    spec = row_specs(row, assumed, fits=fits, rollout_share=0.625)["separate_async"]
+    assert spec.gpus_of("separate_async") == (40, 24) and spec.share_of("separate_async")[0] == 10
+    train = TrainConfig.model_validate(spec.config_for("separate_async", 0).trainer.model_dump())
+    assert train.max_inflight_groups == 10 * 16
+    samples = train.train_batch_size * 16
+    batch = SimpleNamespace(attention_mask=torch.ones(samples, assumed.prompt_tokens + 1000))
+    seconds, _ = SimulatedLearner(train.sim_learner).step(batch)
+    assert seconds * ASYNC_LOCAL_STEPS == pytest.approx(fits["separate_async"].seconds(24), rel=1e-6)
+    assert row_specs(row, assumed, rollout_share=0.55)["separate_async"].gpus_of("separate_async") == (32, 32)
+    for share in (1.0, 0.03):  # none left to train; no whole replica
+        with pytest.raises(ValueError, match="holds no whole tp=4 replica with an accelerator left to train"):
+            row_specs(row, assumed, rollout_share=share)
