@@ -73,25 +73,37 @@ def _simulate(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     """Every trainer mode on a simulated cluster in virtual time (see rollfleet.cli.plan)."""
-    from rollfleet.cli.plan import overrides_from_args, render, run, spec_from_args, write_outputs
+    from rollfleet.cli import plan as cli
     from rollfleet.models.vocab import fit_sim_to_model
+    from rollfleet.plan.report import write_by_tp
 
     if args.workers is not None and args.workers < 1:
         print(f"rollfleet plan: --workers must be >= 1, got {args.workers}", file=sys.stderr)
         return 2
     try:
-        spec = spec_from_args(args, fit_sim_to_model(_load(args.config, overrides_from_args(args))))
+        specs = [
+            cli.spec_from_args(args, fit_sim_to_model(_load(args.config, cli.overrides_from_args(args, tp))), tp)
+            for tp in cli.tps_from_args(args)
+        ]
     except ValueError as exc:  # a bad flag or plan; a bad config is reported by _load
         print(f"rollfleet plan: {exc}", file=sys.stderr)
         return 2
     console = Console(width=None if sys.stdout.isatty() else 160)  # the table is wide
+    spec = specs[0]
     console.print(
-        f"[bold]rollfleet plan[/]: {', '.join(spec.modes)} on {spec.gpus} accelerators (tp {spec.tp}), "
-        f"{spec.train.total_steps} steps x {len(spec.seeds)} seeds, in virtual time"
+        f"[bold]rollfleet plan[/]: {', '.join(spec.modes)} on {spec.gpus} accelerators "
+        f"(tp {', '.join(str(s.tp) for s in specs)}), {spec.train.total_steps} steps x {len(spec.seeds)} seeds, "
+        "in virtual time"
     )
-    result = run(spec, console, args.workers)
-    render(result, console)
-    for path in write_outputs(result, args.out):
+    results = cli.run(specs, console, args.workers)
+    written = []
+    for result in results:
+        cli.render(result, console)
+        written += cli.write_outputs(result, cli.out_dir(args, result.spec.tp))
+    if len(results) > 1:
+        cli.render_by_tp(results, console)
+        written += write_by_tp(results, args.out)
+    for path in written:
         console.print(f"  wrote {path}")
     return 0
 

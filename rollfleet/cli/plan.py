@@ -5,7 +5,9 @@ engine's response-length distribution and step costs), the trainer's batch, stal
 settings and the learner's cost; the command line gives the cluster. Outputs: a table (step time,
 speed-up over ``sync``, trainer / fleet / cluster idle, staleness, dropped groups), ``plan.json``,
 ``plan.png`` and one timeline PNG per mode, under ``--out``. ``--rollout-share 0.25,0.5,0.75``
-plans ``separate_async`` at each of those splits, side by side, and names the fastest.
+plans ``separate_async`` at each of those splits, side by side, and names the fastest; ``--tp 1,2,4``
+with ``--model-params-b`` plans every mode at each replica size (the roofline prices each) and
+compares them (``plan_by_tp.json`` and ``.png``; each size's own outputs under ``--out``/tp{N}).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from rich.table import Table
 
 from rollfleet.config import RollfleetConfig
 from rollfleet.plan.learner_cost import learner_seconds_per_token, learner_seconds_per_token_squared
-from rollfleet.plan.planner import MODES, ModeRun, PlanResult, PlanSpec, run_plan
+from rollfleet.plan.planner import MODES, ModeRun, PlanResult, PlanSpec, run_plans
 from rollfleet.plan.report import write_plan
 from rollfleet.plan.roofline import ACCELERATORS, accelerator, engine_costs
 
@@ -35,7 +37,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="engine costs: a shipped profile name (h100-7b, ...) or a YAML file from calibrate",
     )
-    p.add_argument("--tp", type=int, default=1, help="accelerators per replica (tensor parallelism)")
+    p.add_argument(
+        "--tp",
+        default="1",
+        help="accelerators per replica (tensor parallelism); several, comma-separated, plan each (with --model-params-b)",
+    )
     p.add_argument(
         "--rollout-share",
         default="0.5",
@@ -115,9 +121,33 @@ def read_lengths(path: str) -> list[int]:
     return lengths
 
 
-def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """Config overrides (dotted keys) the command line sets: applied to the YAML before it is
-    validated, so what the config leaves unset stays unset (the plan fills in its own defaults)."""
+def tps_from_args(args: argparse.Namespace) -> list[int]:
+    """The replica sizes to plan. Several need the roofline (``--model-params-b``, no
+    ``--profile``): a profile, or the config's costs, price one size of replica."""
+    tps = []
+    for text in str(args.tp).split(","):
+        if text.strip():
+            try:
+                tps.append(int(text))
+            except ValueError:
+                raise ValueError(
+                    f"--tp: {text.strip()!r} is not an integer (sizes are comma-separated: 1,2,4)"
+                ) from None
+    if not tps or len(set(tps)) < len(tps):
+        raise ValueError(f"--tp: give one or more different sizes, got {args.tp!r}")
+    if len(tps) > 1 and (args.model_params_b is None or args.profile is not None):
+        raise ValueError(
+            f"--tp {args.tp}: several replica sizes need --model-params-b without --profile (the roofline prices "
+            "each size; a profile or the config's costs price one)"
+        )
+    return tps
+
+
+def overrides_from_args(args: argparse.Namespace, tp: Optional[int] = None) -> dict[str, Any]:
+    """Config overrides (dotted keys) the command line sets for a plan at ``tp`` (default: the one
+    ``--tp`` gives): applied to the YAML before it is validated, so what the config leaves unset
+    stays unset (the plan fills in its own defaults)."""
+    tp = tps_from_args(args)[0] if tp is None else tp
     out: dict[str, Any] = {"rollout.name": "sim"}
     if args.steps is not None:
         out["trainer.total_steps"] = args.steps
@@ -143,14 +173,14 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
         costs = engine_costs(
             args.model_params_b,
             device,
-            tp=args.tp,
+            tp=tp,
             kv_bytes_per_token=args.kv_bytes_per_token,
             layers=args.model_layers,
             hidden=args.model_hidden,
         )
         if args.profile is None:
             out.update({f"rollout.sim.{k}": v for k, v in costs.items()})
-            out["rollout.sim.tensor_parallel_size"] = args.tp  # the replica these costs price
+            out["rollout.sim.tensor_parallel_size"] = tp  # the replica these costs price
     if args.response_lengths is not None:
         out["rollout.sim.response_lengths"] = read_lengths(args.response_lengths)
     return out
@@ -170,33 +200,42 @@ def _seed(text: str) -> int:
         raise ValueError(f"--seeds: {text.strip()!r} is not an integer (seeds are comma-separated: 0,1,2)") from None
 
 
-def spec_from_args(args: argparse.Namespace, config: RollfleetConfig) -> PlanSpec:
+def spec_from_args(args: argparse.Namespace, config: RollfleetConfig, tp: Optional[int] = None) -> PlanSpec:
+    """The plan the flags ask for at ``tp`` (default: the one ``--tp`` gives; of several, each
+    writes its runs under ``--out``/tp{N})."""
+    tps = tps_from_args(args)
+    tp = tps[0] if tp is None else tp
     shares = tuple(_share(s) for s in str(args.rollout_share).split(",") if s.strip())
     if not shares:
         raise ValueError("--rollout-share: give at least one share in (0, 1)")
     return PlanSpec(
         config,
         gpus=args.gpus,
-        tp=args.tp,
+        tp=tp,
         rollout_share=shares[0] if shares else 0.5,
         more_shares=shares[1:],
         modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
         seeds=tuple(_seed(s) for s in args.seeds.split(",") if s.strip()),
         warmup_steps=args.warmup_steps,
-        output_dir=str(Path(args.out) / "runs"),
+        output_dir=str(out_dir(args, tp) / "runs"),
     )
 
 
-def run(spec: PlanSpec, console: Console, workers: Optional[int] = None) -> PlanResult:
-    total = sum(len(spec.shares_of(mode)) for mode in spec.modes) * len(spec.seeds)
+def out_dir(args: argparse.Namespace, tp: int) -> Path:
+    """Where a plan at ``tp`` writes: ``--out``, or ``--out``/tp{tp} in a plan of several sizes."""
+    return Path(args.out) / f"tp{tp}" if len(tps_from_args(args)) > 1 else Path(args.out)
+
+
+def run(specs: list[PlanSpec], console: Console, workers: Optional[int] = None) -> list[PlanResult]:
+    """Every spec's runs on one pool of processes (no worker idles between one size and the next)."""
+    total = sum(len(spec.shares_of(mode)) * len(spec.seeds) for spec in specs for mode in spec.modes)
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("planning", total=total)
 
         def done(r: ModeRun) -> None:
-            label = PlanResult(spec).label(r)
-            progress.update(task, advance=1, description=f"{label} seed {r.seed}: {r.step_s:.2f} s/step")
+            progress.update(task, advance=1, description=f"{r.mode} seed {r.seed}: {r.step_s:.2f} s/step")
 
-        return run_plan(spec, on_run=done, workers=workers or os.cpu_count() or 1)
+        return run_plans(specs, on_run=done, workers=workers or os.cpu_count() or 1)
 
 
 def render(result: PlanResult, console: Console) -> None:
@@ -263,7 +302,29 @@ def render(result: PlanResult, console: Console) -> None:
         )
 
 
-def write_outputs(result: PlanResult, out: str) -> list[Path]:
+def render_by_tp(results: list[PlanResult], console: Console) -> None:
+    """Every mode (and split) at every replica size, fastest first."""
+    table = Table(title=f"by replica size: {results[0].spec.gpus} accelerators (simulated seconds; means over seeds)")
+    for col in ("tp", "mode", "replicas", "s / step", "vs the fastest", "trainer idle", "fleet idle"):
+        table.add_column(col, justify="left" if col == "mode" else "right", no_wrap=col == "mode")
+    rows = sorted(((res.spec.tp, r) for res in results for r in res.summary()), key=lambda x: x[1]["step_s"])
+    fastest = rows[0][1]["step_s"]
+    for tp, r in rows:
+        table.add_row(
+            str(tp),
+            r["label"],
+            str(r["replicas"]),
+            f"{r['step_s']:.2f}",
+            f"{r['step_s'] / fastest:.2f}x",
+            f"{r['trainer_idle']:.0%}",
+            f"{r['fleet_idle']:.0%}",
+        )
+    console.print(table)
+    tp, best = rows[0]
+    console.print(f"fastest: [bold]{best['label']} at tp {tp}[/], {best['step_s']:.2f} s a step")
+
+
+def write_outputs(result: PlanResult, out: str | Path) -> list[Path]:
     from rollfleet.trainer.plots import plot_run
 
     written = write_plan(result, out)

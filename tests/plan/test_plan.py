@@ -18,6 +18,7 @@ from rollfleet.models.vocab import fit_sim_to_model
 from rollfleet.plan import VirtualRuntime
 from rollfleet.plan.learner_cost import learner_seconds_per_token
 from rollfleet.plan.planner import (
+    MODES,
     ModeRun,
     PlanResult,
     PlanSpec,
@@ -421,6 +422,44 @@ def test_the_command_plans_several_splits_and_names_the_fastest(tmp_path, capsys
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
     assert main([*args, "--rollout-share", "0.5,half"]) == 2
     assert "--rollout-share: 'half' is not a number" in capsys.readouterr().err
+
+
+def test_the_command_plans_every_mode_at_each_replica_size_the_roofline_prices(tmp_path, capsys):
+    """``--tp 1,2`` with a model: each size priced by the roofline, planned on one pool, its own
+    outputs under tp{N}, the same numbers as a plan of that size alone, and every mode at every
+    size in one table, JSON and PNG, the fastest named."""
+    config = tmp_path / "plan.yaml"
+    config.write_text(json.dumps(WORKLOAD))
+    args = ["plan", "--config", str(config), "--gpus", "4", "--seeds", "0", "--steps", "3", "--model-params-b", "1"]
+    assert main([*args, "--tp", "1,2", "--out", str(tmp_path / "both")]) == 0
+    printed = capsys.readouterr().out
+    assert "by replica size: 4 accelerators" in printed
+    doc = json.loads((tmp_path / "both" / "plan_by_tp.json").read_text())
+    assert sorted((r["tp"], r["mode"]) for r in doc["rows"]) == sorted((tp, m) for tp in (1, 2) for m in MODES)
+    assert [r["step_s"] for r in doc["rows"]] == sorted(r["step_s"] for r in doc["rows"])  # fastest first
+    assert f"fastest: {doc['fastest']['label']} at tp {doc['fastest']['tp']}" in printed
+    assert (tmp_path / "both" / "plan_by_tp.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for tp, replicas in ((1, 4), (2, 2)):
+        plan = json.loads((tmp_path / "both" / f"tp{tp}" / "plan.json").read_text())
+        assert plan["tp"] == tp and {r["mode"]: r["replicas"] for r in plan["summary"]}["sync"] == replicas
+        assert all(f"/tp{tp}/runs/" in run["run_dir"] for run in plan["runs"])
+    assert main([*args, "--tp", "2", "--out", str(tmp_path / "two")]) == 0
+    alone = {r["mode"]: r["step_s"] for r in json.loads((tmp_path / "two" / "plan.json").read_text())["summary"]}
+    assert {r["mode"]: r["step_s"] for r in doc["rows"] if r["tp"] == 2} == alone
+    capsys.readouterr()
+    for extra, says in (
+        (
+            ["--tp", "1,2", "--model-params-b", "7", "--profile", "h100-7b"],
+            "several replica sizes need --model-params-b",
+        ),
+        (["--tp", "1,x"], "--tp: 'x' is not an integer"),
+        (["--tp", "2,2"], "--tp: give one or more different sizes, got '2,2'"),
+    ):
+        assert main([*args, *extra]) == 2, extra
+        assert says in capsys.readouterr().err, extra
+    no_model = ["plan", "--config", str(config), "--gpus", "4", "--seeds", "0", "--tp", "1,2"]
+    assert main(no_model) == 2
+    assert "several replica sizes need --model-params-b without --profile" in capsys.readouterr().err
 
 
 def test_response_lengths_from_a_file_replace_the_log_normal(tmp_path, capsys):
