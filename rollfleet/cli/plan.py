@@ -212,7 +212,7 @@ def spec_from_args(args: argparse.Namespace, config: RollfleetConfig, tp: Option
         config,
         gpus=args.gpus,
         tp=tp,
-        rollout_share=shares[0] if shares else 0.5,
+        rollout_share=shares[0],
         more_shares=shares[1:],
         modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
         seeds=tuple(_seed(s) for s in args.seeds.split(",") if s.strip()),
