@@ -74,16 +74,20 @@ def _simulate(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     """Every trainer mode on a simulated cluster in virtual time (see rollfleet.cli.plan)."""
     from rollfleet.cli import plan as cli
+    from rollfleet.cli.plan_variants import render_variants, variants_from_args
     from rollfleet.models.vocab import fit_sim_to_model
-    from rollfleet.plan.report import write_by_tp
+    from rollfleet.plan.report import write_variants
 
     if args.workers is not None and args.workers < 1:
         print(f"rollfleet plan: --workers must be >= 1, got {args.workers}", file=sys.stderr)
         return 2
     try:
+        variants = variants_from_args(args)
         specs = [
-            cli.spec_from_args(args, fit_sim_to_model(_load(args.config, cli.overrides_from_args(args, tp))), tp)
-            for tp in cli.tps_from_args(args)
+            cli.spec_from_args(
+                args, fit_sim_to_model(_load(args.config, {**cli.overrides_from_args(args, v.tp), **v.overrides})), v
+            )
+            for v in variants
         ]
     except ValueError as exc:  # a bad flag or plan; a bad config is reported by _load
         print(f"rollfleet plan: {exc}", file=sys.stderr)
@@ -93,16 +97,18 @@ def _plan(args: argparse.Namespace) -> int:
     console.print(
         f"[bold]rollfleet plan[/]: {', '.join(spec.modes)} on {spec.gpus} accelerators "
         f"(tp {', '.join(str(s.tp) for s in specs)}), {spec.train.total_steps} steps x {len(spec.seeds)} seeds, "
-        "in virtual time"
+        "in virtual time" + (f"; {len(specs)} plans: {', '.join(v.name for v in variants)}" if len(specs) > 1 else "")
     )
     results = cli.run(specs, console, args.workers)
     written = []
-    for result in results:
+    for variant, result in zip(variants, results):
+        if variant.name:
+            console.print(f"[bold]{variant.name}[/]")
         cli.render(result, console)
-        written += cli.write_outputs(result, cli.out_dir(args, result.spec.tp))
+        written += cli.write_outputs(result, cli.out_dir(args, variant))
     if len(results) > 1:
-        cli.render_by_tp(results, console)
-        written += write_by_tp(results, args.out)
+        render_variants(results, variants, console)
+        written += write_variants(results, [v.name for v in variants], args.out)
     for path in written:
         console.print(f"  wrote {path}")
     return 0

@@ -6,8 +6,9 @@ settings and the learner's cost; the command line gives the cluster. Outputs: a 
 speed-up over ``sync``, trainer / fleet / cluster idle, staleness, dropped groups), ``plan.json``,
 ``plan.png`` and one timeline PNG per mode, under ``--out``. ``--rollout-share 0.25,0.5,0.75``
 plans ``separate_async`` at each of those splits, side by side, and names the fastest; ``--tp 1,2,4``
-with ``--model-params-b`` plans every mode at each replica size (the roofline prices each) and
-compares them (``plan_by_tp.json`` and ``.png``; each size's own outputs under ``--out``/tp{N}).
+with ``--model-params-b`` plans every mode at each replica size (the roofline prices each), and
+``--vary KEY=V1,V2`` at each value of one config key; both compare every mode of every plan
+(``plan_variants.json`` and ``.png``; each plan's own outputs in a folder under ``--out``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from rollfleet.cli.plan_variants import Variant, tps_from_args
 from rollfleet.config import RollfleetConfig
 from rollfleet.plan.learner_cost import learner_seconds_per_token, learner_seconds_per_token_squared
 from rollfleet.plan.planner import MODES, ModeRun, PlanResult, PlanSpec, run_plans
@@ -46,6 +48,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--rollout-share",
         default="0.5",
         help="separate_async: share of the accelerators that generate; several, comma-separated, plan each split",
+    )
+    p.add_argument(
+        "--vary",
+        default=None,
+        metavar="KEY=V1,V2",
+        help="plan each value of one config key side by side (e.g. trainer.max_off_policy_steps=0.5,1,2)",
     )
     p.add_argument("--modes", default=",".join(MODES), help="trainer modes, comma-separated")
     p.add_argument("--seeds", default="0,1,2", help="one run per seed per mode, comma-separated")
@@ -121,28 +129,6 @@ def read_lengths(path: str) -> list[int]:
     return lengths
 
 
-def tps_from_args(args: argparse.Namespace) -> list[int]:
-    """The replica sizes to plan. Several need the roofline (``--model-params-b``, no
-    ``--profile``): a profile, or the config's costs, price one size of replica."""
-    tps = []
-    for text in str(args.tp).split(","):
-        if text.strip():
-            try:
-                tps.append(int(text))
-            except ValueError:
-                raise ValueError(
-                    f"--tp: {text.strip()!r} is not an integer (sizes are comma-separated: 1,2,4)"
-                ) from None
-    if not tps or len(set(tps)) < len(tps):
-        raise ValueError(f"--tp: give one or more different sizes, got {args.tp!r}")
-    if len(tps) > 1 and (args.model_params_b is None or args.profile is not None):
-        raise ValueError(
-            f"--tp {args.tp}: several replica sizes need --model-params-b without --profile (the roofline prices "
-            "each size; a profile or the config's costs price one)"
-        )
-    return tps
-
-
 def overrides_from_args(args: argparse.Namespace, tp: Optional[int] = None) -> dict[str, Any]:
     """Config overrides (dotted keys) the command line sets for a plan at ``tp`` (default: the one
     ``--tp`` gives): applied to the YAML before it is validated, so what the config leaves unset
@@ -200,11 +186,10 @@ def _seed(text: str) -> int:
         raise ValueError(f"--seeds: {text.strip()!r} is not an integer (seeds are comma-separated: 0,1,2)") from None
 
 
-def spec_from_args(args: argparse.Namespace, config: RollfleetConfig, tp: Optional[int] = None) -> PlanSpec:
-    """The plan the flags ask for at ``tp`` (default: the one ``--tp`` gives; of several, each
-    writes its runs under ``--out``/tp{N})."""
-    tps = tps_from_args(args)
-    tp = tps[0] if tp is None else tp
+def spec_from_args(args: argparse.Namespace, config: RollfleetConfig, variant: Optional[Variant] = None) -> PlanSpec:
+    """The plan the flags ask for: ``variant``'s of several (its replica size, its runs under
+    ``--out``/its folder), or the one plan."""
+    tp = tps_from_args(args)[0] if variant is None else variant.tp
     shares = tuple(_share(s) for s in str(args.rollout_share).split(",") if s.strip())
     if not shares:
         raise ValueError("--rollout-share: give at least one share in (0, 1)")
@@ -217,13 +202,13 @@ def spec_from_args(args: argparse.Namespace, config: RollfleetConfig, tp: Option
         modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
         seeds=tuple(_seed(s) for s in args.seeds.split(",") if s.strip()),
         warmup_steps=args.warmup_steps,
-        output_dir=str(out_dir(args, tp) / "runs"),
+        output_dir=str(out_dir(args, variant) / "runs"),
     )
 
 
-def out_dir(args: argparse.Namespace, tp: int) -> Path:
-    """Where a plan at ``tp`` writes: ``--out``, or ``--out``/tp{tp} in a plan of several sizes."""
-    return Path(args.out) / f"tp{tp}" if len(tps_from_args(args)) > 1 else Path(args.out)
+def out_dir(args: argparse.Namespace, variant: Optional[Variant] = None) -> Path:
+    """Where a plan writes: ``--out``, or its variant's folder under it."""
+    return Path(args.out) / variant.folder if variant is not None and variant.folder else Path(args.out)
 
 
 def run(specs: list[PlanSpec], console: Console, workers: Optional[int] = None) -> list[PlanResult]:
@@ -300,28 +285,6 @@ def render(result: PlanResult, console: Console) -> None:
             f"(generating : training), {best['step_s']:.2f} s a step"
             + ("" if speedup is None else f", {speedup:.2f}x sync")
         )
-
-
-def render_by_tp(results: list[PlanResult], console: Console) -> None:
-    """Every mode (and split) at every replica size, fastest first."""
-    table = Table(title=f"by replica size: {results[0].spec.gpus} accelerators (simulated seconds; means over seeds)")
-    for col in ("tp", "mode", "replicas", "s / step", "vs the fastest", "trainer idle", "fleet idle"):
-        table.add_column(col, justify="left" if col == "mode" else "right", no_wrap=col == "mode")
-    rows = sorted(((res.spec.tp, r) for res in results for r in res.summary()), key=lambda x: x[1]["step_s"])
-    fastest = rows[0][1]["step_s"]
-    for tp, r in rows:
-        table.add_row(
-            str(tp),
-            r["label"],
-            str(r["replicas"]),
-            f"{r['step_s']:.2f}",
-            f"{r['step_s'] / fastest:.2f}x",
-            f"{r['trainer_idle']:.0%}",
-            f"{r['fleet_idle']:.0%}",
-        )
-    console.print(table)
-    tp, best = rows[0]
-    console.print(f"fastest: [bold]{best['label']} at tp {tp}[/], {best['step_s']:.2f} s a step")
 
 
 def write_outputs(result: PlanResult, out: str | Path) -> list[Path]:

@@ -1,11 +1,12 @@
 """A plan's files: ``plan.json`` (the summary and every run) and ``plan.png`` (step time and idle
 fractions per mode, and per split of ``separate_async`` where a plan has several); for plans of
-one cluster at several replica sizes, ``plan_by_tp.json`` and ``plan_by_tp.png`` beside them."""
+one cluster that differ in one thing, ``plan_variants.json`` and ``plan_variants.png`` beside them."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from rollfleet.plan.result import PlanResult
 
@@ -65,19 +66,26 @@ def _plot_summary(result: PlanResult, path: Path) -> Path:
     return path
 
 
-def write_by_tp(results: list[PlanResult], out: str | Path) -> list[Path]:
-    """Every mode (and split) of plans that differ in replica size only, side by side: ``plan_by_tp.json``
-    (their summary rows with ``tp``, fastest first) and ``plan_by_tp.png`` (step time per mode, a bar
-    per size)."""
+def compare(results: list[PlanResult], names: list[str]) -> list[dict[str, Any]]:
+    """Every plan's summary rows with the plan's name (``plan``) and replica size, fastest first:
+    plans of one cluster that differ in one thing (a replica size, a config value)."""
+    rows = [{"plan": name, "tp": res.spec.tp, **row} for name, res in zip(names, results) for row in res.summary()]
+    return sorted(rows, key=lambda r: r["step_s"])
+
+
+def write_variants(results: list[PlanResult], names: list[str], out: str | Path) -> list[Path]:
+    """``plan_variants.json`` (:func:`compare`'s rows, the fastest first) and ``plan_variants.png``
+    (step time per mode, a bar per plan) under ``out``."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    rows = sorted(({"tp": res.spec.tp, **row} for res in results for row in res.summary()), key=lambda r: r["step_s"])
-    json_path = out / "plan_by_tp.json"
-    json_path.write_text(json.dumps({"gpus": results[0].spec.gpus, "fastest": rows[0], "rows": rows}, indent=2) + "\n")
-    return [json_path, _plot_by_tp(results, out / "plan_by_tp.png")]
+    rows = compare(results, names)
+    doc = {"gpus": results[0].spec.gpus, "plans": names, "fastest": rows[0], "rows": rows}
+    json_path = out / "plan_variants.json"
+    json_path.write_text(json.dumps(doc, indent=2) + "\n")
+    return [json_path, _plot_variants(results, names, out / "plan_variants.png")]
 
 
-def _plot_by_tp(results: list[PlanResult], path: Path) -> Path:
+def _plot_variants(results: list[PlanResult], names: list[str], path: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -86,19 +94,19 @@ def _plot_by_tp(results: list[PlanResult], path: Path) -> Path:
     labels = list(dict.fromkeys(row["label"] for res in results for row in res.summary()))
     width = 0.8 / len(results)
     fig, ax = plt.subplots(figsize=(max(7.0, 1.8 * len(labels)), 3.8))
-    for k, res in enumerate(results):
+    for k, (name, res) in enumerate(zip(names, results)):
         steps = {row["label"]: row["step_s"] for row in res.summary()}
         xs = [i + (k - (len(results) - 1) / 2) * width for i, label in enumerate(labels) if label in steps]
-        ax.bar(xs, [steps[label] for label in labels if label in steps], width=width, label=f"tp {res.spec.tp}")
+        ax.bar(xs, [steps[label] for label in labels if label in steps], width=width, label=name)
     ax.set_xticks(range(len(labels)), labels, rotation=20 if len(labels) > 3 else 0)
     ax.set_ylabel("simulated seconds per step")
-    ax.set_title(f"step time by replica size ({results[0].spec.gpus} accelerators)")
+    ax.set_title(f"step time per plan ({results[0].spec.gpus} accelerators)")
     ax.grid(alpha=0.3, axis="y")
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 
 
-__all__ = ["write_plan", "write_by_tp"]
+__all__ = ["write_plan", "write_variants", "compare"]

@@ -427,18 +427,19 @@ def test_the_command_plans_several_splits_and_names_the_fastest(tmp_path, capsys
 def test_the_command_plans_every_mode_at_each_replica_size_the_roofline_prices(tmp_path, capsys):
     """``--tp 1,2`` with a model: each size priced by the roofline, planned on one pool, its own
     outputs under tp{N}, the same numbers as a plan of that size alone, and every mode at every
-    size in one table, JSON and PNG, the fastest named."""
+    size in one table, JSON and PNG, the fastest named; ``--vary`` cannot vary a second thing."""
     config = tmp_path / "plan.yaml"
     config.write_text(json.dumps(WORKLOAD))
     args = ["plan", "--config", str(config), "--gpus", "4", "--seeds", "0", "--steps", "3", "--model-params-b", "1"]
     assert main([*args, "--tp", "1,2", "--out", str(tmp_path / "both")]) == 0
     printed = capsys.readouterr().out
-    assert "by replica size: 4 accelerators" in printed
-    doc = json.loads((tmp_path / "both" / "plan_by_tp.json").read_text())
+    assert "every plan: 4 accelerators" in printed
+    doc = json.loads((tmp_path / "both" / "plan_variants.json").read_text())
+    assert doc["plans"] == ["tp 1", "tp 2"]
     assert sorted((r["tp"], r["mode"]) for r in doc["rows"]) == sorted((tp, m) for tp in (1, 2) for m in MODES)
     assert [r["step_s"] for r in doc["rows"]] == sorted(r["step_s"] for r in doc["rows"])  # fastest first
-    assert f"fastest: {doc['fastest']['label']} at tp {doc['fastest']['tp']}" in printed
-    assert (tmp_path / "both" / "plan_by_tp.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"fastest: {doc['fastest']['label']}, tp {doc['fastest']['tp']}" in printed
+    assert (tmp_path / "both" / "plan_variants.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for tp, replicas in ((1, 4), (2, 2)):
         plan = json.loads((tmp_path / "both" / f"tp{tp}" / "plan.json").read_text())
         assert plan["tp"] == tp and {r["mode"]: r["replicas"] for r in plan["summary"]}["sync"] == replicas
@@ -454,12 +455,64 @@ def test_the_command_plans_every_mode_at_each_replica_size_the_roofline_prices(t
         ),
         (["--tp", "1,x"], "--tp: 'x' is not an integer"),
         (["--tp", "2,2"], "--tp: give one or more different sizes, got '2,2'"),
+        (["--tp", "1,2", "--vary", "rollout.n=2,4"], "--vary with several --tp sizes: vary one thing at a time"),
     ):
         assert main([*args, *extra]) == 2, extra
         assert says in capsys.readouterr().err, extra
     no_model = ["plan", "--config", str(config), "--gpus", "4", "--seeds", "0", "--tp", "1,2"]
     assert main(no_model) == 2
     assert "several replica sizes need --model-params-b without --profile" in capsys.readouterr().err
+
+
+def test_the_command_plans_each_value_of_one_config_key_side_by_side(tmp_path, capsys):
+    """``--vary trainer.max_off_policy_steps=0,2``: a plan per value (read as YAML), each the same
+    as a plan whose config says it, in its own folder; every mode of both in one table, JSON and
+    PNG. ``sync`` never waits on staleness, so its rows agree; ``separate_async`` at bound 0
+    waits for every sync and is slower than at 2."""
+    config = tmp_path / "plan.yaml"
+    config.write_text(json.dumps(WORKLOAD))
+    args = [
+        "plan",
+        "--config",
+        str(config),
+        "--gpus",
+        "4",
+        "--seeds",
+        "0",
+        "--steps",
+        "3",
+        "--modes",
+        "sync,separate_async",
+    ]
+    assert main([*args, "--vary", "trainer.max_off_policy_steps=0, 2", "--out", str(tmp_path / "v")]) == 0
+    printed = capsys.readouterr().out
+    doc = json.loads((tmp_path / "v" / "plan_variants.json").read_text())
+    names = ["trainer.max_off_policy_steps=0", "trainer.max_off_policy_steps=2"]
+    assert doc["plans"] == names and all(name in printed for name in names)
+    step = {(r["plan"], r["mode"]): r["step_s"] for r in doc["rows"]}
+    assert step[(names[0], "sync")] == step[(names[1], "sync")]
+    assert step[(names[0], "separate_async")] > step[(names[1], "separate_async")]
+    assert doc["fastest"] == min(doc["rows"], key=lambda r: r["step_s"])
+    assert (tmp_path / "v" / "plan_variants.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    bound0 = json.loads(json.dumps(WORKLOAD))
+    bound0["trainer"]["max_off_policy_steps"] = 0
+    config.write_text(json.dumps(bound0))
+    assert main([*args, "--out", str(tmp_path / "alone")]) == 0
+    alone = json.loads((tmp_path / "alone" / "plan.json").read_text())["summary"]
+    varied = json.loads((tmp_path / "v" / names[0] / "plan.json").read_text())["summary"]
+    assert [(r["mode"], r["step_s"], r["trainer_idle"]) for r in varied] == [
+        (r["mode"], r["step_s"], r["trainer_idle"]) for r in alone
+    ]
+    capsys.readouterr()
+    for vary, says in (
+        ("max_off_policy_steps", "--vary: KEY=V1,V2,... with a dotted config key"),
+        ("trainer.=1,2", "--vary: KEY=V1,V2,... with a dotted config key"),
+        ("trainer.seed=1,1", "--vary trainer.seed: values must not repeat"),
+        ("trainer.max_of_policy_steps=0,1", "trainer.max_of_policy_steps"),  # a typo: the config names it
+    ):
+        assert main([*args, "--vary", vary]) == 2, vary
+        assert says in capsys.readouterr().err, vary
 
 
 def test_response_lengths_from_a_file_replace_the_log_normal(tmp_path, capsys):
