@@ -28,6 +28,7 @@ from rollfleet.config import RollfleetConfig
 from rollfleet.plan.learner_cost import learner_seconds_per_token, learner_seconds_per_token_squared
 from rollfleet.plan.planner import MODES, ModeRun, PlanResult, PlanSpec, run_plans
 from rollfleet.plan.report import write_plan
+from rollfleet.plan.result import fastest_split
 from rollfleet.plan.roofline import ACCELERATORS, accelerator, engine_costs
 
 
@@ -242,7 +243,8 @@ def render(result: PlanResult, console: Console) -> None:
         "trained tok/s",
     ):
         table.add_column(col, justify="left" if col == "mode" else "right", no_wrap=col == "mode")
-    for r in result.summary():
+    rows = result.summary()
+    for r in rows:
         lo, hi = r["step_s_range"]
         speedup: Any = r["speedup_vs_sync"]
         table.add_row(
@@ -268,7 +270,7 @@ def render(result: PlanResult, console: Console) -> None:
         "requests / trained sample",
     ):
         served.add_column(col, justify="left" if col == "mode" else "right")
-    for r in result.summary():
+    for r in rows:
         shared = "" if r["mode"] == "separate_async" else " (the same ones)"
         served.add_row(
             r["label"],
@@ -277,7 +279,7 @@ def render(result: PlanResult, console: Console) -> None:
             f"{r['requests_per_sample']:.2f}",
         )
     console.print(served)
-    best = result.best_split()
+    best = fastest_split(rows)
     if best is not None:
         speedup = best["speedup_vs_sync"]
         console.print(

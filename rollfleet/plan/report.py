@@ -16,28 +16,27 @@ def write_plan(result: PlanResult, out: str | Path) -> list[Path]:
     per mode) under ``out``; each run's own timeline PNG is in its run folder."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    spec = result.spec
+    spec, rows = result.spec, result.summary()
     doc = {
         "gpus": spec.gpus,
         "tp": spec.tp,
         "rollout_share": spec.rollout_share,
         "rollout_shares": list(spec.shares),
         "seeds": list(spec.seeds),
-        "summary": result.summary(),
+        "summary": rows,
         "runs": [vars(r) for r in result.runs],
     }
     json_path = out / "plan.json"
     json_path.write_text(json.dumps(doc, indent=2) + "\n")
-    return [json_path, _plot_summary(result, out / "plan.png")]
+    return [json_path, _plot_summary(result, rows, out / "plan.png")]
 
 
-def _plot_summary(result: PlanResult, path: Path) -> Path:
+def _plot_summary(result: PlanResult, rows: list[dict[str, Any]], path: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = result.summary()
     names = [r["label"] for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(max(10.0, 2.2 * len(rows)), 3.8))
     errs = [[r["step_s"] - r["step_s_range"][0] for r in rows], [r["step_s_range"][1] - r["step_s"] for r in rows]]
@@ -53,12 +52,11 @@ def _plot_summary(result: PlanResult, path: Path) -> Path:
     for k, (key, label, color) in enumerate(bars):
         ax2.bar([i + (k - 1) * 0.27 for i in x], [r[key] for r in rows], width=0.27, label=label, color=color)
     ax2.set_xticks(list(x), names)
-    for ax in (ax1, ax2):
-        ax.tick_params(axis="x", labelrotation=20 if len(rows) > 3 else 0)
     ax2.set_ylim(0, 1)
     ax2.set_title("idle fractions")
     ax2.legend()
     for ax in (ax1, ax2):
+        ax.tick_params(axis="x", labelrotation=20 if len(rows) > 3 else 0)
         ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -91,11 +89,12 @@ def _plot_variants(results: list[PlanResult], names: list[str], path: Path) -> P
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = list(dict.fromkeys(row["label"] for res in results for row in res.summary()))
+    summaries = [res.summary() for res in results]
+    labels = list(dict.fromkeys(row["label"] for rows in summaries for row in rows))
     width = 0.8 / len(results)
     fig, ax = plt.subplots(figsize=(max(7.0, 1.8 * len(labels)), 3.8))
-    for k, (name, res) in enumerate(zip(names, results)):
-        steps = {row["label"]: row["step_s"] for row in res.summary()}
+    for k, (name, rows) in enumerate(zip(names, summaries)):
+        steps = {row["label"]: row["step_s"] for row in rows}
         xs = [i + (k - (len(results) - 1) / 2) * width for i, label in enumerate(labels) if label in steps]
         ax.bar(xs, [steps[label] for label in labels if label in steps], width=width, label=name)
     ax.set_xticks(range(len(labels)), labels, rotation=20 if len(labels) > 3 else 0)

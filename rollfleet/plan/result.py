@@ -95,8 +95,14 @@ class PlanResult:
     def best_split(self) -> Optional[dict[str, Any]]:
         """The summary row of the ``separate_async`` split with the shortest step, in a plan of
         several splits (None otherwise)."""
-        splits = [r for r in self.summary() if r["mode"] == "separate_async"]
-        return min(splits, key=lambda r: r["step_s"]) if len(splits) > 1 else None
+        return fastest_split(self.summary())
 
 
-__all__ = ["ModeRun", "PlanResult"]
+def fastest_split(rows: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """Of a plan's summary ``rows``, the ``separate_async`` split with the shortest step, where
+    there are several (None otherwise)."""
+    splits = [r for r in rows if r["mode"] == "separate_async"]
+    return min(splits, key=lambda r: r["step_s"]) if len(splits) > 1 else None
+
+
+__all__ = ["ModeRun", "PlanResult", "fastest_split"]

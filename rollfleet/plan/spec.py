@@ -14,6 +14,12 @@ from rollfleet.trainer.config import TrainConfig
 MODES = ("sync", "colocate_async", "separate_async")
 
 
+def generating_gpus(gpus: int, tp: int, share: float) -> int:
+    """``share`` of ``gpus`` accelerators, rounded down to whole replicas of ``tp`` (the 1e-9: a
+    share such as 0.29 x 100 is 28.999... in floating point, and means 29)."""
+    return math.floor(gpus * share + 1e-9) // tp * tp
+
+
 @dataclass(frozen=True)
 class PlanSpec:
     """What to plan: a config and the cluster it runs on."""
@@ -103,7 +109,7 @@ class PlanSpec:
         and trains on the rest; the colocated modes take turns on the same ones."""
         if mode == "separate_async":
             share = self.rollout_share if share is None else share
-            rollout = math.floor(self.gpus * share + 1e-9) // self.tp * self.tp
+            rollout = generating_gpus(self.gpus, self.tp, share)
             return rollout, self.gpus - rollout
         return self.gpus // self.tp * self.tp, self.gpus
 
@@ -146,4 +152,4 @@ class PlanSpec:
         return RollfleetConfig.model_validate(doc)
 
 
-__all__ = ["MODES", "PlanSpec"]
+__all__ = ["MODES", "PlanSpec", "generating_gpus"]

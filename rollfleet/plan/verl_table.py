@@ -43,6 +43,7 @@ from rollfleet.config import load_config
 from rollfleet.plan.calibrate import nonnegative_lstsq
 from rollfleet.plan.planner import PlanSpec
 from rollfleet.plan.roofline import accelerator, engine_costs
+from rollfleet.plan.spec import generating_gpus
 
 
 @dataclass(frozen=True)
@@ -185,7 +186,7 @@ def row_specs(
     gpus = round(row.gpus * scale)
     if gpus < 2 * TP:
         raise ValueError(f"scale {scale}: {row.gpus} accelerators become {gpus}, too few for two tp={TP} halves")
-    rollout_gpus = math.floor(gpus * rollout_share + 1e-9) // TP * TP  # whole replicas, as PlanSpec rounds
+    rollout_gpus = generating_gpus(gpus, TP, rollout_share)  # as the plan's PlanSpec rounds it
     if not TP <= rollout_gpus <= gpus - 1:
         raise ValueError(
             f"rollout_share {rollout_share:g} of {gpus} accelerators holds no whole tp={TP} replica with an "
