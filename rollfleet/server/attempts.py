@@ -9,7 +9,7 @@ even when an engine does not pause cleanly.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, cast
+from typing import Optional
 
 from rollfleet.types import SamplingParams, TokenOutput
 
@@ -39,12 +39,21 @@ def stamp_versions(output: TokenOutput, attempt: Attempt, *, epoch_now: int, ver
         # The engine knows which weights sampled each token (it was told at every commit);
         # tokens from before its first commit carry None: the weights it booted with.
         labels = output.token_versions
-        stamped = [version if v is None else v for v in labels] if None in labels else list(labels)
-        output.token_versions = stamped
-        # with a version to stamp, no None is left (checked in C above, not per token here)
-        known = cast(list[int], stamped) if version is not None else [v for v in stamped if v is not None]
-        first = min(known) if known else version
-        last = max(known) if known else version
+        if labels and labels.count(labels[0]) == len(labels):
+            # One version throughout (the usual case: weights change between attempts): one pass
+            # in C, where the general case below takes several, a measurable share of a plan.
+            only = version if labels[0] is None else labels[0]
+            output.token_versions = [only] * len(labels)
+            first = last = only
+        else:
+            distinct = set(labels)  # a handful of versions: min and max over it, not over every token
+            stamped = [version if v is None else v for v in labels] if None in distinct else list(labels)
+            output.token_versions = stamped
+            known = {v for v in distinct if v is not None}
+            if None in distinct and version is not None:
+                known.add(version)
+            first = min(known) if known else version
+            last = max(known) if known else version
     elif attempt.epoch == epoch_now or output.stop_reason == "aborted":
         # No weight change during the attempt (an aborted attempt stopped before any change).
         first = last = version

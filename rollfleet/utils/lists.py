@@ -26,6 +26,11 @@ def floats(values: Iterable[Any]) -> list[float]:
 def versions(values: Iterable[Optional[Any]], unknown: int) -> list[int]:
     """``[unknown if v is None else int(v) for v in values]`` (a new list)."""
     out = list(values)
+    if out and type(out[0]) is int and out.count(out[0]) == len(out):
+        # Every value equals one int (the usual case: one version per attempt). ``count`` is a
+        # pass in C that compares by identity first, several times cheaper than the type check
+        # below, and ``int(v)`` of a value equal to that int is that int: the same list.
+        return [out[0]] * len(out)
     if set(map(type, out)) <= {int}:
         return out  # type: ignore[return-value]  # checked: ints only
     return [unknown if v is None else int(v) for v in out]
