@@ -29,17 +29,6 @@ async def run(cfg) -> Trainer:
     return trainer
 
 
-async def fit(cfg) -> Trainer:
-    """Run the job to its end (any learner, the simulated one included)."""
-    trainer = get_trainer_cls(cfg.trainer.trainer_mode)(cfg)
-    try:
-        await trainer.init()
-        await trainer.fit()
-    finally:
-        await trainer.close()
-    return trainer
-
-
 def test_registry_rejects_bad_registrations():
     with pytest.raises(TypeError, match="not a subclass of Trainer"):
         register_trainer("bogus")(object)
@@ -124,29 +113,6 @@ async def test_workers_run_whatever_get_llm_client_returns(ray_session, tmp_path
     ]
 
 
-async def test_separate_async_drop_discards_stale_groups_and_replaces_them(ray_session, tmp_path):
-    """A straggler overtaken by two batches of groups that started after it is dropped, and
-    another group takes its place: every step still trains a full batch."""
-    cfg = stragglers(tmp_path, total_steps=12, max_off_policy_steps=1, max_off_policy_strategy="drop")
-    trainer = await fit(cfg)
-    assert trainer.step == 12
-    assert all(s <= 1 for entry in trainer.trained_log for s in entry["staleness"])
-    dropped = sum(r["staleness/dropped"] for r in trainer.tracker.history)
-    assert dropped > 0, "a straggler two versions behind must have been dropped"
-    assert all(len(e["staleness"]) == 4 for e in trainer.trained_log)  # replaced: every step still full
-
-
-async def test_separate_async_with_bound_0_generates_nothing_ahead(ray_session, tmp_path):
-    """Bound 0 is on-policy: the rollouter starts no group before the weights it would be trained
-    on are out, so none goes stale and drop has nothing to drop."""
-    cfg = stragglers(tmp_path, total_steps=4, max_off_policy_steps=0, max_off_policy_strategy="drop")
-    trainer = await fit(cfg)
-    assert trainer.step == 4
-    assert all(s == 0 for entry in trainer.trained_log for s in entry["staleness"])
-    assert sum(r["staleness/dropped"] for r in trainer.tracker.history) == 0
-    assert trainer.tracker.history[-1]["rollout/waits"] > 0  # held back, not dropped
-
-
 async def test_separate_async_wait_holds_the_rollouter(ray_session, tmp_path):
     cfg = config(
         tmp_path,
@@ -162,15 +128,6 @@ async def test_separate_async_wait_holds_the_rollouter(ray_session, tmp_path):
     assert trainer.tracker.history[-1]["rollout/waits"] > 0
     assert sum(r["staleness/dropped"] for r in trainer.tracker.history) == 0  # wait never drops
     assert trainer.tracker.history[-1]["staleness/over_bound_total"] == 0
-
-
-async def test_separate_async_mask_trains_every_group_and_masks_stale_tokens(ray_session, tmp_path):
-    cfg = stragglers(tmp_path, total_steps=12, max_off_policy_steps=1, max_off_policy_strategy="mask")
-    trainer = await fit(cfg)
-    history = trainer.tracker.history
-    assert sum(r["staleness/dropped"] for r in history) == 0
-    assert sum(r["staleness/masked_tokens"] for r in history) > 0, "a straggler's old tokens are masked"
-    assert all(len(e["staleness"]) == 4 for e in trainer.trained_log)
 
 
 async def test_no_trajectory_exceeds_response_length_across_syncs(ray_session, tmp_path):
@@ -232,20 +189,3 @@ async def test_a_fresh_run_in_an_earlier_runs_folder_resumes_from_its_own_checkp
 def config(tmp_path, mode: str, **trainer):
     """The shared job, with a longer tail of response lengths."""
     return sim_train_config(tmp_path, mode, {"sim.response_sigma": 1.2}, **trainer)
-
-
-def stragglers(tmp_path, **trainer):
-    """``separate_async`` on 4 prompts a step where one response in ten takes 75x the others (2
-    tokens or 150: several steps of a simulated learner that takes 0.1 s a step): the rollouter may
-    run one version ahead of the learner (bound 1), so the short groups that start after a long one
-    finish and are trained before it. Every sample is seeded, so the same prompts are the long
-    ones in every run."""
-    rollout = {
-        "response_length": 160,
-        "max_model_len": 256,
-        "full_determinism": True,
-        "sim.time_scale": 1.0,
-        "sim.response_lengths": [2] * 9 + [150],
-    }
-    learner = {"sim_learner.enabled": True, "sim_learner.seconds_per_step": 0.1, "sim_learner.seconds_per_token": 0.0}
-    return sim_train_config(tmp_path, "separate_async", rollout, **{"train_batch_size": 4, **learner, **trainer})
