@@ -20,6 +20,13 @@ def token_budget(params: SamplingParams, response_length: Any) -> tuple[str, int
     budget = params[key]
     if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
         raise InvalidRequest(f"sampling_params.{key}", "an integer >= 1", budget)
+    for other in BUDGET_KEYS:
+        # The replica refuses a pair that differs, but every resumed attempt sends both set to what
+        # is left: the caller's conflict is refused here, as a plain generate's is there.
+        if other != key and params.get(other) is not None and params[other] != budget:
+            raise InvalidRequest(
+                f"sampling_params.{other}", f"equal to {key} ({budget}) when both are given", params[other]
+            )
     return key, budget
 
 

@@ -38,7 +38,7 @@ from rollfleet.client.retry import is_replica_failure, is_retryable, unwrap
 from rollfleet.errors import NoServerAvailable, RetriesExhausted
 from rollfleet.types import ReplicaResponse, SamplingParams, TokenDelta, TokenOutput
 from rollfleet.utils import virtual_time
-from rollfleet.utils.refs import cancel
+from rollfleet.utils.refs import awaited, cancel
 
 if TYPE_CHECKING:  # pragma: no cover
     from rollfleet.client.llm_client import LLMServerClient
@@ -63,6 +63,9 @@ class _Sofar:
     #: last: the versions of the first and last token when the per-token list is unknown.
     first_version: Optional[int] = None
     last_version: Optional[int] = None
+    #: The first tokens' attempt is over (``first_version`` is theirs, None if unknown): a later
+    #: attempt's version must not stand in for tokens sampled before it.
+    first_fixed: bool = False
 
     def add(self, delta: TokenDelta) -> None:
         n = len(delta.token_ids)
@@ -91,11 +94,30 @@ class _Sofar:
             self.versions_known = False
         if n:
             extra = out.extra_fields
-            if self.first_version is None:
+            if not self.first_fixed:
                 self.first_version = extra.get("min_global_steps", extra.get("global_steps"))
+                self.first_fixed = True
             self.last_version = extra.get("max_global_steps", extra.get("global_steps"))
         self.num_preempted += out.num_preempted or 0
         self.attempts.append(dict(out.extra_fields))
+
+    def cut(self, start: int, error: BaseException) -> None:
+        """An attempt failed after its deltas brought the tokens from ``start`` on, and no output
+        will settle them: their versions are what the deltas said. Where a delta did not say (vLLM
+        learns a token's version only at the end), they are unknown, for the whole output too; the
+        next attempt's weights must not label them."""
+        span = self.versions[start:]
+        if not span:
+            return
+        known = [v for v in span if v is not None]
+        whole = len(known) == len(span)
+        if not whole:
+            self.versions_known = False
+        if not self.first_fixed:
+            self.first_version = min(known) if whole else None
+            self.first_fixed = True
+        self.last_version = max(known) if whole else None
+        self.attempts.append({"failed": repr(error), "tokens": len(span)})  # it was resumed: one attempt
 
 
 async def stream_generate(
@@ -152,6 +174,7 @@ async def stream_generate(
                 # replica is quarantined all the same); resending it would run past its stop.
                 logger.debug("request %s: %r after its output; the output stands", request_id, exc)
             else:
+                sofar.cut(before, exc)
                 if not is_retryable(exc):
                     raise exc from (None if exc is raw else raw)
                 if isinstance(exc, NoServerAvailable):
@@ -195,15 +218,20 @@ async def _attempt(
         raise
     kwargs = {**kwargs, "client_id": client.balancer.client_id}
     ended = False  # an output came back that was not aborted (the gate times probes by it)
+    # generate()'s limit on one attempt: a replica that hangs without dying fails the attempt (it
+    # is quarantined, the stream goes on elsewhere), not the stream. Only the time spent waiting
+    # for the replica counts, not the caller's between two deltas: a slow reader is no failure.
+    timeout = client.config.retry.request_timeout_s
+    loop = asyncio.get_running_loop()
     try:
         stream_call = getattr(handle, "stream_generate", None)
         try:
             if stream_call is None:
                 ref = handle.generate_with_load.remote(request_id, prompt, params, **kwargs)
                 try:
-                    response = await ref
-                except asyncio.CancelledError:
-                    cancel(ref)  # the caller left: the replica's request must not run on for nobody
+                    response = await (ref if timeout is None else asyncio.wait_for(awaited(ref), timeout))
+                except (asyncio.CancelledError, asyncio.TimeoutError):
+                    cancel(ref)  # the caller left, or the time is up: the request must not run on for nobody
                     raise
                 client.balancer.report_load(response.load)
                 client.balancer.observe_output(server_id, request_id, response.output)
@@ -212,7 +240,16 @@ async def _attempt(
                 return
             stream = cast(AsyncGenerator, stream_call(request_id, prompt, params, **kwargs))
             try:
-                async for item in stream:
+                left = timeout
+                while True:
+                    step = stream.__anext__()
+                    began = loop.time()
+                    try:
+                        item = await (step if left is None else asyncio.wait_for(step, left))
+                    except StopAsyncIteration:
+                        break
+                    if left is not None:
+                        left = max(0.0, left - (loop.time() - began))
                     if isinstance(item, ReplicaResponse):
                         client.balancer.report_load(item.load)
                         client.balancer.observe_output(server_id, request_id, item.output)
@@ -243,7 +280,7 @@ def _whole(sofar: _Sofar, last: Optional[TokenOutput], stop_reason: str, budget:
     known = [v for v in versions if v is not None] if versions is not None else []
     if known:
         extra["min_global_steps"], extra["max_global_steps"] = min(known), max(known)
-    elif sofar.first_version is not None or sofar.last_version is not None:
+    elif sofar.first_fixed:  # tokens whose versions are unknown: the attempts' own, None where unknown
         extra["min_global_steps"], extra["max_global_steps"] = sofar.first_version, sofar.last_version
     extra["num_resumes"] = max(0, len(sofar.attempts) - 1)
     extra["attempts"] = sofar.attempts

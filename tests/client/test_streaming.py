@@ -15,7 +15,7 @@ import pytest
 
 from rollfleet.client import FullyAsyncLLMServerClient, LLMServerClient
 from rollfleet.config import RolloutConfig, SimEngineConfig
-from rollfleet.errors import ReplicaUnavailable
+from rollfleet.errors import InvalidRequest, ReplicaUnavailable
 from rollfleet.server.local import LocalHandle
 from rollfleet.server.replica import Replica
 from rollfleet.types import LoadReport, ReplicaResponse, TokenDelta, TokenOutput
@@ -277,3 +277,83 @@ async def test_a_resumed_attempt_asks_for_what_is_left_of_every_budget_and_minim
         assert client.balancer.get_total_inflight() == 0
         for r in replicas:
             await r.shutdown()
+
+
+class _CutOnce:
+    """Streaming handles sharing one script: the first attempt anywhere sends three tokens whose
+    versions it does not know yet (as vLLM's deltas), then its replica fails (or hangs, with
+    ``hang``); every later attempt is on weights 7 and ends."""
+
+    def __init__(self, name: str, shared: dict[str, int], hang: bool = False) -> None:
+        self.name, self.shared, self.hang = name, shared, hang
+
+    async def stream_generate(self, request_id: str, prompt_ids: list[int], params: Any, **kwargs: Any):
+        self.shared["calls"] = self.shared.get("calls", 0) + 1
+        if self.shared["calls"] == 1:
+            yield TokenDelta([11, 12, 13], [-0.1] * 3, [None] * 3)
+            if self.hang:
+                await asyncio.Event().wait()
+            raise ReplicaUnavailable(self.name, "the connection dropped mid-stream")
+        yield TokenDelta([20, 21, 22], [-0.2] * 3, [None] * 3)
+        yield ReplicaResponse(_output([-0.2] * 3, [7] * 3, first=7, last=7), LoadReport(replica_id=self.name))
+
+
+async def test_tokens_a_failed_attempt_sent_keep_their_unknown_versions_not_the_next_attempts():
+    """The first attempt's tokens were sampled by weights nobody reported (its replica failed
+    before its output): the whole output's versions are unknown and so is its first version, not
+    the resumed attempt's 7, which would make old tokens look fresh to the staleness bound."""
+    shared: dict[str, int] = {}
+    client, final = await _stream_once({n: _CutOnce(n, shared) for n in ("a", "b")})
+    assert final.token_ids == [11, 12, 13, 20, 21, 22] and final.stop_reason == "stop"
+    assert final.token_versions is None
+    assert (final.extra_fields["min_global_steps"], final.extra_fields["max_global_steps"]) == (None, 7)
+    assert final.extra_fields["num_resumes"] == 1
+    assert client.balancer.get_total_inflight() == 0
+
+
+async def test_a_replica_that_hangs_mid_stream_fails_its_attempt_after_request_timeout_s():
+    """generate() gives up on an attempt after ``retry.request_timeout_s``; a stream waited forever
+    on a replica that hung without dying. Now the attempt fails, the replica is quarantined, and
+    the stream goes on elsewhere from its tokens."""
+    shared: dict[str, int] = {}
+    handles = {n: _CutOnce(n, shared, hang=True) for n in ("a", "b")}
+    config = RolloutConfig(
+        response_length=64, retry={"initial_backoff_s": 0.0, "jitter": 0.0, "request_timeout_s": 0.3}
+    )
+    client = LLMServerClient(config, servers=handles)
+    stream = client.generate_stream("r", prompt_ids=[1, 2], sampling_params={"max_tokens": 64})
+    _, final, _ = await asyncio.wait_for(collect(stream), 10)
+    assert final.token_ids == [11, 12, 13, 20, 21, 22] and shared["calls"] == 2
+    assert client.balancer.get_total_inflight() == 0
+
+
+async def test_a_slow_reader_is_not_a_hung_replica():
+    """Only the time spent waiting for the replica counts against ``request_timeout_s``: a caller
+    that takes longer than it between two deltas does not fail the attempt."""
+    delta = TokenDelta([11, 12, 13], [-0.1] * 3, [0] * 3)
+    handles = {"a": _Scripted("a", delta, _output([-0.1] * 3, [0] * 3))}
+    config = RolloutConfig(response_length=64, retry={"request_timeout_s": 0.2})
+    client = LLMServerClient(config, servers=handles)
+    _, final, _ = await collect(
+        client.generate_stream("r", prompt_ids=[1, 2], sampling_params={"max_tokens": 64}),
+        lambda deltas: asyncio.sleep(0.4),
+    )
+    assert final.token_ids == [11, 12, 13] and len(handles["a"].calls) == 1
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+async def test_max_tokens_and_max_new_tokens_that_differ_are_refused_by_the_resuming_paths(streamed):
+    """A plain generate sends the pair and the replica refuses it; the resuming paths used to send
+    both set to the first key's budget, so the caller's conflict went through unnoticed."""
+    replicas, client, _ = await fleet(1, FullyAsyncLLMServerClient)
+    params = {"max_tokens": 10, "max_new_tokens": 100}
+    with pytest.raises(InvalidRequest, match=r"sampling_params\.max_new_tokens.*equal to max_tokens \(10\)"):
+        if streamed:
+            await collect(client.generate_stream("s", prompt_ids=PROMPT, sampling_params=params))
+        else:
+            await client.generate("s", prompt_ids=PROMPT, sampling_params=params)
+    same = await client.generate("t", prompt_ids=PROMPT, sampling_params={"max_tokens": 5, "max_new_tokens": 5})
+    assert len(same.token_ids) <= 5
+    assert client.balancer.get_total_inflight() == 0
+    for r in replicas:
+        await r.shutdown()
