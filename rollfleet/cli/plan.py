@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Optional
 
@@ -122,7 +123,7 @@ def read_lengths(path: str) -> list[int]:
     lengths = []
     for i, value in enumerate(values):
         # int() would truncate a float (1.9) and take a bool or a JSON string ("300") for a length
-        if not as_json and value.lstrip("+-").isdigit():
+        if not as_json and re.fullmatch(r"[+-]?[0-9]+", value):
             value = int(value)
         if type(value) is not int or value < 1:
             raise ValueError(f"--response-lengths {path}: length [{i}] is {value!r}, not an integer >= 1")

@@ -194,7 +194,7 @@ def render(result: SimulateResult, console: Console, *, virtual: bool = False) -
         table.add_row("engine busy time (max/mean)", f"{result.busy_imbalance:.3f}")
     table.add_row("weight updates during rollout", f"{len(result.weight_updates)}")
     if result.weight_updates:
-        pauses = [u["total_s"] * 1000 for u in result.weight_updates]
+        pauses = [u["pause_s"] * 1000 for u in result.weight_updates]  # the commits: staging did not pause it
         table.add_row("weight-update pause (mean)", f"{sum(pauses) / len(pauses):.1f} ms")
     table.add_row("aborted-and-resumed attempts", f"{result.resumes}")
     table.add_row("routing decisions", ", ".join(f"{k}={v}" for k, v in sorted(result.decisions.items())))

@@ -116,8 +116,8 @@ class VirtualFleet:
         """Stage ``version`` (default: the next one) on every replica while they serve, then commit
         it everywhere (``mode``: ``rollout.weight_sync.mode`` by default; ``rolling`` commits like
         ``keep``, every replica at once). Returns the version, how long it took and when the
-        fleet was committing (``paused``: ``[start, end]``), in simulated seconds, as the
-        manager's result does."""
+        fleet was committing (``paused``: ``[start, end]``; ``pause_s``, its length), in simulated
+        seconds, as the manager's result does."""
         clock = asyncio.get_running_loop().time
         started = clock()
         version = self.version + 1 if version is None else version
@@ -127,7 +127,14 @@ class VirtualFleet:
         committing = clock()
         await asyncio.gather(*(r.commit_weights(version, mode) for r in self.replicas.values()))
         self.version = version
-        return {"version": version, "mode": mode, "total_s": clock() - started, "paused": [[committing, clock()]]}
+        done = clock()
+        return {
+            "version": version,
+            "mode": mode,
+            "total_s": done - started,
+            "pause_s": done - committing,  # staging went on while the fleet served
+            "paused": [[committing, done]],
+        }
 
     async def replica_stats(self) -> dict[str, dict[str, Any]]:
         return {rid: await r.stats() for rid, r in self.replicas.items()}

@@ -422,3 +422,41 @@ def test_a_step_stopped_by_a_weight_load_leaves_its_prefill_to_pay(steps_per_wak
     assert virtual_time.run(main(False)) == (1.1, 1.1)
     # 0.5 s of the stopped step, the 2 s load, then the whole step again and nine more
     assert virtual_time.run(main(True)) == (1.1, 3.6)
+
+
+@pytest.mark.parametrize("per_wake", [1, 1000])
+def test_a_resumed_response_keeps_the_rest_of_its_drawn_length(per_wake):
+    """A client resumes an aborted response with the prompt plus its tokens: the engine goes on
+    with the rest of the length drawn for it (a model continues its own text), so aborts do not
+    make responses longer than the lengths a plan was given. A fresh draw made this 128 tokens."""
+
+    async def main() -> tuple[int, str, int, str]:
+        eng = await started(response_lengths=[100], max_steps_per_wake=per_wake, time_scale=1.0)
+        prompt = [5, 6, 7, 8]
+        call = asyncio.ensure_future(eng.generate("a", prompt, {"max_tokens": 500}))
+        await asyncio.sleep(0.2)  # virtual seconds: some steps, not 100
+        await eng.abort("a")
+        first = await call
+        assert 0 < len(first.token_ids) < 100
+        rest = await eng.generate("a-2", prompt + first.token_ids, {"max_tokens": 500 - len(first.token_ids)})
+        again = await eng.generate("b", prompt + first.token_ids + [9], {"max_tokens": 500})  # not a resume
+        await eng.shutdown()
+        return len(first.token_ids) + len(rest.token_ids), rest.stop_reason, len(again.token_ids), first.stop_reason
+
+    total, reason, fresh, first_reason = virtual_time.run(main())
+    assert first_reason == "aborted" and (total, reason) == (100, "stop")
+    assert fresh == 100  # another prompt draws its own length
+
+
+@pytest.mark.parametrize("per_wake", [1, 1000])
+def test_a_stop_sampled_as_the_last_token_the_budget_allows_is_a_stop(per_wake):
+    """vLLM reports ``stop`` when the end-of-sequence token is the last one ``max_tokens`` allows;
+    the sim said ``length``, which RL code penalises or filters as truncated."""
+
+    async def main() -> list[tuple[int, str]]:
+        eng = await started(response_lengths=[50], max_steps_per_wake=per_wake)
+        outs = [await eng.generate(f"r{m}", [5, 6, 7], {"max_tokens": m}) for m in (49, 50, 51)]
+        await eng.shutdown()
+        return [(len(o.token_ids), o.stop_reason) for o in outs]
+
+    assert virtual_time.run(main()) == [(49, "length"), (50, "stop"), (50, "stop")]

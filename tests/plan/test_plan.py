@@ -319,8 +319,13 @@ def test_a_bad_plan_is_refused_naming_the_field(kwargs, match):
 
 def test_a_plan_refuses_a_kv_cache_that_holds_no_whole_sequence():
     small = workload_config(**{"rollout.sim.kv_capacity_tokens": 500})  # max_model_len is 600
-    with pytest.raises(ValueError, match=r"kv_capacity_tokens \(500\) holds less than one sequence of "):
+    with pytest.raises(ValueError, match=r"kv_capacity_tokens \(500, 496 in whole blocks of 16\) holds less than one "):
         PlanSpec(small, gpus=4)
+    # 615 tokens are 38 whole blocks, 608 tokens: a 600-token sequence fits, one of 610 does not
+    PlanSpec(workload_config(**{"rollout.sim.kv_capacity_tokens": 615}), gpus=4)
+    tight = workload_config(**{"rollout.sim.kv_capacity_tokens": 615, "rollout.max_model_len": 610})
+    with pytest.raises(ValueError, match=r"\(615, 608 in whole blocks of 16\) holds less than one sequence of "):
+        PlanSpec(tight, gpus=4)
 
 
 def test_an_uneven_split_leaves_the_rest_to_the_learner():
@@ -527,7 +532,7 @@ def test_response_lengths_from_a_file_replace_the_log_normal(tmp_path, capsys):
     assert [r["response_length/mean"] for r in rows] == [40.0, 40.0]  # every response drew 40
     capsys.readouterr()
     for text, bad in (("40 forty", "'forty'"), ("[40, 1.9]", "1.9"), ("[40, true]", "True"), ('[40, "300"]', "'300'"),
-                      ("40 0", "0"), ("[]", None)):  # fmt: skip
+                      ("40 0", "0"), ("[]", None), ("40 +-5", "'+-5'"), ("40 \u00b2", "'\u00b2'")):  # fmt: skip
         lengths.write_text(text)
         assert main([*args, "--response-lengths", str(lengths), "--out", str(tmp_path / "b")]) == 2
         err = capsys.readouterr().err

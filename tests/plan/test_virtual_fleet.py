@@ -189,3 +189,19 @@ def test_keep_mode_updates_leave_every_generation_whole_and_labelled():
     assert all(o.extra_fields["num_resumes"] == 0 for o in outs)  # keep: never resubmitted
     assert {o.extra_fields["max_global_steps"] for o in outs} == {3}
     assert {o.extra_fields["min_global_steps"] for o in outs} == {0}
+
+
+def test_an_update_reports_how_long_it_paused_the_fleet_as_the_managers_does():
+    """``pause_s`` (what ``rollfleet simulate`` reports as the update's pause) is the commit
+    window, the weight load; the staging before it went on while the fleet served."""
+
+    async def main() -> dict:
+        fleet = await VirtualFleet(rollout(weight_load_ms=50.0)).start()
+        result = await fleet.update_weights(mode="keep")
+        await fleet.shutdown()
+        return result
+
+    result = virtual_time.run(main())
+    ((start, end),) = result["paused"]
+    assert result["pause_s"] == pytest.approx(end - start) == pytest.approx(0.05)
+    assert result["total_s"] >= result["pause_s"]

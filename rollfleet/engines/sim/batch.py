@@ -14,7 +14,7 @@ import math
 import random
 import zlib
 from array import array
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Any, Optional, Sequence
 
 from rollfleet.config import SimEngineConfig
@@ -106,6 +106,10 @@ class _Request:
         return len(self.prompt_ids) + len(self.generated) + self.pending
 
 
+#: Aborted responses an engine remembers the rest of the length of (the oldest forgotten first).
+MAX_CONTINUATIONS = 1 << 16
+
+
 def _int_bytes(ids: Sequence[int]) -> bytes:
     return array("q", ids).tobytes()
 
@@ -135,6 +139,7 @@ class BatchModel:
     _version_label: Optional[int]
     _rng: random.Random
     _weights_seed: int
+    _continuations: "OrderedDict[int, tuple[int, int]]"
 
     def _seed_request(self, req: _Request, sampling_params: Any) -> tuple[int, int]:
         """The request's sampling keys: ``(prompt key, salt)``; the same prompt with a seed (or at
@@ -151,6 +156,26 @@ class BatchModel:
         req.sample_key = (prompt_key, salt)
         req.token_seed = _mix(self._weights_seed, prompt_key, salt)
         return prompt_key, salt
+
+    def _remember_continuation(self, req: _Request) -> None:
+        """An aborted response goes on where it stopped: its client resumes it with the prompt plus
+        the tokens so far, and the rest of the length drawn for it holds (a model continues its own
+        text; a fresh draw made every resumed response longer, by what it had, than the lengths a
+        plan was given). Kept by this engine, where a sticky resume comes back; a resume on
+        another replica draws afresh."""
+        done = len(req.generated)
+        if not done or req.scripted is not None or req.target_len <= done:
+            return
+        continuations = self._continuations
+        context = req.prompt_ids + req.generated  # the resumed prompt, keyed as _seed_request keys it
+        continuations[zlib.crc32(_int_bytes(context))] = (len(context), req.target_len - done)
+        if len(continuations) > MAX_CONTINUATIONS:
+            continuations.popitem(last=False)
+
+    def _continued_length(self, prompt_key: int, prompt_len: int) -> Optional[int]:
+        """The rest of the length of the response this prompt resumes, if this engine aborted it."""
+        found = self._continuations.pop(prompt_key, None)
+        return found[1] if found is not None and found[0] == prompt_len else None
 
     def _natural_length(self, prompt_key: int, salt: int) -> int:
         """Long-tailed response length: prompt difficulty x per-sample noise (log-normal), or a draw
@@ -198,6 +223,8 @@ class BatchModel:
         self._release(req)
         if computed:
             self._insert_prefix(self._hashes_of(req))
+        if reason == "aborted":
+            self._remember_continuation(req)
         self._stats["num_aborted" if reason == "aborted" else "num_finished"] += 1
         if req.progress is not None:
             req.progress.set()
@@ -319,10 +346,12 @@ class BatchModel:
         n = len(req.generated)
         if req.scripted is not None and n >= len(req.scripted):
             return "stop"
-        if n >= req.max_tokens:
-            return "length"
+        # A stop sampled as the last token the budget allows is a stop, as vLLM reports it (RL code
+        # penalises or filters "length" as truncated).
         if not req.ignore_eos and (tok == self.config.eos_token_id or tok in req.stop_ids):
             return "stop"
+        if n >= req.max_tokens:
+            return "length"
         if len(req.prompt_ids) + n >= self._max_model_len:
             return "length"
         return None
