@@ -160,9 +160,9 @@ class BatchModel:
     def _remember_continuation(self, req: _Request) -> None:
         """An aborted response goes on where it stopped: its client resumes it with the prompt plus
         the tokens so far, and the rest of the length drawn for it holds (a model continues its own
-        text; a fresh draw made every resumed response longer, by what it had, than the lengths a
-        plan was given). Kept by this engine, where a sticky resume comes back; a resume on
-        another replica draws afresh."""
+        text; a fresh draw made a response aborted after k tokens run k plus a new length, not its
+        own, and moved every plan whose syncs abort). Kept by this engine, where a sticky resume
+        comes back; a resume on another replica draws afresh."""
         done = len(req.generated)
         if not done or req.scripted is not None or req.target_len <= done:
             return
