@@ -29,7 +29,7 @@ from rollfleet.errors import NoServerAvailable, RetriesExhausted
 from rollfleet.routing import GlobalRequestLoadBalancer
 from rollfleet.types import ReplicaResponse, SamplingParams, TokenDelta, TokenOutput
 from rollfleet.utils import virtual_time
-from rollfleet.utils.refs import awaited, cancel
+from rollfleet.utils.refs import awaited, within
 
 logger = logging.getLogger(__name__)
 
@@ -239,22 +239,13 @@ class LLMServerClient:
             ref = handle.generate_with_load.remote(
                 request_id, prompt_ids, sampling_params, client_id=self.balancer.client_id, **kwargs
             )
-            timeout = self.config.retry.request_timeout_s
             try:
-                if timeout is None:
-                    response = await ref
-                else:
-                    response = await asyncio.wait_for(awaited(ref), timeout)
-            except asyncio.CancelledError:
-                cancel(ref)  # free the replica's slot too, not only ours
-                raise
+                response = await within(ref, self.config.retry.request_timeout_s)  # frees the replica's slot too
             except Exception as raw:
                 exc = unwrap(raw)
                 if is_replica_failure(exc):
                     self.fleet.quarantine(server_id, repr(exc))
                     self.balancer.unstick(request_id)  # re-route the session
-                    if isinstance(exc, asyncio.TimeoutError):
-                        cancel(ref)
                 raise
             self.balancer.report_load(response.load)
             self.balancer.observe_output(server_id, request_id, response.output)

@@ -38,7 +38,7 @@ from rollfleet.client.retry import is_replica_failure, is_retryable, unwrap
 from rollfleet.errors import NoServerAvailable, RetriesExhausted
 from rollfleet.types import ReplicaResponse, SamplingParams, TokenDelta, TokenOutput
 from rollfleet.utils import virtual_time
-from rollfleet.utils.refs import awaited, cancel
+from rollfleet.utils.refs import within
 
 if TYPE_CHECKING:  # pragma: no cover
     from rollfleet.client.llm_client import LLMServerClient
@@ -228,11 +228,7 @@ async def _attempt(
         try:
             if stream_call is None:
                 ref = handle.generate_with_load.remote(request_id, prompt, params, **kwargs)
-                try:
-                    response = await (ref if timeout is None else asyncio.wait_for(awaited(ref), timeout))
-                except (asyncio.CancelledError, asyncio.TimeoutError):
-                    cancel(ref)  # the caller left, or the time is up: the request must not run on for nobody
-                    raise
+                response = await within(ref, timeout)  # gone or out of time: the replica's request stops too
                 client.balancer.report_load(response.load)
                 client.balancer.observe_output(server_id, request_id, response.output)
                 ended = response.output.stop_reason != "aborted"

@@ -4,7 +4,7 @@ in-process handle (:class:`~rollfleet.server.local.LocalHandle`)."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Optional
 
 
 async def awaited(ref: Any) -> Any:
@@ -27,4 +27,14 @@ def cancel(ref: Any) -> None:
         pass
 
 
-__all__ = ["awaited", "cancel"]
+async def within(ref: Any, timeout_s: Optional[float]) -> Any:
+    """The call's result, waited for at most ``timeout_s`` (None: no limit); a caller that leaves
+    or runs out of time cancels the replica's side too (``asyncio.TimeoutError`` then)."""
+    try:
+        return await (ref if timeout_s is None else asyncio.wait_for(awaited(ref), timeout_s))
+    except (asyncio.CancelledError, asyncio.TimeoutError):
+        cancel(ref)
+        raise
+
+
+__all__ = ["awaited", "cancel", "within"]

@@ -241,9 +241,9 @@ class RayActorLike:
 
 async def test_a_cancelled_stream_cancels_the_replicas_call_on_a_handle_without_a_data_plane(monkeypatch):
     """The whole-output call of a Ray actor went on to its end for nobody, its batch slot held."""
-    from rollfleet.client import streaming
+    from rollfleet.utils import refs
 
-    monkeypatch.setattr(streaming, "cancel", lambda ref: ref.call.cancel(), raising=False)  # as ray.cancel
+    monkeypatch.setattr(refs, "cancel", lambda ref: ref.call.cancel())  # as ray.cancel
     server = SlowServer()
     c = client(server, cls=LLMServerClient, handle=RayActorLike)
 
