@@ -32,6 +32,8 @@ It is a discrete-time model of a continuous-batching engine (vLLM-like), run on 
   of the queue keeping its tokens, and pays a re-prefill), and ``num_preempted`` counts it.
 * **Response lengths** are long-tailed (log-normal) and depend on the prompt: a prompt-derived
   "difficulty" times per-sample noise, so GRPO siblings have related lengths, as Seer observed.
+  A response aborted and resumed on the same engine (prompt plus its tokens) keeps the rest of its
+  length (:mod:`.continuations`); resumed on another, it draws a new one.
 * **Token ids** are a deterministic function of the weights (every update changes them), the
   prompt and the position; ``temperature > 0`` without a seed adds per-request randomness.
 * **Control ops**: abort, abort_all, pause/resume, sleep/wake_up, update_weights, clear_kv_cache,

@@ -13,11 +13,11 @@ import functools
 import math
 import random
 import zlib
-from array import array
-from collections import OrderedDict, deque
-from typing import Any, Optional, Sequence
+from collections import deque
+from typing import Any, Optional
 
 from rollfleet.config import SimEngineConfig
+from rollfleet.engines.sim.continuations import Continuations, prompt_key_of
 from rollfleet.engines.sim.prefix import PrefixCache
 from rollfleet.engines.sim.tokens import _mix, next_token, tokens
 from rollfleet.types import StopReason, TokenOutput
@@ -106,14 +106,6 @@ class _Request:
         return len(self.prompt_ids) + len(self.generated) + self.pending
 
 
-#: Aborted responses an engine remembers the rest of the length of (the oldest forgotten first).
-MAX_CONTINUATIONS = 1 << 16
-
-
-def _int_bytes(ids: Sequence[int]) -> bytes:
-    return array("q", ids).tobytes()
-
-
 @functools.lru_cache(maxsize=1 << 14)
 def _prompt_difficulty(prompt_key: int, seed: int) -> float:
     """A prompt's share of its responses' log-length, a standard normal draw: the same for every
@@ -139,12 +131,12 @@ class BatchModel:
     _version_label: Optional[int]
     _rng: random.Random
     _weights_seed: int
-    _continuations: "OrderedDict[int, tuple[int, int]]"
+    _continuations: Continuations
 
     def _seed_request(self, req: _Request, sampling_params: Any) -> tuple[int, int]:
         """The request's sampling keys: ``(prompt key, salt)``; the same prompt with a seed (or at
         temperature 0) samples the same tokens under the same weights."""
-        prompt_key = zlib.crc32(_int_bytes(req.prompt_ids))
+        prompt_key = prompt_key_of(req.prompt_ids)
         temperature = float(sampling_params.get("temperature", 1.0))
         seed = sampling_params.get("seed")
         if seed is not None:
@@ -158,24 +150,10 @@ class BatchModel:
         return prompt_key, salt
 
     def _remember_continuation(self, req: _Request) -> None:
-        """An aborted response goes on where it stopped: its client resumes it with the prompt plus
-        the tokens so far, and the rest of the length drawn for it holds (a model continues its own
-        text; a fresh draw made a response aborted after k tokens run k plus a new length, not its
-        own, and moved every plan whose syncs abort). Kept by this engine, where a sticky resume
-        comes back; a resume on another replica draws afresh."""
+        """An aborted response goes on where it stopped when resumed (see :mod:`.continuations`)."""
         done = len(req.generated)
-        if not done or req.scripted is not None or req.target_len <= done:
-            return
-        continuations = self._continuations
-        context = req.prompt_ids + req.generated  # the resumed prompt, keyed as _seed_request keys it
-        continuations[zlib.crc32(_int_bytes(context))] = (len(context), req.target_len - done)
-        if len(continuations) > MAX_CONTINUATIONS:
-            continuations.popitem(last=False)
-
-    def _continued_length(self, prompt_key: int, prompt_len: int) -> Optional[int]:
-        """The rest of the length of the response this prompt resumes, if this engine aborted it."""
-        found = self._continuations.pop(prompt_key, None)
-        return found[1] if found is not None and found[0] == prompt_len else None
+        if done and req.scripted is None and req.target_len > done:
+            self._continuations.remember(req.prompt_ids + req.generated, req.target_len - done)
 
     def _natural_length(self, prompt_key: int, salt: int) -> int:
         """Long-tailed response length: prompt difficulty x per-sample noise (log-normal), or a draw
@@ -407,4 +385,4 @@ class BatchModel:
                 self._finish(req, reason)
 
 
-__all__ = ["BatchModel", "_Request", "_fingerprint", "_int_bytes"]
+__all__ = ["BatchModel", "_Request", "_fingerprint"]

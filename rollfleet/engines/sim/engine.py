@@ -14,12 +14,13 @@ import os
 import random
 import tempfile
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from typing import Any, AsyncIterator, Callable, Optional, Sequence, Union
 
 from rollfleet.config import RolloutConfig, SimEngineConfig
 from rollfleet.engines.base import CommitMode, Engine, EngineHealth, EngineLimits, EngineLoad
 from rollfleet.engines.sim.batch import _fingerprint, _Request
+from rollfleet.engines.sim.continuations import Continuations
 from rollfleet.engines.sim.cost import StepCost
 from rollfleet.engines.sim.prefix import PrefixCache
 from rollfleet.engines.sim.steps import StepLoop, _Run
@@ -69,7 +70,7 @@ class SimEngine(StepLoop, Engine):
         self._loop_task: Optional[asyncio.Task[None]] = None
         self._script: Optional[ResponseScript] = None
         self._rng = random.Random(_mix(config.seed, replica_index, 17))
-        self._continuations: OrderedDict[int, tuple[int, int]] = OrderedDict()  # see _remember_continuation
+        self._continuations = Continuations()  # what aborted responses had left (see .continuations)
         self._profile: Optional[list[dict[str, Any]]] = None
         self._profile_dir: Optional[str] = None
         self._sim_clock = 0.0
@@ -190,7 +191,7 @@ class SimEngine(StepLoop, Engine):
             if not req.scripted:  # the script says nothing: an empty response that stopped
                 return TokenOutput(token_ids=[], log_probs=[], stop_reason="stop")
         else:
-            continued = self._continued_length(prompt_key, len(req.prompt_ids))
+            continued = self._continuations.take(prompt_key, len(req.prompt_ids))
             req.target_len = continued if continued is not None else self._natural_length(prompt_key, salt)
         req.end_at = self._latest_end(req)
         if streamed:
