@@ -153,20 +153,27 @@ class ControlFanOut:
     _hold: Optional[str] = None
 
     async def pause(self) -> dict[str, Any]:
-        self._hold = self._hold or "paused"
-        return await self._op("pause")
+        return await self._held_op(self._hold or "paused", "pause")
 
     async def resume(self) -> dict[str, Any]:
-        self._hold = None
-        return await self._op("resume")
+        return await self._held_op(None, "resume")
 
     async def sleep(self) -> dict[str, Any]:
-        self._hold = "sleeping"
-        return await self._op("sleep")
+        return await self._held_op("sleeping", "sleep")
 
     async def wake_up(self) -> dict[str, Any]:
-        self._hold = "paused" if self._hold is not None else None  # awake, not yet generating
-        return await self._op("wake_up")
+        return await self._held_op("paused" if self._hold is not None else None, "wake_up")  # awake, not generating
+
+    async def _held_op(self, hold: Optional[str], method: str) -> dict[str, Any]:
+        """Set :attr:`_hold`, then fan ``method`` out. Refused as a caller's mistake (vLLM's CPU build
+        cannot sleep), the fleet stays as it was, and so does the hold that restarts are brought to."""
+        before, self._hold = self._hold, hold
+        try:
+            return await self._op(method)
+        except CALLER_ERRORS:
+            if self._hold == hold:
+                self._hold = before
+            raise
 
     async def _bring_to_hold(self, call: Callable[[str], Awaitable[Any]]) -> None:
         """Bring a starting replica (serving, awake) to :attr:`_hold`, again if it changed while

@@ -52,6 +52,9 @@ class Replica:
         self._version: Optional[int] = None
         self._epoch = 0
         self._gate: Optional[asyncio.Event] = None
+        # Paused or asleep by the fleet's owner (pause/sleep until resume), told from an abort-mode
+        # commit's own pause: an owner's pause or resume that lands while a commit loads is kept.
+        self._owner_hold, self._committing, self._resumed_in_commit = False, False, False
         self._book = InflightBook()
         health = config.health
         self._liveness = EngineLiveness(replica_id, self.engine, health.probe_timeout_s, health.busy_grace_s)
@@ -260,12 +263,21 @@ class Replica:
 
     async def pause(self) -> None:
         """Hold new requests at the gate and abort in-flight ones (they return partial tokens)."""
+        self._owner_hold = True
         if self._state == ReplicaState.SERVING:
             self._set_state(ReplicaState.PAUSED)
         await self.engine.pause()
 
     async def resume(self) -> None:
-        """Generate again; an engine put to sleep is woken first (serving asleep would hang)."""
+        """Generate again; an engine put to sleep is woken first (serving asleep would hang). Asked
+        while an abort-mode commit loads, the commit resumes when the weights are in."""
+        self._owner_hold = False
+        if self._committing:
+            self._resumed_in_commit = True
+            return
+        await self._serve()
+
+    async def _serve(self) -> None:
         if self._state == ReplicaState.SLEEPING:
             await self.engine.wake_up()
         await self.engine.resume()
@@ -274,6 +286,7 @@ class Replica:
 
     async def sleep(self) -> None:
         await self.engine.sleep()  # NotSupported propagates before the state changes
+        self._owner_hold = True
         if self._state in (ReplicaState.SERVING, ReplicaState.PAUSED):
             self._set_state(ReplicaState.SLEEPING)
 
@@ -311,20 +324,23 @@ class Replica:
             # The engine's own pause window where it reports one (the call also releases files).
             window = (getattr(self.engine, "last_commit", None) or {}).get("window") or (started, time.time())
             return {"mode": "keep", "pause_s": window[1] - window[0], "window": list(window)}
-        # Resumed after only if serving (or starting) before: a replica paused or asleep by the
-        # fleet's owner (the learner has the devices) stays so until it is resumed.
+        # Resumed after if serving (or starting) before, or if the fleet's owner resumed it while it
+        # loaded; paused or asleep by the owner (the learner has the devices), it stays so.
         resumes = resume and self._state in (ReplicaState.SERVING, ReplicaState.SYNCING)
         if self._state == ReplicaState.SERVING:
             self._set_state(ReplicaState.PAUSED)
         # A load that fails leaves the replica paused: its weights may be half loaded, and it
         # must not generate on them under the old label (the controller fences and restarts it).
-        await self.engine.pause()
-        await self.engine.commit_weights(version, "abort")
-        await self.engine.clear_kv_cache()
-        self._set_version(version)
-        if resumes and self._state == ReplicaState.PAUSED:
-            await self.engine.resume()
-            self._set_state(ReplicaState.SERVING)
+        self._committing, self._resumed_in_commit = True, False
+        try:
+            await self.engine.pause()
+            await self.engine.commit_weights(version, "abort")
+            await self.engine.clear_kv_cache()
+            self._set_version(version)
+        finally:
+            self._committing = False
+        if (resumes or self._resumed_in_commit) and not self._owner_hold and self._state in _HOLDING_STATES:
+            await self._serve()
         ended = time.time()
         return {"mode": "abort", "pause_s": ended - started, "window": [started, ended]}
 
@@ -382,17 +398,17 @@ class Replica:
 
     async def inject_fault(self, kind: str, factor: float = 10.0) -> None:
         """Fault injection for tests; only engines that simulate faults support it."""
-        hook = getattr(self.engine, "inject_fault", None)
-        if hook is None:
-            raise NotSupported(self.engine.name, "inject_fault")
-        hook(kind, factor)
+        self._test_hook("inject_fault")(kind, factor)
 
     async def script_responses(self, script: Any) -> None:
         """Scripted responses for tests (sim engine)."""
-        hook = getattr(self.engine, "script_responses", None)
+        self._test_hook("script_responses")(script)
+
+    def _test_hook(self, name: str) -> Any:
+        hook = getattr(self.engine, name, None)
         if hook is None:
-            raise NotSupported(self.engine.name, "script_responses")
-        hook(script)
+            raise NotSupported(self.engine.name, name)
+        return hook
 
     async def ping(self) -> str:
         return self.replica_id

@@ -8,7 +8,8 @@ import asyncio
 
 import pytest
 
-from rollfleet.server.replica import ReplicaState
+from rollfleet.errors import NotSupported
+from rollfleet.server.replica import Replica, ReplicaState
 from tests.manager.test_control_faults import Faults, config, fleet, wait_until
 
 pytestmark = pytest.mark.unit
@@ -104,3 +105,87 @@ async def test_an_abort_commit_that_fails_to_load_leaves_the_replica_paused():
         await replica.commit_weights(1, "abort")
     assert replica._state == ReplicaState.PAUSED and replica._version != 1
     await controller.shutdown()
+
+
+def _slow_commit(replica: Replica, loading: asyncio.Event, release: asyncio.Event) -> None:
+    """The engine's commit waits for ``release`` once it started loading (a large model's load)."""
+    engine = replica.engine
+    commit = engine.commit_weights
+
+    async def slow(version: int, mode: str) -> None:
+        loading.set()
+        await release.wait()
+        await commit(version, mode)
+
+    engine.commit_weights = slow  # type: ignore[method-assign]
+
+
+async def test_a_pause_that_lands_while_an_abort_commit_loads_is_kept():
+    """Both said PAUSED, so the pause changed nothing and the commit resumed the replica."""
+    controller, replicas = fleet(config(commit_timeout_s=5.0), Faults())
+    await controller.launch(1)
+    replica = replicas["replica-0"]
+    loading, release = asyncio.Event(), asyncio.Event()
+    _slow_commit(replica, loading, release)
+    update = asyncio.ensure_future(controller.update_weights({"step": 1}, 1, mode="abort"))
+    await asyncio.wait_for(loading.wait(), 5)
+    await controller.pause()  # the learner takes the devices while the weights load
+    release.set()
+    await update
+    assert replica._state == ReplicaState.PAUSED and replica._version == 1
+    held = asyncio.ensure_future(replica.generate("r", [1, 2, 3], {"max_tokens": 4}))
+    await asyncio.sleep(0.2)
+    assert not held.done()
+    await controller.resume()
+    assert len((await asyncio.wait_for(held, 5)).token_ids) > 0
+    await controller.shutdown()
+
+
+async def test_a_resume_that_lands_while_an_abort_commit_loads_waits_for_the_weights():
+    """It used to open the gate at once: requests ran on half-loaded weights under the old label."""
+    controller, replicas = fleet(config(commit_timeout_s=5.0), Faults())
+    await controller.launch(1)
+    await controller.pause()
+    replica = replicas["replica-0"]
+    loading, release = asyncio.Event(), asyncio.Event()
+    _slow_commit(replica, loading, release)
+    update = asyncio.ensure_future(controller.update_weights({"step": 1}, 1, mode="abort"))
+    await asyncio.wait_for(loading.wait(), 5)
+    await controller.resume()
+    held = asyncio.ensure_future(replica.generate("r", [1, 2, 3], {"max_tokens": 4}))
+    await asyncio.sleep(0.2)
+    assert replica._state == ReplicaState.PAUSED and not held.done()
+    release.set()
+    await update
+    assert replica._state == ReplicaState.SERVING  # the owner asked: it serves once the weights are in
+    out = await asyncio.wait_for(held, 5)
+    assert set(out.token_versions) == {1}
+    await controller.shutdown()
+
+
+async def test_a_sleep_the_engines_refuse_leaves_the_fleets_hold_as_it_was():
+    """vLLM's CPU build cannot sleep: the fleet stays paused, and a replica restarted then comes
+    back paused (it was brought to 'sleeping': on vLLM CPU its start failed on the refusal)."""
+    faults = Faults()
+    controller, replicas = fleet(config(), faults)
+    await controller.launch(2)
+    await controller.pause()
+    for replica in replicas.values():
+        replica.engine.sleep = _refuse_sleep  # type: ignore[method-assign]
+    with pytest.raises(NotSupported):
+        await controller.sleep()
+    assert controller._hold == "paused"
+    old = replicas["replica-1"]
+    faults.dead.add("replica-1")
+    await wait_until(lambda: _restarted(replicas, old, faults), "replica-1 replaced")
+
+    async def healthy() -> bool:
+        return "replica-1" in (await controller.snapshot()).routable_ids()
+
+    await wait_until(healthy, "replica-1 restarted")
+    assert replicas["replica-1"]._state == ReplicaState.PAUSED  # it was put to sleep
+    await controller.shutdown()
+
+
+async def _refuse_sleep() -> None:
+    raise NotSupported("vllm", "sleep")
