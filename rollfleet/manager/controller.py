@@ -59,10 +59,12 @@ class FleetController(HealthSupervisor, ReplicaStarter, ControlFanOut):
         self._weights: Any = None  # the last weights pushed (an ObjectRef when called through Ray)
         self._has_weights = False  # False: the engines' boot weights are the current version
         self._checksum: Optional[str] = None  # the committed weights' digest (None: engines cannot tell)
+        self._published_unverified = False  # published with no replica live: the first one back gives the digest
         self._rolling_version: Optional[int] = None  # the version a rolling update is committing
         self._probe_task: Optional[asyncio.Task[None]] = None
         self._restart_tasks: dict[str, asyncio.Task[None]] = {}
         self._starting: set[asyncio.Task[Any]] = set()  # add_replicas' starts, which shutdown stops
+        self._adding: set[str] = set()  # the replicas add_replicas is starting (no record before placed)
         self._closed = False
         self._learner_host: Optional[str] = None  # the replica whose devices a colocated learner shares
         self._events: list[FleetEvent] = []
@@ -86,23 +88,26 @@ class FleetController(HealthSupervisor, ReplicaStarter, ControlFanOut):
         :class:`InsufficientResources` naming ``field_name``; nothing is started then.
         """
         self._check_open()
-        if self._placer is not None:
-            # A replica given up on gave its devices back: the new ones may have them.
-            holding = sum(1 for r in self._records.values() if not r.released)
-            await self._placer.check_capacity(holding + n, field_name)
-        self._check_open()
-        ids = []
-        for _ in range(n):
-            index = self._next_index
-            self._next_index += 1
-            rid = f"replica-{index}"
-            self._indices[rid] = index
-            ids.append(rid)
-        starts = [asyncio.ensure_future(self._start_in_time(rid)) for rid in ids]
-        self._starting.update(starts)
-        for start in starts:
-            start.add_done_callback(self._starting.discard)
-        results = await asyncio.gather(*starts, return_exceptions=True)
+        indices = range(self._next_index, self._next_index + n)
+        self._next_index += n
+        ids = [f"replica-{i}" for i in indices]
+        # Counted from here on, so that a call made while these start sees them holding devices
+        # (they have no record until placed): two calls could each pass the check on their own.
+        self._adding.update(ids)
+        try:
+            if self._placer is not None:
+                # A replica given up on gave its devices back: the new ones may have them.
+                holding = {rid for rid, r in self._records.items() if not r.released} | self._adding
+                await self._placer.check_capacity(len(holding), field_name)
+            self._check_open()
+            self._indices.update(zip(ids, indices))
+            starts = [asyncio.ensure_future(self._start_in_time(rid)) for rid in ids]
+            self._starting.update(starts)
+            for start in starts:
+                start.add_done_callback(self._starting.discard)
+            results = await asyncio.gather(*starts, return_exceptions=True)
+        finally:
+            self._adding.difference_update(ids)
         failed = [(rid, r) for rid, r in zip(ids, results) if isinstance(r, BaseException)]
         if failed and self._closed:  # cancelled by shutdown(), which stops them and waits for that
             raise FleetShutDown("add_replicas")
@@ -114,6 +119,8 @@ class FleetController(HealthSupervisor, ReplicaStarter, ControlFanOut):
                 self._placer.release(rid)
         if failed:
             self._membership_changed()
+            serving = [rid for rid, r in zip(ids, results) if not isinstance(r, BaseException)]
+            failed[0][1].add_note(f"add_replicas: {len(failed)} of {n} failed; serving: {serving or 'none'}")
             raise failed[0][1]
         self._ensure_prober()
         return [r for r in results if not isinstance(r, BaseException)]  # all of them: none failed

@@ -63,6 +63,7 @@ class ControlFanOut:
     _weights: Any
     _has_weights: bool
     _checksum: Optional[str]
+    _published_unverified: bool
     _rolling_version: Optional[int]
     _update_lock: asyncio.Lock
 
@@ -303,6 +304,7 @@ class ControlFanOut:
                 if r.replica_id not in fenced:
                     r.weight_version = version
             self._checksum = checksum
+            self._published_unverified = not records  # no replica to check: the first one back will
             self._weights = weights
             self._has_weights = True
             self.current_version = version

@@ -57,6 +57,7 @@ class ReplicaStarter:
     _weights: Any
     _has_weights: bool
     _checksum: Optional[str]
+    _published_unverified: bool
     _update_lock: asyncio.Lock
 
     if TYPE_CHECKING:
@@ -121,9 +122,12 @@ class ReplicaStarter:
         sync = self.config.weight_sync
         async with self._update_lock:
             await self._catch_up(record, handle, timeout_s=sync.stage_timeout_s + sync.commit_timeout_s)
-            if self._checksum is not None:
+            if self._checksum is not None or self._published_unverified:
                 report = await bounded(rid, "weights_checksum", handle.weights_checksum.remote(), control_s)
-                if report["checksum"] not in (None, self._checksum):
+                if self._checksum is None:  # published with no replica live: the first one back sets it
+                    self._checksum = report["checksum"]
+                    self._published_unverified = report["checksum"] is None
+                elif report["checksum"] not in (None, self._checksum):
                     raise RuntimeError(
                         f"{rid}: weights checksum {report['checksum']} differs from the fleet's {self._checksum}"
                     )

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from rollfleet.errors import FleetShutDown
+from rollfleet.errors import FleetShutDown, InsufficientResources
 from rollfleet.manager import supervision
 from rollfleet.manager.controller import FleetController
 from rollfleet.server.replica import Replica, ReplicaState
@@ -313,4 +313,42 @@ async def test_a_colocated_learners_replica_given_up_on_keeps_its_devices():
 
     await wait_until(given_up, "replica-0 given up on")
     assert placer.released == []
+    await controller.shutdown()
+
+
+class _RoomFor:
+    """A placer over a cluster with room for ``room`` replicas; its capacity check asks the cluster
+    (an await, as Ray's node table is), and reservations place nothing (in-process replicas)."""
+
+    def __init__(self, room: int) -> None:
+        self.room = room
+        self.placements: dict[str, Any] = {}
+
+    async def check_capacity(self, total: int, field_name: str) -> None:
+        await asyncio.sleep(0.01)
+        if total > self.room:
+            raise InsufficientResources(field_name, f"{total} replicas", f"room for {self.room}")
+
+    async def reserve(self, rid: str, fraction: float) -> None:
+        return None
+
+    async def dead_nodes(self) -> set[str]:
+        return set()
+
+    def release(self, rid: str) -> None: ...
+
+    def release_all(self) -> None: ...
+
+
+async def test_two_add_replicas_at_once_count_each_others_starts():
+    """Starts in progress have no record yet: each call counted only the replicas already placed,
+    both passed the check, and the cluster ran out of room half way through one of them."""
+    controller, replicas = fleet(config(), Faults())
+    controller._placer = _RoomFor(4)  # type: ignore[assignment]
+    await controller.launch(2)
+    first, second = await asyncio.gather(controller.add_replicas(2), controller.add_replicas(2), return_exceptions=True)
+    assert isinstance(first, list) and len(first) == 2
+    assert isinstance(second, InsufficientResources) and second.field == "add_replicas(n)"
+    assert "6 replicas" in str(second)  # the 2 serving, the 2 starting and these 2
+    assert len((await controller.snapshot()).routable_ids()) == 4 and len(replicas) == 4  # nothing else started
     await controller.shutdown()

@@ -215,3 +215,28 @@ async def test_a_clients_view_never_goes_back_to_a_snapshot_older_than_it_has():
     assert view.current_version == 0
     await controller.shutdown()
     await other.shutdown()
+
+
+async def test_an_update_with_no_replica_live_is_loaded_and_checked_as_they_come_back():
+    """Every replica restarting (a node lost): the update is published, each one loads it before
+    it serves, and the first one back gives the digest the next is checked against (there was
+    none until the next update: a joiner with other weights was let in unchecked)."""
+    faults = Faults()
+    controller, replicas = fleet(config(), faults)
+    await controller.launch(2)
+    faults.failed_starts = {"replica-0": 10**6, "replica-1": 10**6}  # no start succeeds yet
+    faults.dead.update({"replica-0", "replica-1"})
+    await wait_until(lambda: _none_live(controller), "both replicas down")
+    result = await controller.update_weights({"step": 1}, 1)
+    assert result["replicas"] == 0 and controller._checksum is None
+    faults.dead.clear()
+    faults.failed_starts["replica-0"] = 0  # replica-0 comes back first, on version 1
+    await wait_until(lambda: serving_on(controller, "replica-0", 1), "replica-0 back on version 1")
+    assert controller._checksum == (await replicas["replica-0"].weights_checksum())["checksum"] is not None
+    faults.failed_starts["replica-1"] = 0
+    await wait_until(lambda: serving_on(controller, "replica-1", 1), "replica-1 back on version 1, the same digest")
+    await controller.shutdown()
+
+
+async def _none_live(controller: Any) -> bool:
+    return not controller._live()
