@@ -58,7 +58,7 @@ async def run_mode(spec: PlanSpec, mode: str, seed: int, share: Optional[float] 
         assert runtime.fleet is not None and runtime.learner is not None and trainer.tracker is not None
         report = await runtime.fleet.report()
         learner_busy = runtime.learner.busy_s
-        trained_tokens = trainer.generated_tokens  # response tokens of every trained group
+        trained_tokens = trainer.trained_tokens  # response tokens of every trained group
         trained_samples = sum(len(t["task_indices"]) for t in trainer.trained_log) * trainer.config.rollout.n
     finally:
         await trainer.close()

@@ -77,7 +77,7 @@ class Trainer(abc.ABC):
         self._reissue: list[int] = []
         self._last_step_end = 0.0
         self._tokens_at_last_step = 0
-        self.generated_tokens = 0
+        self.trained_tokens = 0
         #: Per step: staleness of every trained group and the longest trained response (audit trail).
         self.trained_log: list[dict[str, Any]] = []
         self.idle_s = 0.0
@@ -131,7 +131,7 @@ class Trainer(abc.ABC):
             await self._resume()
 
     async def _resume(self) -> None:
-        assert self.manager is not None and self.learner is not None  # called by init() once both exist
+        assert self.manager is not None and self.learner is not None and self.tracker is not None  # made by init()
         ckpt_root = self.run_dir / "checkpoints"
         from rollfleet.trainer.checkpoint import aside_of, find_latest
 
@@ -139,9 +139,12 @@ class Trainer(abc.ABC):
             aside = aside_of(ckpt_root)
             hint = f" (the run before the last fresh one left {aside})" if find_latest(aside) else ""
             logger.warning("resume requested but no checkpoint under %s%s: starting fresh", ckpt_root, hint)
+            self.tracker.resume_at(0)
             return
         state = await self.learner.load(ckpt_root)
         self.step = int(state.get("step", 0))
+        self.syncs = int(state.get("syncs", 0))
+        self.tracker.resume_at(self.step)
         self.stream.position = int(state.get("data_position", 0))
         self._reissue = [int(i) for i in state.get("inflight_task_indices", [])]
         # The fleet booted on the base weights: push the checkpoint's under a new version.
@@ -293,7 +296,7 @@ class Trainer(abc.ABC):
         step_s = now - self._last_step_end
         self._last_step_end = now
         tokens = sum(int(sum(o.response_mask)) for g in groups for o in g.outputs)
-        self.generated_tokens += tokens
+        self.trained_tokens += tokens
         stale = [self.version_at_train(g) for g in groups]
         self.trained_log.append(
             {
@@ -336,6 +339,7 @@ class Trainer(abc.ABC):
         state = {
             "step": self.step,
             "version": self.version,
+            "syncs": self.syncs,
             "data_position": self.stream.position,
             "inflight_task_indices": self.inflight_task_indices(),
             "mode": self.mode_name,

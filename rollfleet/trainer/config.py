@@ -21,7 +21,7 @@ from rollfleet.trainer.registry import TRAINER_REGISTRY
 class SimLearnerConfig(BaseModel):
     """A learner that only takes time (for the sim engine's capacity planning and benchmarks)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     enabled: bool = Field(False, description="Use the simulated learner instead of a torch model.")
     seconds_per_token: float = Field(
@@ -47,7 +47,7 @@ class SimLearnerConfig(BaseModel):
 class TrainConfig(BaseModel):
     """How training runs: the mode, the batch, weight sync, staleness, checkpoints, outputs."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     trainer_mode: str = Field("sync", description="Registered trainer: sync | colocate_async | separate_async.")
     run_name: str = Field("rollfleet", description="Outputs go to <output_dir>/<run_name>/.")
@@ -76,7 +76,10 @@ class TrainConfig(BaseModel):
         "ago out of the loss.",
     )
     partial_rollout: bool = Field(
-        True, description="Resume aborted requests on the new weights; off: regenerate them from scratch."
+        True,
+        description="Resume aborted requests on the new weights; off: regenerate them from scratch. In "
+        "colocate_async every learner step pauses the fleet, weights changed or not, so off there every group still "
+        "generating at a step starts over, and one longer than a step's generation window is never trained.",
     )
     max_queue_groups: Optional[int] = Field(
         None, ge=1, description="Bound of finished-but-untrained groups; default 2 x train_batch_size."

@@ -21,7 +21,7 @@ KLEstimator = Literal["k1", "kl", "k2", "mse", "k3", "low_var_kl"]
 class PolicyLossConfig(BaseModel):
     """The loss section of the learner config (verl names where verl has one)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     clip_ratio_low: float = Field(0.2, gt=0, lt=1, description="Lower clip: ratio >= 1 - clip_ratio_low.")
     clip_ratio_high: float = Field(
@@ -60,7 +60,7 @@ class LearnerConfig(BaseModel):
     """Learner settings. Defaults suit the built-in ``tiny`` model on CPU; for a real LLM use
     ``lr`` around 1e-6 to 1e-5 and ``bfloat16`` on GPU."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     lr: float = Field(1e-3, gt=0, description="AdamW learning rate (constant).")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas, each in [0, 1).")

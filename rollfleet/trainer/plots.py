@@ -24,7 +24,7 @@ def plot_run(run_dir: str | Path) -> list[Path]:
         steps = [r["step"] for r in rows]
         panels = [
             ("reward.png", "mean reward", [("reward/mean", "mean"), ("reward/max", "max")]),
-            ("throughput.png", "generated tokens / s", [("perf/tokens_per_s", "tokens/s")]),
+            ("throughput.png", "trained tokens / s", [("perf/tokens_per_s", "trained tokens/s")]),
             (
                 "staleness.png",
                 "staleness (weight versions)",

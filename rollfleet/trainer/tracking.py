@@ -26,6 +26,18 @@ class RunTracker:
         self.t0 = clock()
         self.history: list[dict[str, Any]] = []
 
+    def resume_at(self, step: int) -> None:
+        """Go on from a checkpoint taken after ``step`` (0: none): what the run before logged past it
+        is dropped, since those steps run again, and times go on from the last row kept (appended
+        as it was, a resumed run's rows repeated steps and its spans started at 0 over the old)."""
+        rows = [r for r in read_jsonl(self.metrics_path) if r.get("step", 0) <= step]
+        last = rows[-1].get("time", 0.0) if rows else 0.0
+        spans = [s for s in read_jsonl(self.timeline_path) if s.get("end", 0.0) <= last] if rows else []
+        for path, lines in ((self.metrics_path, rows), (self.timeline_path, spans)):
+            path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+        self.history = rows
+        self.t0 = self.clock() - last
+
     def log(self, metrics: dict[str, Any]) -> None:
         row = {k: _jsonable(v) for k, v in metrics.items()}
         row.setdefault("time", self.clock() - self.t0)

@@ -181,7 +181,7 @@ async def test_a_fresh_run_in_an_earlier_runs_folder_resumes_from_its_own_checkp
     await run(config(tmp_path, "sync", total_steps=3, save_freq=1))
     await run(config(tmp_path, "sync", total_steps=1, save_freq=1))
     resumed = await run(config(tmp_path, "sync", total_steps=2, resume=True))
-    assert [r["step"] for r in resumed.tracker.history] == [2]  # from the fresh run's step 1
+    assert [r["step"] for r in resumed.tracker.history] == [1, 2]  # on from the fresh run's step 1
     previous = tmp_path / "sync" / "checkpoints.previous"
     assert sorted(p.name for p in previous.glob("step_*")) == [f"step_0000000{i}" for i in (1, 2, 3)]
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 from trainer_support import InstantAgents
 
+from rollfleet.config import load_config
 from rollfleet.trainer.rollouter import Rollouter
 from rollfleet.trainer.staleness import Group, GroupBuffer
 
@@ -232,3 +235,18 @@ async def test_a_failed_sample_stops_its_siblings_and_its_prompt_is_reissued():
     assert sorted(running) == [f"0-{k}-2" for k in range(4)]  # only the re-issued group runs
     await rollouter.stop()
     assert not running
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("trainer.max_off_policy_steps", float("inf")),
+        ("trainer.learner.lr", float("nan")),
+        ("rollout.sim.time_scale", float("inf")),
+    ],
+)
+def test_a_config_number_that_is_not_finite_is_refused_naming_the_field(key, value):
+    """An infinite staleness bound (meant as "unbounded") passed ge=0 and crashed the first step
+    with a bare OverflowError from math.ceil."""
+    with pytest.raises(ValidationError, match=rf"(?s){re.escape(key)}.*finite number"):
+        load_config(None, {key: value})

@@ -50,3 +50,12 @@ class ColocateAsyncTrainer(SeparateAsyncTrainer):
         assert self.manager is not None
         await self._turns.hand_back(self.manager)
         self.fleet_resumed()
+
+    async def on_train_end(self) -> None:
+        """A step that failed between sleep and resume must not leave the fleet asleep (as ``sync``)."""
+        await super().on_train_end()
+        if self.manager is not None:
+            try:
+                await self._turns.hand_back(self.manager)
+            except Exception:
+                logger.exception("waking the fleet after training failed")
