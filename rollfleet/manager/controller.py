@@ -120,7 +120,7 @@ class FleetController(HealthSupervisor, ReplicaStarter, ControlFanOut):
         if failed:
             self._membership_changed()
             serving = [rid for rid, r in zip(ids, results) if not isinstance(r, BaseException)]
-            failed[0][1].add_note(f"add_replicas: {len(failed)} of {n} failed; serving: {serving or 'none'}")
+            logger.warning("add_replicas: %d of %d failed to start; serving: %s", len(failed), n, serving or "none")
             raise failed[0][1]
         self._ensure_prober()
         return [r for r in results if not isinstance(r, BaseException)]  # all of them: none failed

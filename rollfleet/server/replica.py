@@ -3,7 +3,8 @@
 The logic lives in the plain class :class:`Replica` so it can be tested without Ray;
 :data:`~rollfleet.server.actor.ReplicaActor` is the thin Ray actor around it (an asyncio actor, so
 thousands of requests interleave in one process, as the engines expect). How outputs are labelled
-with weight versions, and why here: :mod:`rollfleet.server.attempts`.
+with weight versions, and why here: :mod:`rollfleet.server.attempts`; its pause, sleep and weight
+phases: :mod:`rollfleet.server.turns`.
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Optional, 
 
 from rollfleet.config import RolloutConfig
 from rollfleet.engines import Engine, EngineLimits, build_engine
-from rollfleet.engines.base import CommitMode
 from rollfleet.errors import NotSupported, ReplicaUnavailable
 from rollfleet.health import ReplicaState
 from rollfleet.server.attempts import Attempt, aborted_before_start, stamp_versions
 from rollfleet.server.inflight import InflightBook
 from rollfleet.server.liveness import EngineLiveness
+from rollfleet.server.turns import HOLDING_STATES, ReplicaTurns
 from rollfleet.server.validation import validate_profile_options, validate_prompt, validate_sampling_params
 from rollfleet.types import LoadReport, ReplicaResponse, SamplingParams, TokenDelta, TokenOutput
 from rollfleet.utils.ids import unique_hex
@@ -29,12 +30,8 @@ from rollfleet.utils.ids import unique_hex
 if TYPE_CHECKING:
     from rollfleet.server.dataplane import DataPlaneServer
 
-#: States in which requests wait at the replica's gate rather than fail: a pause for a weight
-#: update or a sleep is short, and verl's contract is that requests queue on a paused engine.
-_HOLDING_STATES = (ReplicaState.PAUSED, ReplicaState.SLEEPING)
 
-
-class Replica:
+class Replica(ReplicaTurns):
     """A single inference replica (engine + validation + versions + load)."""
 
     def __init__(
@@ -52,9 +49,6 @@ class Replica:
         self._version: Optional[int] = None
         self._epoch = 0
         self._gate: Optional[asyncio.Event] = None
-        # Paused or asleep by the fleet's owner (pause/sleep until resume), told from an abort-mode
-        # commit's own pause: an owner's pause or resume that lands while a commit loads is kept.
-        self._owner_hold, self._committing, self._resumed_in_commit = False, False, False
         self._book = InflightBook()
         health = config.health
         self._liveness = EngineLiveness(replica_id, self.engine, health.probe_timeout_s, health.busy_grace_s)
@@ -118,7 +112,7 @@ class Replica:
     def _set_state(self, state: ReplicaState) -> None:
         self._state = state
         if self._gate is not None:
-            if state == ReplicaState.SERVING or state not in _HOLDING_STATES:
+            if state == ReplicaState.SERVING or state not in HOLDING_STATES:
                 self._gate.set()  # serving lets requests in; terminal states wake waiters to fail
             else:
                 self._gate.clear()
@@ -226,7 +220,7 @@ class Replica:
         return output
 
     def _check_accepting(self) -> None:
-        if self._state in (ReplicaState.SERVING, *_HOLDING_STATES):
+        if self._state in (ReplicaState.SERVING, *HOLDING_STATES):
             return
         raise ReplicaUnavailable(self.replica_id, f"state is '{self._state.value}'")
 
@@ -260,103 +254,6 @@ class Replica:
     async def abort_all(self) -> int:
         """Abort everything in flight, the attempts held at the gate included; return how many."""
         return self._book.abort_held() + await self.engine.abort_all()
-
-    async def pause(self) -> None:
-        """Hold new requests at the gate and abort in-flight ones (they return partial tokens)."""
-        self._owner_hold = True
-        if self._state == ReplicaState.SERVING:
-            self._set_state(ReplicaState.PAUSED)
-        await self.engine.pause()
-
-    async def resume(self) -> None:
-        """Generate again; an engine put to sleep is woken first (serving asleep would hang). Asked
-        while an abort-mode commit loads, the commit resumes when the weights are in."""
-        self._owner_hold = False
-        if self._committing:
-            self._resumed_in_commit = True
-            return
-        await self._serve()
-
-    async def _serve(self) -> None:
-        if self._state == ReplicaState.SLEEPING:
-            await self.engine.wake_up()
-        await self.engine.resume()
-        if self._state in _HOLDING_STATES:
-            self._set_state(ReplicaState.SERVING)
-
-    async def sleep(self) -> None:
-        await self.engine.sleep()  # NotSupported propagates before the state changes
-        self._owner_hold = True
-        if self._state in (ReplicaState.SERVING, ReplicaState.PAUSED):
-            self._set_state(ReplicaState.SLEEPING)
-
-    async def wake_up(self) -> None:
-        await self.engine.wake_up()
-        if self._state == ReplicaState.SLEEPING:
-            self._set_state(ReplicaState.PAUSED)
-
-    async def update_weights(self, weights: Any, version: int, *, resume: bool = True) -> dict[str, Any]:
-        """Both phases at once, in ``abort`` mode: stage, then commit (see :meth:`commit_weights`)."""
-        await self.stage_weights(weights, version)
-        return await self.commit_weights(version, "abort", resume=resume)
-
-    async def stage_weights(self, weights: Any, version: int) -> float:
-        """Phase 1, while serving: the engine brings ``weights`` (resolved from the object store on
-        this node by Ray) to where its commit loads them from. Returns the seconds it took."""
-        started = time.monotonic()
-        await self.engine.stage_weights(weights, version)
-        return time.monotonic() - started
-
-    async def commit_weights(self, version: int, mode: CommitMode = "keep", *, resume: bool = True) -> dict[str, Any]:
-        """Phase 2: load the staged ``version``; stamp it only once the weights really loaded.
-
-        ``keep`` (when the engine can; else ``abort``): the engine freezes its in-flight requests
-        and continues them on the new weights, the replica keeps serving. ``abort``: hold new
-        requests at the gate, abort in-flight ones (they return partial tokens), load, clear the
-        prefix cache [, resume, if it was serving before]; a failed load leaves it paused.
-        Returns the mode used, ``pause_s`` (the seconds the engine generated nothing) and its
-        ``window`` (wall-clock start and end).
-        """
-        started = time.time()
-        if mode == "keep" and "keep" in self.engine.update_modes and self._state != ReplicaState.SYNCING:
-            await self.engine.commit_weights(version, "keep")
-            self._set_version(version)
-            # The engine's own pause window where it reports one (the call also releases files).
-            window = (getattr(self.engine, "last_commit", None) or {}).get("window") or (started, time.time())
-            return {"mode": "keep", "pause_s": window[1] - window[0], "window": list(window)}
-        # Resumed after if serving (or starting) before, or if the fleet's owner resumed it while it
-        # loaded; paused or asleep by the owner (the learner has the devices), it stays so.
-        resumes = resume and self._state in (ReplicaState.SERVING, ReplicaState.SYNCING)
-        if self._state == ReplicaState.SERVING:
-            self._set_state(ReplicaState.PAUSED)
-        # A load that fails leaves the replica paused: its weights may be half loaded, and it
-        # must not generate on them under the old label (the controller fences and restarts it).
-        self._committing, self._resumed_in_commit = True, False
-        try:
-            await self.engine.pause()
-            await self.engine.commit_weights(version, "abort")
-            await self.engine.clear_kv_cache()
-            self._set_version(version)
-        finally:
-            self._committing = False
-        if (resumes or self._resumed_in_commit) and not self._owner_hold and self._state in _HOLDING_STATES:
-            await self._serve()
-        ended = time.time()
-        return {"mode": "abort", "pause_s": ended - started, "window": [started, ended]}
-
-    async def weights_checksum(self) -> dict[str, Any]:
-        """The version this replica serves and its engine's weight digest (None: cannot tell)."""
-        return {"version": self._version, "checksum": await self.engine.weights_checksum()}
-
-    def _set_version(self, version: int) -> None:
-        self._version = version
-        self._epoch += 1
-        if self._state == ReplicaState.SYNCING:
-            self._set_state(ReplicaState.PAUSED)  # a restarted replica now has the current weights
-
-    async def set_version(self, version: int) -> None:
-        """Stamp a version without loading weights (the weights were placed by other means)."""
-        self._set_version(version)
 
     async def clear_kv_cache(self) -> None:
         await self.engine.clear_kv_cache()
