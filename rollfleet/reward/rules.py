@@ -29,7 +29,8 @@ def exact_match(solution_str: str, ground_truth: Any, *, extract: bool = False, 
 
 def numeric_match(solution_str: str, ground_truth: Any, **_: Any) -> dict[str, Any]:
     """1.0 when the final answer (``\\boxed{}``, ``#### ``, else the last number) equals the ground
-    truth as a number. The extracted answer is reported for debugging reward hacking."""
+    truth as a number (each read by :func:`~rollfleet.reward.answers.parse_number`: one number,
+    LaTeX fractions included). The extracted answer is reported for debugging reward hacking."""
     answer = extract_answer(solution_str)
     truth = parse_number(str(ground_truth))
     got = parse_number(answer) if answer is not None else None

@@ -40,6 +40,14 @@ def test_extract_answer(text, answer):
         ("I think 4, wait, 6", "4", 0.0),
         ("nothing", "4", 0.0),
         ("3,4", "34", 0.0),  # a list of numbers is not a thousands separator
+        # LaTeX answers: the last number inside one is not its value (each of these scored wrongly)
+        ("so \\boxed{\\frac{3}{4}}", "4", 0.0),
+        ("\\boxed{2^{10}}", "10", 0.0),
+        ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),
+        ("\\boxed{\\dfrac{1}{2}}", "1/2", 1.0),
+        ("\\boxed{-\\tfrac{14}{3}}", "\\frac{-14}{3}", 1.0),
+        ("\\boxed{1\\frac{1}{2}}", "11/2", 0.0),  # a mixed number is no number we read
+        ("\\boxed{5\\text{ cm}}", "$5", 1.0),
     ],
 )
 def test_numeric_match(text, truth, score):
