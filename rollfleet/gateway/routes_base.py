@@ -154,7 +154,9 @@ class RoutesBase:
         if replica:
             headers[REPLICA_HEADER] = str(replica)
         if session_id:
-            headers[SESSION_KEY_HEADER] = self.sessions.key(session_id)  # what ending the session takes
+            key = self.sessions.issue(session_id)  # to the turn that opened it only
+            if key is not None:
+                headers[SESSION_KEY_HEADER] = key  # what reading, scoring or ending the session takes
             if session_id.isascii() and session_id.isprintable():  # a header must be latin-1
                 headers[SESSION_RESPONSE_HEADER] = session_id
         return headers

@@ -80,6 +80,7 @@ class SessionRoutes:
         session_id = self._session(request)
         recorded = self.store.end(session_id) if self.store is not None else False
         sticky = self.service.finish_session(session_id)
+        self.keys.forget(session_id)
         return _json({"session_id": session_id, "finished": sticky or recorded, "trajectory_freed": recorded})
 
     async def trajectory(self, request: Request) -> Response:

@@ -130,7 +130,10 @@ async def test_sessions_stick_to_one_replica_across_turns(oai, http, stack):
             )
             resp = raw.parse()
             replicas.append(raw.headers["x-rollfleet-replica"])
-            results_keys[sid] = raw.headers["x-rollfleet-session-key"]  # what ending the session takes
+            if turn == 0:
+                results_keys[sid] = raw.headers["x-rollfleet-session-key"]  # what ending the session takes
+            else:  # to the turn that opened the session only: anyone could send a later one
+                assert "x-rollfleet-session-key" not in raw.headers
             if not by_user:
                 assert raw.headers["x-rollfleet-session"] == sid
             messages += [
@@ -155,6 +158,9 @@ async def test_sessions_stick_to_one_replica_across_turns(oai, http, stack):
     assert resp.json() == {"session_id": "sess-0", "finished": True, "trajectory_freed": True}
     assert stack.gateway.service.client.balancer.sticky_server("sess-0") is None
     assert stack.gateway.trajectories.get("sess-0") is None
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "again"}], "max_tokens": 2}
+    resp = await http.post("/v1/chat/completions", json=body, headers={"X-Session-ID": "sess-0"})
+    assert resp.headers["x-rollfleet-session-key"] == results_keys["sess-0"]  # ended: a new session may take the id
 
 
 async def test_requests_without_a_session_leave_no_sticky_entries(oai, stack):

@@ -214,9 +214,13 @@ async def test_rewards_keys_and_bad_session_requests_get_clear_errors():
         key = resp.headers["X-Rollfleet-Session-Key"]
         mine = {"X-Rollfleet-Session-Key": key}
         assert (await http.get("/v1/sessions/mine/trajectory")).status_code == 403  # no key: not yours
+        # Someone who knows the id and sends a turn under it is not handed the key (it was, on every
+        # response), so cannot read, score or end the session.
+        other = await http.post("/v1/chat/completions", json=body, headers={"x-session-id": "mine"})
+        assert other.status_code == 200 and "X-Rollfleet-Session-Key" not in other.headers
         assert (await http.post("/v1/sessions/mine/reward", json={"reward": 1.5}, headers=mine)).status_code == 200
         record = (await http.get("/v1/sessions/mine/trajectory", headers=mine)).json()
-        assert record["reward"] == 1.5 and record["num_turns"] == 1
+        assert record["reward"] == 1.5 and record["num_turns"] == 2
         assert (await http.get("/v1/sessions/mine/trajectory", headers=mine)).json() == record  # asked twice: same
 
         async def error(resp: httpx.Response, status: int, param: Any, code: str | None = None) -> None:
