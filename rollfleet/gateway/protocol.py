@@ -20,9 +20,18 @@ Extensions (vLLM-style names where vLLM has one):
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
+
+#: Bounds on what a request may ask the gateway to stop on. A stop string must be one token of the
+#: vocabulary (:meth:`~rollfleet.gateway.codec.TextCodec.stop_token_ids`), and each is tokenised
+#: on the event loop: unbounded, one body of 1.6 million stops held every other request for ~19 s.
+MAX_STOPS = 32
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 1024
+
+_Stop = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
 
 class _Body(BaseModel):
@@ -51,8 +60,8 @@ class _GenerationRequest(_Body):
     min_p: Optional[float] = Field(None, ge=0, le=1)
     n: int = Field(1, ge=1)
     seed: Optional[int] = Field(None, ge=-(2**63), le=2**64 - 1)  # what torch.Generator.manual_seed takes
-    stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: Optional[list[int]] = None
+    stop: Optional[Union[_Stop, Annotated[list[_Stop], Field(max_length=MAX_STOPS)]]] = None
+    stop_token_ids: Optional[list[int]] = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     min_tokens: Optional[int] = Field(None, ge=0)
     presence_penalty: Optional[float] = Field(None, ge=-2, le=2)

@@ -37,6 +37,10 @@ class ChatRoutes(RoutesBase):
             contents += _strings(req.tools, "tools")
             self.limits.check_prompt_text(contents, "tools")
             self._check_fits(contents, "tools")
+        if req.chat_template_kwargs:  # a template may render any of them (documents, date_string)
+            contents += _strings(req.chat_template_kwargs, "chat_template_kwargs")
+            self.limits.check_prompt_text(contents, "chat_template_kwargs")
+            self._check_fits(contents, "chat_template_kwargs")
         session = self._session(request, req)
         store = self.trajectories if session is not None else None
         plan = await self._plan(req, messages, store, session)

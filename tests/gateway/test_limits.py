@@ -130,7 +130,18 @@ async def test_prompt_text_generations_and_session_ids_have_limits():
         assert_error(await http.post("/v1/chat/completions", json=extra), 400, "messages", "gateway.max_prompt_chars")
         batch = {"model": MODEL, "prompt": ["a b c"] * 3, "n": 3, "max_tokens": 2}
         assert_error(await http.post("/v1/completions", json=batch), 400, "prompt", "9 generations", "max_generations")
-        assert encoded == []  # neither reached the tokenizer
+        # what a template renders from chat_template_kwargs (a RAG template's documents) counts too
+        kwargs = {**CHAT, "chat_template_kwargs": {"documents": [{"text": "x" * 1001}]}}
+        resp = await http.post("/v1/chat/completions", json=kwargs)
+        assert_error(resp, 400, "chat_template_kwargs", "gateway.max_prompt_chars")
+        # stop strings are tokenised on the event loop: their count and size are bounded
+        many = {"model": MODEL, "prompt": "a", "max_tokens": 2, "stop": ["a"] * 33}
+        assert_error(await http.post("/v1/completions", json=many), 400, "stop", "at most 32 items")
+        long_stop = {"model": MODEL, "prompt": "a", "max_tokens": 2, "stop": "a" * 257}
+        assert_error(await http.post("/v1/completions", json=long_stop), 400, "stop", "at most 256 characters")
+        ids = {"model": MODEL, "prompt": "a", "max_tokens": 2, "stop_token_ids": [1] * 1025}
+        assert_error(await http.post("/v1/completions", json=ids), 400, "stop_token_ids", "at most 1024 items")
+        assert encoded == []  # none reached the tokenizer
         resp = await http.post("/v1/chat/completions", json=CHAT, headers={"x-session-id": "s" * 17})
         assert_error(resp, 400, "x-session-id", "max_session_id_chars")
         resp = await http.post("/v1/chat/completions", json={**CHAT, "session_id": "s" * 17})
