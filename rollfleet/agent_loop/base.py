@@ -19,6 +19,7 @@ from typing import Any, ClassVar, Mapping, Optional
 
 from rollfleet.agent_loop.chat import ChatRenderer
 from rollfleet.config import AgentConfig, RolloutConfig
+from rollfleet.errors import InvalidRequest
 from rollfleet.types import SamplingParams, TokenOutput
 from rollfleet.utils import lists
 from rollfleet.utils.ids import unique_hex
@@ -141,11 +142,11 @@ class AgentLoopBase(ABC):
         template and ``tools``), left-truncated to ``prompt_length`` as verl does (the end of a
         prompt holds the question and the generation prompt). Returns (ids, truncated)."""
         if sample.get("prompt_ids") is not None:
-            ids = lists.ints(sample["prompt_ids"])
+            ids = _token_ids(sample["prompt_ids"])
         elif sample.get("raw_prompt") is not None:
-            ids = self.chat.prompt_ids([dict(m) for m in sample["raw_prompt"]], tools)
+            ids = self.chat.prompt_ids(_messages(sample["raw_prompt"]), tools)
         else:
-            raise ValueError("a sample needs 'raw_prompt' (chat messages) or 'prompt_ids'")
+            raise InvalidRequest("raw_prompt", "chat messages, or 'prompt_ids' (a sample needs one of them)", None)
         if len(ids) > self.prompt_length:
             return ids[-self.prompt_length :], True
         return ids, False
@@ -155,6 +156,36 @@ class AgentLoopBase(ABC):
         by what still fits in the model's context (the server rejects anything longer)."""
         max_model_len = self.rollout.max_model_len or (self.prompt_length + self.response_length)
         return max(0, min(budget_left, max_model_len - context_len))
+
+
+def _token_ids(value: Any) -> list[int]:
+    """A sample's ``prompt_ids`` as ints; a string (its digits read one by one) or an empty list
+    is refused naming the field, as is anything that is not a list of integers."""
+    if isinstance(value, (str, bytes)):
+        raise InvalidRequest("prompt_ids", "a list of token ids, not a string", value)
+    try:
+        ids = lists.ints(value)
+    except (TypeError, ValueError):
+        raise InvalidRequest("prompt_ids", "a list of integer token ids", value) from None
+    if not ids:
+        raise InvalidRequest("prompt_ids", "at least 1 token", ids)
+    return ids
+
+
+def _messages(value: Any) -> list[dict[str, Any]]:
+    """A sample's ``raw_prompt`` as chat messages, or an error naming the field (a plain string,
+    a common dataset mistake, failed deep in the template with an error about dictionaries)."""
+    expected = "a list of chat messages ({'role': ..., 'content': ...})"
+    if isinstance(value, (str, bytes, Mapping)):
+        raise InvalidRequest("raw_prompt", expected, value)
+    try:
+        messages = list(value)  # a list, or a dataset's array of them
+    except TypeError:
+        raise InvalidRequest("raw_prompt", expected, value) from None
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+            raise InvalidRequest(f"raw_prompt[{i}]", "a chat message with a 'role' string", message)
+    return [dict(m) for m in messages]
 
 
 def versions_of(outputs: list[TokenOutput]) -> tuple[Optional[int], Optional[int]]:

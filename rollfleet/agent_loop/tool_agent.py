@@ -30,7 +30,7 @@ from rollfleet.agent_loop.base import (
 )
 from rollfleet.agent_loop.registry import register
 from rollfleet.agent_loop.tools import BaseTool, ToolSession
-from rollfleet.tool_parser import get_tool_parser
+from rollfleet.tool_parser import FunctionCall, get_tool_parser
 from rollfleet.types import SamplingParams, TokenOutput
 from rollfleet.utils import lists
 
@@ -52,6 +52,23 @@ class ToolAgentLoop(AgentLoopBase):
         if unknown:
             raise KeyError(f"tool_selection names unknown tools {unknown}; available: {sorted(self.tools)}")
         return {n: self.tools[n] for n in selection}
+
+    def _calls(self, text: str) -> list[FunctionCall]:
+        """The turn's tool calls. A call left open is one too, with its error: the turn got here only
+        if the model stopped on its own (a budget or context cut ends the trajectory first), and
+        dropped, it ended the trajectory as if the model had not tried a tool (the parsers' rule)."""
+        parsed = self.parser.parse(text)
+        opening = self.parser.call_start
+        if opening is None or opening not in parsed.content:
+            return parsed.tool_calls
+        raw = parsed.content[parsed.content.index(opening) :]
+        unclosed = FunctionCall(
+            name="",
+            id=f"call_{len(parsed.tool_calls)}",
+            error=f"tool call opened with {opening} is never closed",
+            raw=raw,
+        )
+        return [*parsed.tool_calls, unclosed]
 
     async def run(self, sampling_params: SamplingParams, **sample: Any) -> AgentLoopOutput:
         tools = self.tools_for(sample)
@@ -116,7 +133,7 @@ class ToolAgentLoop(AgentLoopBase):
                     break
                 # Special tokens kept: some tokenizers mark <tool_call> special, and parsers only
                 # look for their own markers anyway.
-                calls = self.parser.parse(self.chat.decode(new, skip_special_tokens=False)).tool_calls
+                calls = self._calls(self.chat.decode(new, skip_special_tokens=False))
                 if not calls:
                     termination = "no_tool_call"
                     break

@@ -1,7 +1,9 @@
 """Hermes / Qwen2.5 / Qwen3 tool calls: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
 
-An opening tag without its closing tag (a response cut by the budget) is not a call: it is left in
-the content and ignored, since half a call cannot be run and the trajectory is ending anyway.
+An opening tag without its closing tag is not a call: it is left in the content (half a call
+cannot be run). Whoever knows why the text ended decides: the tool agent tells the model its
+call was never closed (a budget cut ends the trajectory before it parses), the gateway returns
+the text as content.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from agent_loop_helpers import (
 from rollfleet.agent_loop import AgentLoopManager, AgentLoopWorker, BaseTool
 from rollfleet.agent_loop.testing import ScriptedTurns
 from rollfleet.client import FullyAsyncLLMServerClient
+from rollfleet.errors import InvalidRequest
 
 pytestmark = pytest.mark.unit
 
@@ -85,6 +86,17 @@ async def test_budget_bounds_every_turn_and_the_response(tokenizer):
         used = len(prompt) - len(out.prompt_ids)
         assert params["max_tokens"] == 150 - used  # each turn may use exactly what is left
         assert len(tok_out.token_ids) <= params["max_tokens"]
+    await fleet.shutdown()
+
+
+async def test_a_tool_call_the_model_never_closed_is_answered_as_a_bad_call(tokenizer):
+    """The model stopped (EOS) inside its call: the trajectory used to end as if it had not tried."""
+    unclosed = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 1}}'
+    fleet, rec, worker = await make(tokenizer, [unclosed, "It is 2."])
+    out = await worker.run_sample({"raw_prompt": QUESTION, "agent_name": "tool_agent"})
+    assert len(rec.calls) == 2 and out.extra_fields["termination"] == "no_tool_call"
+    assert out.extra_fields["tool_errors"] == {"bad_call": 1}
+    assert "never closed" in tokenizer.decode(out.response_ids)
     await fleet.shutdown()
 
 
@@ -259,4 +271,31 @@ async def test_a_reward_function_that_fails_on_one_sample_leaves_it_unscored_and
     assert [o.reward_score for o in outs] == [1.0, 1.0, 1.0, None, 1.0, 1.0, 1.0, 1.0]
     assert "ZeroDivisionError" in outs[3].extra_fields["reward_error"]
     assert all("reward_error" not in o.extra_fields for i, o in enumerate(outs) if i != 3)
+    await fleet.shutdown()
+
+
+@pytest.mark.parametrize(
+    "sample, field",
+    [
+        ({"raw_prompt": "what is 1+2?"}, "raw_prompt"),  # failed in the template: "dictionary update sequence"
+        ({"raw_prompt": [{"content": "hi"}]}, "raw_prompt[0]"),
+        ({"prompt_ids": "1 2 3"}, "prompt_ids"),  # failed as int(' ')
+        ({"prompt_ids": []}, "prompt_ids"),  # went out as an empty prompt
+        ({"prompt_ids": [1, "x"]}, "prompt_ids"),
+        ({}, "raw_prompt"),
+    ],
+)
+async def test_a_malformed_prompt_is_refused_naming_the_field(tokenizer, sample, field):
+    fleet, rec, worker = await make(tokenizer, ["hi"])
+    with pytest.raises(InvalidRequest) as err:
+        await worker.run_sample({**sample, "agent_name": "single_turn_agent"})
+    assert err.value.field == field and rec.calls == []
+    await fleet.shutdown()
+
+
+async def test_a_prompt_as_a_datasets_array_of_messages_is_taken(tokenizer):
+    np = pytest.importorskip("numpy")
+    fleet, rec, worker = await make(tokenizer, ["hi"])
+    out = await worker.run_sample({"raw_prompt": np.array(QUESTION, dtype=object), "agent_name": "single_turn_agent"})
+    assert len(rec.calls) == 1 and out.response_ids
     await fleet.shutdown()

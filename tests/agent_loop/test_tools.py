@@ -145,6 +145,30 @@ async def test_session_runs_calls_concurrently_bounded_in_order_and_survives_fai
     assert counting.released == ["traj:count"]
 
 
+class HangingRelease(CountingTool):
+    """A sandbox whose teardown lost its network: release never returns."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.tool_schema = {"type": "function", "function": {"name": name, "parameters": {}}}
+
+    async def release(self, instance_id):
+        self.released.append(instance_id)
+        await asyncio.Event().wait()
+
+
+async def test_a_release_that_hangs_is_given_up_on_at_the_tool_timeout_and_the_others_go_on():
+    """Releases had no timeout and ran one after another: one hung the trajectory forever."""
+    hanging, hanging_too = HangingRelease("sandbox"), HangingRelease("shell")
+    tools = load_tools([hanging, hanging_too])
+    session = ToolSession(tools, MultiTurnConfig(tool_timeout_s=0.2), "traj", {})
+    await session.run([FunctionCall("sandbox", {"n": 1}, id="a"), FunctionCall("shell", {"n": 2}, id="b")])
+    start = time.perf_counter()
+    await asyncio.wait_for(session.release_all(), 5)
+    assert time.perf_counter() - start < 0.4  # at once, each within the timeout
+    assert hanging.released == ["traj:sandbox"] and hanging_too.released == ["traj:shell"]
+
+
 def test_truncate_sides():
     text = "abcdefghij"
     assert truncate(text, 20) == text

@@ -128,19 +128,28 @@ class ToolSession:
         return ToolOutcome(call, text, None, {}, kind, time.perf_counter() - start)
 
     async def release_all(self) -> None:
-        """Release every created instance (errors logged, never raised: the trajectory is done)."""
+        """Release every created instance, at once and each within ``tool_timeout_s`` (errors
+        logged, never raised: the trajectory is done). A release that hangs (a sandbox whose
+        teardown lost its network) held the trajectory, and a batch cancelled around it, forever."""
+        releases = []
         for name, task in list(self._instances.items()):
             if not task.done():  # a create() that outlived its timeout: stop waiting for it
                 task.cancel()
                 continue
             if task.cancelled() or task.exception() is not None:
                 continue  # nothing was created
-            instance_id = task.result()
-            try:
-                await self.tools[name].release(instance_id)
-            except Exception:
-                logger.exception("releasing tool %s instance %s failed", name, instance_id)
+            releases.append(self._release(name, task.result()))
         self._instances.clear()
+        await asyncio.gather(*releases)
+
+    async def _release(self, name: str, instance_id: str) -> None:
+        timeout = self.config.tool_timeout_s
+        try:
+            await asyncio.wait_for(self.tools[name].release(instance_id), timeout)
+        except asyncio.TimeoutError:
+            logger.warning("releasing tool %s instance %s took over tool_timeout_s=%ss", name, instance_id, timeout)
+        except Exception:
+            logger.exception("releasing tool %s instance %s failed", name, instance_id)
 
 
 __all__ = ["ToolSession", "ToolOutcome", "truncate", "TRUNCATION_MARK"]
