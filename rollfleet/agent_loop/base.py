@@ -18,9 +18,10 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Mapping, Optional
 
 from rollfleet.agent_loop.chat import ChatRenderer
+from rollfleet.client.budget import token_budget
 from rollfleet.config import AgentConfig, RolloutConfig
 from rollfleet.errors import InvalidRequest
-from rollfleet.types import SamplingParams, TokenOutput
+from rollfleet.types import BUDGET_KEYS, SamplingParams, TokenOutput
 from rollfleet.utils import lists
 from rollfleet.utils.ids import unique_hex
 
@@ -150,6 +151,20 @@ class AgentLoopBase(ABC):
         if len(ids) > self.prompt_length:
             return ids[-self.prompt_length :], True
         return ids, False
+
+    def budget_of(self, sampling_params: SamplingParams) -> int:
+        """The trajectory's response budget: ``response_length``, or less where the sample's own
+        ``sampling_params`` ask for less (``max_tokens`` or ``max_new_tokens``; a pair that differs
+        is refused naming it). Each turn's request then carries what is left under ``max_tokens``."""
+        return min(token_budget(sampling_params, self.response_length)[1], self.response_length)
+
+    @staticmethod
+    def turn_params(sampling_params: SamplingParams, max_tokens: int) -> SamplingParams:
+        """One turn's sampling parameters: the sample's, with ``max_tokens`` the turn's room (the
+        trajectory's budget keys dropped: a ``max_new_tokens`` kept beside it would differ)."""
+        params = {k: v for k, v in sampling_params.items() if k not in BUDGET_KEYS}
+        params["max_tokens"] = max_tokens
+        return params
 
     def room_for(self, context_len: int, budget_left: int) -> int:
         """The most tokens the next request may ask for: the trajectory's remaining budget, capped

@@ -20,7 +20,7 @@ class SingleTurnAgentLoop(AgentLoopBase):
         prompt_ids, truncated = self.prompt_ids_of(sample)
         request_id = self.request_id_for(sample)
         metrics = AgentLoopMetrics()
-        max_tokens = self.room_for(len(prompt_ids), self.response_length)
+        max_tokens = self.room_for(len(prompt_ids), self.budget_of(sampling_params))
         extra: dict[str, Any] = {"request_id": request_id, "prompt_truncated": truncated}
         if max_tokens <= 0:
             extra["termination"] = "context_full"
@@ -33,7 +33,7 @@ class SingleTurnAgentLoop(AgentLoopBase):
                 metrics=metrics,
                 extra_fields=extra,
             )
-        params = {**sampling_params, "max_tokens": max_tokens}
+        params = self.turn_params(sampling_params, max_tokens)
         start = time.perf_counter()
         try:
             out = await self.client.generate(request_id, prompt_ids=prompt_ids, sampling_params=params)

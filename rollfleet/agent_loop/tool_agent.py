@@ -76,7 +76,7 @@ class ToolAgentLoop(AgentLoopBase):
         prompt_ids, truncated = self.prompt_ids_of(sample, schemas)
         request_id = self.request_id_for(sample)
         session = ToolSession(tools, self.multi_turn, request_id, sample.get("tools_kwargs"))
-        budget = self.response_length
+        budget = self.budget_of(sampling_params)
         want_logprobs = self.rollout.calculate_log_probs
 
         response: list[int] = []
@@ -99,7 +99,7 @@ class ToolAgentLoop(AgentLoopBase):
                 out = await self.client.generate(
                     request_id,
                     prompt_ids=prompt_ids + response,
-                    sampling_params={**sampling_params, "max_tokens": max_tokens},
+                    sampling_params=self.turn_params(sampling_params, max_tokens),
                 )
                 metrics.generate_sequences += time.perf_counter() - start
                 metrics.num_generate_calls += 1

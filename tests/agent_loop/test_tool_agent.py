@@ -299,3 +299,20 @@ async def test_a_prompt_as_a_datasets_array_of_messages_is_taken(tokenizer):
     out = await worker.run_sample({"raw_prompt": np.array(QUESTION, dtype=object), "agent_name": "single_turn_agent"})
     assert len(rec.calls) == 1 and out.response_ids
     await fleet.shutdown()
+
+
+@pytest.mark.parametrize("agent", ["single_turn_agent", "tool_agent"])
+@pytest.mark.parametrize("key", ["max_tokens", "max_new_tokens"])
+async def test_a_samples_own_budget_bounds_its_trajectory(tokenizer, agent, key):
+    """A sample's max_tokens was overwritten with the whole response_length; its max_new_tokens
+    was refused as differing from the max_tokens the loop set beside it."""
+    fleet, rec, worker = await make(tokenizer, ["one two three four five six seven eight nine ten " * 4])
+    out = await worker.run_sample({"raw_prompt": QUESTION, "agent_name": agent, "sampling_params": {key: 6}})
+    assert len(out.response_ids) <= 6 and len(rec.calls) == 1
+    assert rec.calls[0][2]["max_tokens"] == 6 and "max_new_tokens" not in rec.calls[0][2]
+    with pytest.raises(InvalidRequest) as err:
+        await worker.run_sample(
+            {"raw_prompt": QUESTION, "agent_name": agent, "sampling_params": {"max_tokens": 6, "max_new_tokens": 7}}
+        )
+    assert err.value.field == "sampling_params.max_new_tokens"
+    await fleet.shutdown()
