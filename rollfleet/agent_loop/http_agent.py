@@ -22,12 +22,15 @@ and the error in ``extra_fields["agent_error"]``; a run that recorded nothing ra
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import importlib.util
 import inspect
 import json
 import os
 import sys
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -102,6 +105,8 @@ class HttpAgentLoop(AgentLoopBase):
             raise ValueError("http_agent needs exactly one of agent.http_agent.agent (a callable) or .command")
         self._agent_fn: Optional[Callable[..., Any]] = load_agent(self.agent_path) if self.agent_path else None
         self._gateway = _WorkerGateway(context)
+        self._max_threads = context.agent.max_concurrent_trajectories
+        self._threads: Optional[ThreadPoolExecutor] = None  # the synchronous agents' own (made on first use)
 
     async def run(self, sampling_params: SamplingParams, **sample: Any) -> AgentLoopOutput:
         url = await self._gateway.url()
@@ -147,13 +152,24 @@ class HttpAgentLoop(AgentLoopBase):
 
     async def close(self) -> None:
         await self._gateway.close()
+        if self._threads is not None:
+            self._threads.shutdown(wait=False, cancel_futures=True)
+            self._threads = None
 
     async def _start(self, run: AgentRun) -> Optional[float]:
         fn = self._agent_fn
         if fn is not None:
             # A synchronous agent runs on a thread: on this loop it would block the very gateway
-            # its requests go to.
-            result = await fn(run) if inspect.iscoroutinefunction(fn) else await asyncio.to_thread(fn, run)
+            # its requests go to. A pool of its own, one thread per trajectory the worker runs at
+            # once: on the loop's shared default one (6 threads on 2 cores) agents waited for a
+            # thread while their timeout ran, and were cut off, or never started, for it.
+            if inspect.iscoroutinefunction(fn):
+                result = await fn(run)
+            else:
+                if self._threads is None:
+                    self._threads = ThreadPoolExecutor(self._max_threads, thread_name_prefix="rollfleet-http-agent")
+                call = functools.partial(contextvars.copy_context().run, fn, run)
+                result = await asyncio.get_running_loop().run_in_executor(self._threads, call)
             if inspect.isawaitable(result):
                 result = await result
             return None if result is None else float(result)

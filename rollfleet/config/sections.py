@@ -62,7 +62,12 @@ class HttpAgentConfig(_Section):
         description="The agent as a program (argv), run once per sample with OPENAI_BASE_URL, OPENAI_API_KEY and "
         'ROLLFLEET_* in its environment; its last stdout line may be {"reward": x}.',
     )
-    timeout_s: float = Field(600.0, gt=0, description="Most one agent run may take; then it is stopped.")
+    timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="Most one agent run may take; then it is scored 0 with the error. An async agent or a command is "
+        "stopped; a synchronous callable runs on a thread, which cannot be: what it sends after is not trained on.",
+    )
 
 
 class AgentConfig(_Section):

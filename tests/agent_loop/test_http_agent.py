@@ -4,6 +4,7 @@ exact tokens the fleet was prompted with and sampled (in-process sim replicas, n
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -125,3 +126,23 @@ async def test_a_turn_the_gateway_gave_up_resuming_marks_the_trajectory_for_the_
     assert sum(out.response_mask) == 2
     await worker.close()
     await storm.close()
+
+
+async def test_synchronous_agents_run_at_once_each_within_its_own_timeout(tokenizer, tmp_path):
+    """On the loop's default executor (6 threads on 2 cores) 14 one-second agents queued for a
+    thread with their timeouts running: the late ones were cut off, or never started at all."""
+    agents = tmp_path / "slow_agents.py"
+    agents.write_text(
+        "import time, openai\n\n"
+        "def slow(run):\n"
+        "    time.sleep(1.0)  # a synchronous agent thinking\n"
+        "    c = openai.OpenAI(base_url=run.base_url, api_key=run.api_key)\n"
+        "    c.chat.completions.create(model=run.model, messages=run.sample['raw_prompt'], max_tokens=4)\n"
+        "    return 1.0\n"
+    )
+    fleet, _, worker = await make(tokenizer, ["6 7 8 9"], {"agent": f"{agents}:slow", "timeout_s": 3.0})
+    outs = await asyncio.gather(*(worker.run_sample(dict(SAMPLE)) for _ in range(14)))
+    assert [o.extra_fields.get("agent_error") for o in outs] == [None] * 14
+    assert all(o.reward_score == 1.0 for o in outs)
+    await worker.close()
+    await fleet.shutdown()
