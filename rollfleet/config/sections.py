@@ -163,6 +163,12 @@ class GatewayConfig(_Section):
         10_000, ge=1, description="Most sessions whose trajectories are kept; the least recently used goes first."
     )
     session_ttl_s: float = Field(3600.0, gt=0, description="A session untouched this long is forgotten.")
+    max_session_branches: int = Field(
+        64,
+        ge=1,
+        description="Most branches one session's trajectory keeps (a caller that edits its history starts one); "
+        "the oldest go first.",
+    )
     tool_call_parser: str = Field(
         "hermes", description="How chat replies become tool_calls when a request passes tools (rollfleet.tool_parser)."
     )

@@ -91,7 +91,9 @@ class Gateway:
         self.session_keys = SessionKeys(self.config.session_secret, self.config.admin_token)
         #: Each session's exact tokens (None when ``gateway.capture_trajectories`` is off).
         self.trajectories: Optional[TrajectoryStore] = (
-            TrajectoryStore(self.config.max_sessions, self.config.session_ttl_s)
+            TrajectoryStore(
+                self.config.max_sessions, self.config.session_ttl_s, max_branches=self.config.max_session_branches
+            )
             if self.config.capture_trajectories
             else None
         )

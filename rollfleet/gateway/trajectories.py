@@ -13,8 +13,11 @@ place that sees both sides, so it keeps them per session:
   the ids, never from re-rendered text). A caller that edits its history starts a new branch, and
   the branch says why.
 
-Memory is bounded: ``gateway.max_sessions`` sessions (least recently used evicted first) and
-``gateway.session_ttl_s`` of idleness; both evictions are counted. Ended sessions leave a
+Memory is bounded: ``gateway.max_sessions`` sessions (least recently used evicted first),
+``gateway.session_ttl_s`` of idleness, and ``gateway.max_session_branches`` branches a session
+(the oldest dropped first: a caller that sends every conversation under one id, OpenAI's ``user``
+field, would otherwise grow one session for ever, touched too often to expire); every eviction is
+counted. A branch itself is bounded by the context, each turn extending the last. Ended sessions leave a
 tombstone so that a late reward or trajectory request is told "ended", not "unknown".
 """
 
@@ -135,13 +138,16 @@ def _fork(session: Session, base: Turn, chosen: int) -> Branch:
 class TrajectoryStore:
     """Sessions by id, least recently used first; evicts past ``max_sessions`` and ``ttl_s``."""
 
-    def __init__(self, max_sessions: int, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, max_sessions: int, ttl_s: float, clock: Callable[[], float] = time.monotonic, max_branches: int = 64
+    ) -> None:
         self.max_sessions = max_sessions
+        self.max_branches = max_branches
         self.ttl_s = ttl_s
         self._clock = clock
         self._sessions: OrderedDict[str, Session] = OrderedDict()
         self._ended: OrderedDict[str, str] = OrderedDict()  # id -> why (tombstones, same bound)
-        self.evicted = {"capacity": 0, "ttl": 0}
+        self.evicted = {"capacity": 0, "ttl": 0, "branches": 0}
         self.late_turns = 0  #: turns that finished after their session ended (not recorded)
 
     def __len__(self) -> int:
@@ -185,6 +191,9 @@ class TrajectoryStore:
         else:
             session.branches[-1].turns[-1].chosen = chosen or 0
         session.branches[-1].turns.append(turn)
+        if len(session.branches) > self.max_branches:  # the oldest go; the last is what is trained
+            del session.branches[: len(session.branches) - self.max_branches]
+            self.evicted["branches"] += 1
         session.messages, session.tools, session.touched = messages, tools, now
         self._sessions.move_to_end(session_id)
         while len(self._sessions) > self.max_sessions:

@@ -289,9 +289,23 @@ def test_sessions_idle_past_the_ttl_are_forgotten_and_counted():
     store.record("b", [], None, turn, new_branch=None)
     now[0] = 61.0
     assert store.get("a") is None and store.get("b") is not None
-    assert store.evicted == {"capacity": 0, "ttl": 1}
+    assert store.evicted == {"capacity": 0, "ttl": 1, "branches": 0}
     with pytest.raises(Exception, match="expired: idle over gateway.session_ttl_s=60s"):
         store.trajectory("a")
+
+
+def test_a_session_keeps_its_last_branches_only():
+    """One id for every conversation (OpenAI's user field): each unrelated one is a new branch of
+    one session, touched too often to expire, and it grew without end."""
+    store = TrajectoryStore(max_sessions=10, ttl_s=60.0, max_branches=3)
+    sampled = Sampled([3], [-0.1], [0], "stop", {"role": "assistant", "content": "x"})
+    for i in range(10):
+        store.record("u1", [], None, Turn([1, 100 + i], [sampled]), new_branch=f"history edited {i}")
+    session = store.get("u1")
+    assert session is not None and [b.why for b in session.branches] == [f"history edited {i}" for i in (7, 8, 9)]
+    assert session.last_turn is not None and session.last_turn.prompt_ids == [1, 109]
+    assert store.evicted["branches"] == 7
+    assert store.trajectory("u1")["num_turns"] == 3
 
 
 async def test_two_turns_extending_one_turn_at_once_fork_a_branch_each_consistent():
