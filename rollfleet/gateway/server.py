@@ -36,16 +36,28 @@ class _InLoopServer(uvicorn.Server):
 
 def _with_header_deadline(protocol: type, header_timeout_s: float) -> type:
     """uvicorn's HTTP protocol class, closing connections that send no complete request headers
-    within ``header_timeout_s`` (its ``cycle`` exists once a request's headers are in)."""
+    within ``header_timeout_s`` of a request's first byte: the connection's first request, and each
+    one after it on a kept-alive connection (a new ``cycle`` exists once a request's headers are
+    in). Timed from the connection alone, one good request bought a connection that then sent
+    half a request line with no deadline at all."""
 
     class HeaderDeadline(protocol):
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
+            self._armed_after: Any = None  # the request whose successor's headers are awaited
             self._header_deadline = self.loop.call_later(header_timeout_s, self._headers_late)
+
+        def data_received(self, data: bytes) -> None:
+            cycle = self.cycle
+            if cycle is not None and cycle.response_complete and self._armed_after is not cycle:
+                self._header_deadline.cancel()  # the next request begins: its headers get the deadline too
+                self._armed_after = cycle
+                self._header_deadline = self.loop.call_later(header_timeout_s, self._headers_late)
+            super().data_received(data)
 
         def _headers_late(self) -> None:
             transport = getattr(self, "transport", None)
-            if self.cycle is None and transport is not None and not transport.is_closing():
+            if self.cycle is self._armed_after and transport is not None and not transport.is_closing():
                 transport.close()
 
         def connection_lost(self, exc: Optional[Exception]) -> None:

@@ -209,6 +209,23 @@ async def test_slow_connections_are_shed_at_the_header_deadline_while_good_reque
         await still_serves(http)
         for _, w in slow:
             w.close()
+    async with gateway({"header_timeout_s": 1.0}) as (server, http, _):
+        # One good request first, then half a request line: the deadline held for a connection's
+        # first request only, so such a connection was never closed.
+        host, port = server.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        head = (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)).decode().lower()
+        assert head.startswith("http/1.1 200")
+        length = int(next(h for h in head.split("\r\n") if h.startswith("content-length")).split(":")[1])
+        await reader.readexactly(length)
+        await asyncio.sleep(1.5)  # longer than the deadline: only the next request's own is counted
+        writer.write(b"GET /health HTTP/1.1\r\n")
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        assert await closed_by_server(reader) and loop.time() - started < 5.0
+        writer.close()
+        await still_serves(http)
     async with gateway({"header_timeout_s": 1.0, "max_connections": 20}) as (server, http, _):
         host, port = server.url.removeprefix("http://").split(":")
         idle = [await asyncio.open_connection(host, int(port)) for _ in range(25)]
