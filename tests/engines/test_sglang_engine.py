@@ -97,6 +97,10 @@ def test_translate_sampling_params_does_not_mutate_and_renames():
     with pytest.raises(InvalidRequest) as err:
         translate_sampling_params({"max_tokens": 4, "n": 2})
     assert err.value.field == "sampling_params.n"
+    for key, value in (("bad_words", ["no"]), ("allowed_token_ids", [1, 2])):  # vLLM's alone: were dropped
+        with pytest.raises(InvalidRequest) as err:
+            translate_sampling_params({"max_tokens": 4, key: value})
+        assert err.value.field == f"sampling_params.{key}"
 
 
 def test_normalize_finish_reason():

@@ -80,6 +80,9 @@ _IGNORED_KEYS: frozenset[str] = frozenset(
     {"logprobs", "prompt_logprobs", "detokenize", "include_stop_str_in_output", "return_tokens_as_token_ids",
      "output_kind", "best_of", "use_beam_search"}
 )  # fmt: skip
+# Keys that change what is sampled and that SGLang has no counterpart for: refused, not dropped
+# (a request that asked to ban words or restrict ids must not be sampled without it).
+_UNSUPPORTED_KEYS: frozenset[str] = frozenset({"bad_words", "allowed_token_ids", "truncate_prompt_tokens"})
 # SGLang sampling key -> the field name callers know, for InvalidRequest.field.
 _FIELD_NAMES: dict[str, str] = {
     "max_new_tokens": "sampling_params.max_tokens",
@@ -92,7 +95,8 @@ LOAD_METRICS = ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:num_
 def translate_sampling_params(sampling_params: SamplingParams) -> dict[str, Any]:
     """Translate rollfleet sampling parameters into SGLang's ``sampling_params`` (a new dict).
 
-    The caller's dict is never mutated. Unknown keys are dropped (SGLang rejects unexpected
+    The caller's dict is never mutated. A key that changes what is sampled and has no SGLang
+    counterpart is refused naming it; other unknown keys are dropped (SGLang rejects unexpected
     keys); ``n`` must be 1 because one engine call returns one sample.
     """
     out: dict[str, Any] = {}
@@ -112,6 +116,8 @@ def translate_sampling_params(sampling_params: SamplingParams) -> dict[str, Any]
             out[key] = list(value) if key == "stop_token_ids" else value
         elif key == "structured_outputs":
             out.update(_constraint(value))
+        elif key in _UNSUPPORTED_KEYS:
+            raise InvalidRequest(f"sampling_params.{key}", "a key SGLang has (this one is vLLM's alone)", value)
         elif key not in _IGNORED_KEYS:
             logger.debug("sglang engine: dropping sampling parameter %r (no SGLang counterpart)", key)
     return out

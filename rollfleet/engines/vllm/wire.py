@@ -49,6 +49,7 @@ from typing import Any, Optional
 import orjson
 
 from rollfleet.engines.http.wire import stop_reason
+from rollfleet.engines.vllm.sampling import vllm_sampling_params
 from rollfleet.errors import InvalidRequest
 from rollfleet.types import SamplingParams, TokenDelta, TokenOutput, budget_of
 
@@ -116,7 +117,7 @@ def generate_body(
     max_tokens = budget_of(sampling_params)
     if max_tokens is None:
         max_tokens = max_model_len - len(prompt_ids)
-    sp: dict[str, Any] = {k: v for k, v in sampling_params.items() if k not in GENERATE_RESERVED and v is not None}
+    sp = {k: v for k, v in vllm_sampling_params(sampling_params).items() if k not in GENERATE_RESERVED}
     sp.update({"max_tokens": int(max_tokens), "n": 1, "logprobs": 0})  # logprobs 0: the sampled token's
     if not sp.get("stop"):
         # Token ids only: the server need not decode every token (only stop strings need text).
@@ -147,7 +148,7 @@ def completion_body(
     max_tokens = budget_of(sampling_params)
     if max_tokens is None:
         max_tokens = max_model_len - len(prompt_ids)
-    body: dict[str, Any] = {k: v for k, v in sampling_params.items() if k not in RESERVED_KEYS and v is not None}
+    body = {k: v for k, v in vllm_sampling_params(sampling_params).items() if k not in RESERVED_KEYS}
     body.update(
         {
             "model": model,
