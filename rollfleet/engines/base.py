@@ -193,3 +193,11 @@ class Engine(abc.ABC):
     def stats(self) -> dict[str, float]:
         """Cumulative counters worth reporting (prefix-cache hits, preemptions...); may be empty."""
         return {}
+
+
+def replica_seed(seed: int, replica_index: int) -> int:
+    """The seed a replica's server starts with: the fleet's, offset by the replica's index. One
+    seed for all made replicas that saw the same batches draw the same sampling noise (an
+    unseeded request samples from the server's global generator), so a GRPO group spread over
+    them got identical completions, and an advantage of 0."""
+    return seed + replica_index

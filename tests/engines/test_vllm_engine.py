@@ -77,7 +77,9 @@ def test_omp_threads_bind():
 def test_from_config_and_body():
     cfg = RolloutConfig(name="vllm", model="tiny", num_replicas=2, max_model_len=64, seed=7)
     eng = VLLMEngine.from_config(cfg, 1)
-    assert eng.max_model_len == 64 and eng.seed == 7 and eng.replica_index == 1
+    # each replica's server its own seed: one for all drew the same noise for the same batches
+    assert eng.max_model_len == 64 and eng.seed == 8 and eng.replica_index == 1
+    assert VLLMEngine.from_config(cfg, 0).seed == 7
     body, max_tokens = completion_body(
         eng.model,
         [1, 2, 3],

@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 import orjson
 
-from rollfleet.engines.base import EngineLimits, EngineLoad
+from rollfleet.engines.base import EngineLimits, EngineLoad, replica_seed
 from rollfleet.engines.http import HTTPEngine, metric_samples, read_vocab_size
 from rollfleet.engines.http.inflight import DRAIN_TIMEOUT_S
 from rollfleet.engines.sglang import wire
@@ -122,7 +122,8 @@ class SGLangEngine(SGLangLaunch, SGLangWeights, HTTPEngine):
         return cls(
             model=config.model, base_url=sg.base_url, replica_id=f"sglang-{replica_index}", tp_size=sg.tp_size,
             mem_fraction_static=sg.mem_fraction_static, context_length=config.max_model_len,
-            vocab_size=getattr(sg, "vocab_size", None), seed=config.seed, startup_timeout_s=sg.startup_timeout_s,
+            vocab_size=getattr(sg, "vocab_size", None), seed=replica_seed(config.seed, replica_index),
+            startup_timeout_s=sg.startup_timeout_s,
             request_timeout_s=sg.request_timeout_s, probe_timeout_s=config.health.probe_timeout_s,
             extra_args=sg.extra_args, stage_dir=config.weight_sync.stage_dir,
             stage_key=config.weight_sync.stage_key,

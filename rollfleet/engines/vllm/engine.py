@@ -43,7 +43,7 @@ from typing import Any, Mapping, Optional
 
 import orjson
 
-from rollfleet.engines.base import EngineLimits, EngineLoad
+from rollfleet.engines.base import EngineLimits, EngineLoad, replica_seed
 from rollfleet.engines.http import HTTPEngine, ServerStartupError, parse_metrics, read_vocab_size
 from rollfleet.engines.http.streaming import StreamingGenerate, StreamReader
 from rollfleet.engines.vllm import wire
@@ -163,7 +163,7 @@ class VLLMEngine(VLLMLaunch, VLLMWeights, StreamingGenerate, HTTPEngine):
             max_model_len=config.max_model_len,
             replica_index=replica_index,
             num_replicas=max(1, config.num_replicas),
-            seed=config.seed,
+            seed=replica_seed(config.seed, replica_index),
             dtype=v.dtype,
             enforce_eager=v.enforce_eager,
             kv_cache_space_gib=v.kv_cache_space_gib,
