@@ -52,8 +52,9 @@ class TokenOutput(BaseModel):
 @dataclass(slots=True)
 class TokenDelta:
     """New tokens of a generation still running (streaming): their ids, logprobs and the weight
-    version that sampled each (None: the engine's boot weights). The whole :class:`TokenOutput`
-    that ends a stream is the authority; deltas are for showing tokens early."""
+    version that sampled each (None: the engine's boot weights; an empty list: not known yet, as
+    vLLM names them only at the end). The whole :class:`TokenOutput` that ends a stream is the
+    authority; deltas are for showing tokens early."""
 
     token_ids: list[int]
     log_probs: list[float]

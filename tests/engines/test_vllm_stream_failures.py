@@ -111,3 +111,32 @@ async def test_a_server_streaming_tokens_is_busy_not_dead_while_its_health_check
     server.slow_health = False
     items = await asyncio.wait_for(stream, 10)
     assert len(items[-1].token_ids) == 40
+
+
+async def test_a_streamed_delta_leaves_its_versions_unknown_and_a_replica_does_not_fill_them_in():
+    """vLLM names a streamed token's weights only in the last chunk's spans. Its deltas said None,
+    which the replica reads as "the version this attempt started on" and filled in, so a stream
+    cut after a keep commit labelled the new weights' tokens with the old version (and the
+    client's cut, which must drop unknown versions, found them all known)."""
+    from rollfleet.engines.vllm.wire import GenerateStream
+    from rollfleet.server.replica import Replica
+    from tests.manager.test_control_faults import config
+
+    chunk = {"choices": [{"token_ids": [5, 6], "logprobs": {"content": [{"logprob": -0.1}, {"logprob": -0.2}]}}]}
+    delta = GenerateStream().feed(b"data: " + json.dumps(chunk).encode())
+    assert delta is not None and delta.token_ids == [5, 6] and delta.token_versions == []
+
+    replica = Replica("r", config())
+    await replica.start(version=3)
+
+    async def stream(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        yield delta
+        raise ReplicaUnavailable("r", "the server went away (injected)")
+
+    replica.engine.generate_stream = stream  # type: ignore[method-assign]
+    items = []
+    with pytest.raises(ReplicaUnavailable):
+        async for item in replica.generate_stream("s", [1, 2, 3], {"max_tokens": 4}):
+            items.append(item)
+    assert [i.token_versions for i in items] == [[]]  # unknown stays unknown
+    await replica.shutdown()

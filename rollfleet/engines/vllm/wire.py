@@ -312,7 +312,7 @@ class GenerateStream:
         logprobs = [float(c["logprob"]) if c.get("logprob") is not None else math.nan for c in content]
         if len(logprobs) != len(new):
             logprobs = [math.nan] * len(new)
-        return TokenDelta(new, logprobs, [None] * len(new))  # versions: known at the end (spans)
+        return TokenDelta(new, logprobs, [])  # versions unknown until the end (spans): none, not None (boot)
 
     def body(self) -> bytes:
         choice = {"index": 0, "token_ids": self.token_ids, "logprobs": {"content": self.content}, **self.ending}
