@@ -45,7 +45,8 @@ it arrived: still on the wire, so an abort misses it), ``health_delay_s`` (a sta
 ``fail_status`` (completions answer that HTTP status), ``drop_finish_reason`` /
 ``finish_reason`` (what ``finish_reason`` says), ``fail_updates`` (that many next
 ``/update_weights`` fail), ``update_delay_s`` (each ``/update_weights`` takes that long),
-``commit_route`` (answer rollfleet's ``/rollfleet/commit``, else 404 as a plain vLLM does).
+``commit_route`` (answer rollfleet's ``/rollfleet/commit``, else 404 as a plain vLLM does),
+``refuse_resets`` (that many next ``/reset_prefix_cache`` answer 200 ``{"success": false}``).
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ except ImportError:  # tests/ is not a package: pytest put this folder on sys.pa
 
 _SETTINGS = dict(token_delay_s=0.0, eos_token_id=None, register_delay_s=0.0, health_delay_s=0.0, fail_status=None,
                  drop_finish_reason=False, finish_reason=None, profiler=True, fail_updates=0,
-                 update_delay_s=0.0, commit_route=False)  # fmt: skip
+                 update_delay_s=0.0, commit_route=False, refuse_resets=0)  # fmt: skip
 
 
 def spans(labels: list[str]) -> list[dict[str, Any]]:
@@ -484,6 +485,9 @@ class FakeVLLMServer(FakeServer):
         async def reset_prefix_cache(request: Request) -> dict:
             await fake.record(request)
             fake.log.append("reset_prefix_cache")
+            if fake.refuse_resets:  # blocks still held: vLLM says so in a 200
+                fake.refuse_resets -= 1
+                return {"success": False}
             fake.prefix_cache.clear()
             return {"success": True}
 

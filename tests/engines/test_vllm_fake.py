@@ -265,6 +265,25 @@ async def test_load_metrics_stats_and_clear_kv_cache(fake, engine):
 
 
 @pytest.mark.asyncio
+async def test_a_prefix_cache_reset_vllm_refuses_is_tried_again_then_fails_the_replica(fake, engine, monkeypatch):
+    """vLLM answers 200 {"success": false} while blocks are held; that was taken as done, and an
+    unsalted server went on serving KV the old weights computed after an abort-mode reload."""
+    fake.refuse_resets = 2
+    await engine.clear_kv_cache()  # the third try resets it
+    assert fake.log.count("reset_prefix_cache") == 3 and fake.refuse_resets == 0
+    monkeypatch.setattr("rollfleet.engines.vllm.engine.DRAIN_TIMEOUT_S", 0.3)
+    fake.refuse_resets = 10**6
+    with pytest.raises(ReplicaUnavailable, match="kept its prefix cache"):
+        await engine.clear_kv_cache()  # attached, no RL routes: its requests are not salted
+    salted = attached(fake.url, rl_routes=True)
+    await salted.start()
+    try:
+        await salted.clear_kv_cache()  # salted by the weights' label: stale blocks are never hit
+    finally:
+        await salted.shutdown()
+
+
+@pytest.mark.asyncio
 async def test_sleep_wake_up_and_profile_routes(fake, engine):
     with pytest.raises(NotSupported) as err:
         await engine.sleep()

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import shutil
 import uuid
 from pathlib import Path
@@ -45,13 +46,16 @@ import orjson
 
 from rollfleet.engines.base import EngineLimits, EngineLoad, replica_seed
 from rollfleet.engines.http import HTTPEngine, ServerStartupError, parse_metrics, read_vocab_size
+from rollfleet.engines.http.inflight import DRAIN_TIMEOUT_S
 from rollfleet.engines.http.streaming import StreamingGenerate, StreamReader
 from rollfleet.engines.vllm import wire
 from rollfleet.engines.vllm.launch import VLLMLaunch
 from rollfleet.engines.vllm.staging import Staged, StageDir, default_root
 from rollfleet.engines.vllm.weights import SLOW_CONTROL_S, VLLMWeights
-from rollfleet.errors import InvalidRequest, NotSupported
+from rollfleet.errors import InvalidRequest, NotSupported, ReplicaUnavailable
 from rollfleet.types import SamplingParams, TokenOutput
+
+logger = logging.getLogger(__name__)
 
 
 class VLLMStartupError(ServerStartupError):
@@ -300,7 +304,23 @@ class VLLMEngine(VLLMLaunch, VLLMWeights, StreamingGenerate, HTTPEngine):
         await self._control("POST", "/wake_up", op="wake_up", timeout=max(self.control_timeout_s, SLOW_CONTROL_S))
 
     async def clear_kv_cache(self) -> None:
-        await self._control("POST", "/reset_prefix_cache", op="clear_kv_cache")
+        """vLLM answers 200 ``{"success": false}`` while blocks are still held (running requests,
+        KV offload in flight): tried again for up to ``DRAIN_TIMEOUT_S``. Then a server whose
+        requests are not salted with the weights' label (attached, no RL routes) would go on
+        hitting KV the old weights computed: unavailable (fenced, restarted). Salted, its
+        requests never reach that KV, and the stale blocks are only evicted later."""
+        deadline = asyncio.get_running_loop().time() + DRAIN_TIMEOUT_S
+        while True:
+            resp = await self._control("POST", "/reset_prefix_cache", op="clear_kv_cache")
+            if _reset_done(resp) or asyncio.get_running_loop().time() >= deadline:
+                break
+            await asyncio.sleep(0.05)
+        if not _reset_done(resp):
+            if not self.rl_routes:
+                raise ReplicaUnavailable(
+                    self.replica_label, f"clear_kv_cache: vLLM kept its prefix cache for {DRAIN_TIMEOUT_S:g}s"
+                )
+            logger.warning("%s: vLLM kept its prefix cache (blocks still held)", self.replica_label)
 
     # ------------------------------------------------------------------ profiling
     async def start_profile(self, **kwargs: Any) -> None:
@@ -335,6 +355,15 @@ def _move_traces(source: Path, target: Path) -> None:
     target.mkdir(parents=True, exist_ok=True)
     for trace in source.iterdir() if source.is_dir() else ():
         shutil.move(str(trace), str(target / trace.name))
+
+
+def _reset_done(resp: Any) -> bool:
+    """Whether ``/reset_prefix_cache`` reset it (a vLLM that says nothing did)."""
+    try:
+        body = resp.json()
+    except ValueError:
+        return True
+    return not isinstance(body, dict) or body.get("success", True) is not False
 
 
 __all__ = ["VLLMEngine", "VLLMStartupError"]
