@@ -18,6 +18,7 @@ import pytest_asyncio
 import rollfleet.engines.http.engine as http_engine
 from rollfleet.engines.vllm import VLLMEngine
 from rollfleet.errors import EngineDead, InvalidRequest, NotSupported, ReplicaUnavailable
+from rollfleet.types import TokenOutput
 
 try:
     from tests.engines.fake_vllm import PROMPT, VOCAB, FakeVLLMServer, expected_tokens, token_logprob, wait_until
@@ -194,6 +195,46 @@ async def test_a_keep_alive_connection_closed_by_the_server_is_retried_once_unde
     try:
         out = await eng.generate("s1", [1, 2, 3], {"max_tokens": 3})
         assert out.token_ids == [7, 8, 9] and out.stop_reason == "length"
+        assert len(seen) == 2 and seen[1] == seen[0] + "~r"
+        assert len(eng._table) == 0 and eng.stats()["num_errors"] == 0
+    finally:
+        await eng.shutdown()
+        server.close()
+
+
+@pytest.mark.asyncio
+async def test_a_stream_whose_keep_alive_connection_was_closed_under_it_is_sent_once_more():
+    """The same for a stream (vLLM's default generate path): it had no second try, so a healthy
+    replica under load was quarantined and its stream resumed elsewhere."""
+    seen: list[str] = []
+    chunks = (b'data: {"choices":[{"token_ids":[7,8],"logprobs":{"content":[{"logprob":-0.1},{"logprob":-0.2}]}}]}\n\n'
+              b'data: {"choices":[{"token_ids":[9],"logprobs":{"content":[{"logprob":-0.3}]},"finish_reason":"length",'
+              b'"weight_versions":[{"version":"default","start":0,"end":3}]}]}\n\ndata: [DONE]\n\n')  # fmt: skip
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        lines = head.decode().split("\r\n")
+        path = lines[0].split()[1]
+        headers = {k.lower(): v for k, v in (line.split(": ", 1) for line in lines[1:] if ": " in line)}
+        await reader.readexactly(int(headers.get("content-length", "0")))
+        if path == "/inference/v1/generate":
+            seen.append(headers.get("x-request-id", ""))
+            if len(seen) == 1:  # the first one lands on a connection the server is closing
+                writer.close()
+                return
+        body = chunks if path == "/inference/v1/generate" else b"{}"
+        kind = b"text/event-stream" if path == "/inference/v1/generate" else b"application/json"
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n%s" % (kind, len(body), body))
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    eng = attached(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", rl_routes=True)
+    await eng.start()
+    try:
+        items = [item async for item in eng.generate_stream("s1", [1, 2, 3], {"max_tokens": 3})]
+        out = items[-1]
+        assert isinstance(out, TokenOutput) and out.token_ids == [7, 8, 9] and out.stop_reason == "length"
         assert len(seen) == 2 and seen[1] == seen[0] + "~r"
         assert len(eng._table) == 0 and eng.stats()["num_errors"] == 0
     finally:

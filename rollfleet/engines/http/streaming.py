@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable, Optional, Protoc
 import aiohttp
 
 from rollfleet.engines.http.inflight import Inflight
-from rollfleet.engines.http.transport import transport_error
+from rollfleet.engines.http.transport import is_stale, transport_error
 from rollfleet.engines.http.wire import error_message
 from rollfleet.errors import InvalidRequest, ReplicaUnavailable
 from rollfleet.types import SamplingParams, TokenDelta, TokenOutput
@@ -81,11 +81,27 @@ class StreamingGenerate(_Base):
     async def _read(
         self, call: Inflight, body: dict[str, Any], reader: StreamReader, prompt_ids: list[int]
     ) -> AsyncIterator[TokenDelta]:
-        path, data, headers = self._generate_call(call.wire_id, body)
         link = self._link
         assert link.clients is not None
+        resend = True
+        while True:
+            path, data, headers = self._generate_call(call.wire_id, body)
+            try:
+                resp = await link.clients.session.post(path, data=data, headers=headers)
+                break
+            except aiohttp.ClientError as e:
+                # The server closed an idle keep-alive connection just as we reused it (a starved
+                # server does, as soon as its loop runs again): once more on a fresh connection,
+                # under a new id in case the first was read after all, as a whole generate does.
+                if not (resend and is_stale(e) and link.alive()):
+                    raise await transport_error("generate", e, self.replica_label, link.url, link.gone) from e
+                resend = False
+                self._abort_in_background([call.wire_id])
+                if call.aborted.is_set():
+                    return  # the body read then is an aborted, empty answer
+                self._table.rename(call, f"{call.wire_id}~r")
         try:
-            async with link.clients.session.post(path, data=data, headers=headers) as resp:
+            async with resp:
                 if resp.status in (400, 422):
                     raise self._invalid(*error_message(resp.status, await resp.read()), prompt_ids, body)
                 if resp.status >= 400:
