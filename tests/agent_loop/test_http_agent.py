@@ -129,8 +129,8 @@ async def test_a_turn_the_gateway_gave_up_resuming_marks_the_trajectory_for_the_
 
 
 async def test_synchronous_agents_run_at_once_each_within_its_own_timeout(tokenizer, tmp_path):
-    """On the loop's default executor (6 threads on 2 cores) 14 one-second agents queued for a
-    thread with their timeouts running: the late ones were cut off, or never started at all."""
+    """On the loop's default executor (6 threads on 2 cores) 30 one-second agents queued for a
+    thread (5 rounds) with their timeouts running: the late ones were cut off, or never started."""
     agents = tmp_path / "slow_agents.py"
     agents.write_text(
         "import time, openai\n\n"
@@ -140,9 +140,9 @@ async def test_synchronous_agents_run_at_once_each_within_its_own_timeout(tokeni
         "    c.chat.completions.create(model=run.model, messages=run.sample['raw_prompt'], max_tokens=4)\n"
         "    return 1.0\n"
     )
-    fleet, _, worker = await make(tokenizer, ["6 7 8 9"], {"agent": f"{agents}:slow", "timeout_s": 3.0})
-    outs = await asyncio.gather(*(worker.run_sample(dict(SAMPLE)) for _ in range(14)))
-    assert [o.extra_fields.get("agent_error") for o in outs] == [None] * 14
+    fleet, _, worker = await make(tokenizer, ["6 7 8 9"], {"agent": f"{agents}:slow", "timeout_s": 3.5})
+    outs = await asyncio.gather(*(worker.run_sample(dict(SAMPLE)) for _ in range(30)))
+    assert [o.extra_fields.get("agent_error") for o in outs] == [None] * 30
     assert all(o.reward_score == 1.0 for o in outs)
     await worker.close()
     await fleet.shutdown()
