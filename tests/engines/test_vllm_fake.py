@@ -242,6 +242,34 @@ async def test_a_stream_whose_keep_alive_connection_was_closed_under_it_is_sent_
         server.close()
 
 
+@pytest.mark.asyncio
+async def test_a_stream_whose_server_never_answers_fails_typed_at_the_request_timeout():
+    """A stream's request is sent apart from its reading, so that a stale connection can be tried
+    again: a timeout while waiting for the answer must still be the replica's typed failure."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        path = head.decode().split()[1]
+        if path == "/inference/v1/generate":
+            await asyncio.sleep(30)  # hung: never a byte of the answer
+        body = b"{}"
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n" + body)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    eng = attached(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", rl_routes=True, request_timeout_s=0.5)
+    await eng.start()
+    try:
+        with pytest.raises(ReplicaUnavailable):
+            async for _ in eng.generate_stream("s1", [1, 2, 3], {"max_tokens": 3}):
+                pass
+        assert len(eng._table) == 0
+    finally:
+        await eng.shutdown()
+        server.close()
+
+
 # ---------------------------------------------------------------------------------------- pause / resume
 
 

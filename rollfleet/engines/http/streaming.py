@@ -89,7 +89,7 @@ class StreamingGenerate(_Base):
             try:
                 resp = await link.clients.session.post(path, data=data, headers=headers)
                 break
-            except aiohttp.ClientError as e:
+            except (aiohttp.ClientError, TimeoutError) as e:
                 # The server closed an idle keep-alive connection just as we reused it (a starved
                 # server does, as soon as its loop runs again): once more on a fresh connection,
                 # under a new id in case the first was read after all, as a whole generate does.
