@@ -163,13 +163,11 @@ async def test_an_abort_that_misses_a_request_still_on_the_wire_is_sent_again(fa
     assert len(fake.bodies("/abort_requests")) >= 2
 
 
-@pytest.mark.asyncio
-async def test_a_keep_alive_connection_closed_by_the_server_is_retried_once_under_a_new_id():
-    """vLLM drops idle keep-alive connections after 5 s; a request written into one as it closes
-    must not fail (it used to quarantine the replica for seconds): it is sent again, once."""
+async def _server_closing_the_first(route: str, body: bytes, kind: bytes) -> tuple[asyncio.Server, list[str], str]:
+    """A raw HTTP server that closes the connection under the first request to ``route`` (as a
+    server closing an idle keep-alive connection does) and answers ``body`` after; ``{}`` to any
+    other route. Returns the server, the ``X-Request-Id`` of each request to ``route``, its URL."""
     seen: list[str] = []
-    completion = (b'{"choices":[{"token_ids":[7,8,9],"logprobs":{"token_logprobs":[-0.1,-0.2,-0.3]},'
-                  b'"finish_reason":"length"}],"usage":{}}')  # fmt: skip
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         head = await reader.readuntil(b"\r\n\r\n")
@@ -177,20 +175,30 @@ async def test_a_keep_alive_connection_closed_by_the_server_is_retried_once_unde
         path = lines[0].split()[1]
         headers = {k.lower(): v for k, v in (line.split(": ", 1) for line in lines[1:] if ": " in line)}
         await reader.readexactly(int(headers.get("content-length", "0")))
-        if path == "/v1/completions":
+        if path == route:
             seen.append(headers.get("x-request-id", ""))
             if len(seen) == 1:  # the first one lands on a connection the server is closing
                 writer.close()
                 return
-        body = completion if path == "/v1/completions" else b"{}"
+        answer, answer_kind = (body, kind) if path == route else (b"{}", b"application/json")
         writer.write(
-            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+            b"HTTP/1.1 200 OK\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n%s" % (answer_kind, len(answer), answer)
         )
         await writer.drain()
         writer.close()
 
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    eng = attached(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+    return server, seen, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+@pytest.mark.asyncio
+async def test_a_keep_alive_connection_closed_by_the_server_is_retried_once_under_a_new_id():
+    """vLLM drops idle keep-alive connections after 5 s; a request written into one as it closes
+    must not fail (it used to quarantine the replica for seconds): it is sent again, once."""
+    completion = (b'{"choices":[{"token_ids":[7,8,9],"logprobs":{"token_logprobs":[-0.1,-0.2,-0.3]},'
+                  b'"finish_reason":"length"}],"usage":{}}')  # fmt: skip
+    server, seen, url = await _server_closing_the_first("/v1/completions", completion, b"application/json")
+    eng = attached(url)
     await eng.start()
     try:
         out = await eng.generate("s1", [1, 2, 3], {"max_tokens": 3})
@@ -206,30 +214,11 @@ async def test_a_keep_alive_connection_closed_by_the_server_is_retried_once_unde
 async def test_a_stream_whose_keep_alive_connection_was_closed_under_it_is_sent_once_more():
     """The same for a stream (vLLM's default generate path): it had no second try, so a healthy
     replica under load was quarantined and its stream resumed elsewhere."""
-    seen: list[str] = []
     chunks = (b'data: {"choices":[{"token_ids":[7,8],"logprobs":{"content":[{"logprob":-0.1},{"logprob":-0.2}]}}]}\n\n'
               b'data: {"choices":[{"token_ids":[9],"logprobs":{"content":[{"logprob":-0.3}]},"finish_reason":"length",'
               b'"weight_versions":[{"version":"default","start":0,"end":3}]}]}\n\ndata: [DONE]\n\n')  # fmt: skip
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = await reader.readuntil(b"\r\n\r\n")
-        lines = head.decode().split("\r\n")
-        path = lines[0].split()[1]
-        headers = {k.lower(): v for k, v in (line.split(": ", 1) for line in lines[1:] if ": " in line)}
-        await reader.readexactly(int(headers.get("content-length", "0")))
-        if path == "/inference/v1/generate":
-            seen.append(headers.get("x-request-id", ""))
-            if len(seen) == 1:  # the first one lands on a connection the server is closing
-                writer.close()
-                return
-        body = chunks if path == "/inference/v1/generate" else b"{}"
-        kind = b"text/event-stream" if path == "/inference/v1/generate" else b"application/json"
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n%s" % (kind, len(body), body))
-        await writer.drain()
-        writer.close()
-
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    eng = attached(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", rl_routes=True)
+    server, seen, url = await _server_closing_the_first("/inference/v1/generate", chunks, b"text/event-stream")
+    eng = attached(url, rl_routes=True)
     await eng.start()
     try:
         items = [item async for item in eng.generate_stream("s1", [1, 2, 3], {"max_tokens": 3})]
