@@ -30,17 +30,14 @@ class ChatRoutes(RoutesBase):
         messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
         # Every string the template may render counts (tool calls, extra fields, the tools' JSON
         # schemas), not only the contents: none of it may reach the tokenizer past the limits.
-        contents = _strings(messages, "messages")
-        self.limits.check_prompt_text(contents, "messages")
-        self._check_fits(contents, "messages")
-        if req.tools:
-            contents += _strings(req.tools, "tools")
-            self.limits.check_prompt_text(contents, "tools")
-            self._check_fits(contents, "tools")
-        if req.chat_template_kwargs:  # a template may render any of them (documents, date_string)
-            contents += _strings(req.chat_template_kwargs, "chat_template_kwargs")
-            self.limits.check_prompt_text(contents, "chat_template_kwargs")
-            self._check_fits(contents, "chat_template_kwargs")
+        # chat_template_kwargs too: a template may render any of them (documents, date_string).
+        contents: list[str] = []
+        rendered = (("messages", messages), ("tools", req.tools), ("chat_template_kwargs", req.chat_template_kwargs))
+        for field, value in rendered:
+            if value:
+                contents += _strings(value, field)
+                self.limits.check_prompt_text(contents, field)
+                self._check_fits(contents, field)
         session = self._session(request, req)
         store = self.trajectories if session is not None else None
         plan = await self._plan(req, messages, store, session)

@@ -9,7 +9,6 @@ it; resumed then, it serves once the weights are in (never on half-loaded ones).
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -30,7 +29,6 @@ class ReplicaTurns:
     _state: ReplicaState
     _version: Optional[int]
     _epoch: int
-    _gate: Optional[asyncio.Event]
 
     if TYPE_CHECKING:
 

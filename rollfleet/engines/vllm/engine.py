@@ -310,17 +310,16 @@ class VLLMEngine(VLLMLaunch, VLLMWeights, StreamingGenerate, HTTPEngine):
         hitting KV the old weights computed: unavailable (fenced, restarted). Salted, its
         requests never reach that KV, and the stale blocks are only evicted later."""
         deadline = asyncio.get_running_loop().time() + DRAIN_TIMEOUT_S
-        while True:
-            resp = await self._control("POST", "/reset_prefix_cache", op="clear_kv_cache")
-            if _reset_done(resp) or asyncio.get_running_loop().time() >= deadline:
-                break
-            await asyncio.sleep(0.05)
-        if not _reset_done(resp):
+        while not _reset_done(await self._control("POST", "/reset_prefix_cache", op="clear_kv_cache")):
+            if asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.05)
+                continue
             if not self.rl_routes:
                 raise ReplicaUnavailable(
                     self.replica_label, f"clear_kv_cache: vLLM kept its prefix cache for {DRAIN_TIMEOUT_S:g}s"
                 )
             logger.warning("%s: vLLM kept its prefix cache (blocks still held)", self.replica_label)
+            return
 
     # ------------------------------------------------------------------ profiling
     async def start_profile(self, **kwargs: Any) -> None:
