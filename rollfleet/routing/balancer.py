@@ -37,38 +37,13 @@ from cachetools import LRUCache
 from rollfleet.errors import NoServerAvailable
 from rollfleet.routing.policies import ReplicaView, RoutingPolicy, get_policy
 from rollfleet.routing.policies.prefix_affinity import prefix_key
+from rollfleet.routing.server_state import ServerState
 from rollfleet.routing.version_floor import VersionFloors, at_or_above
 from rollfleet.types import LoadReport, TokenOutput
 
-
-class _ServerState:
-    __slots__ = (
-        "handle", "local", "local_tokens", "others", "others_tokens", "kv_usage", "waiting", "routable",
-        "reported_at", "view", "version",
-    )  # fmt: skip
-
-    def __init__(self, server_id: str, handle: Any) -> None:
-        self.handle = handle
-        #: What policies see of it, kept up to date in place (:meth:`sync`): a routing decision
-        #: then costs no allocation per replica, which on a large fleet was most of its cost.
-        self.view = ReplicaView(server_id, 0, 0)
-        self.local = 0
-        self.local_tokens = 0
-        self.others = 0
-        self.others_tokens = 0
-        self.kv_usage = 0.0
-        self.waiting = 0
-        self.routable = True
-        self.reported_at = float("-inf")  # the replica's clock: reports from one replica compare
-        #: The newest weight version it is known to serve (None: not known), from the fleet's
-        #: snapshot or from an output it returned, whichever is newer (see :meth:`observe_output`).
-        self.version: Optional[int] = None
-
-    def sync(self) -> None:
-        view = self.view
-        view.inflight = self.others + self.local
-        view.inflight_tokens = self.others_tokens + self.local_tokens
-        view.kv_usage = self.kv_usage
+#: The sticky entry of a session whose replica failed it (:meth:`GlobalRequestLoadBalancer.unstick`):
+#: its next turn is placed afresh, and is still a session's turn, never held back.
+_REPLACE = ""
 
 
 class GlobalRequestLoadBalancer:
@@ -130,7 +105,9 @@ class GlobalRequestLoadBalancer:
         #: membership change (any number), or when no replica is left to wait for (held requests
         #: then wait out the outage in the client's retry policy, which bounds it).
         self.on_room: Optional[Callable[[bool], None]] = None
-        self._servers: dict[str, _ServerState] = {}
+        self._servers: dict[str, ServerState] = {}
+        #: Removed replicas whose requests from here are still in flight (until they are released).
+        self._departed: dict[str, ServerState] = {}
         self._views: Optional[list[ReplicaView]] = None  # of the routable replicas (None: to rebuild)
         self._request_id_to_server: LRUCache[str, str] = LRUCache(maxsize=max_cache_size)
         self._preferred: Optional[frozenset[str]] = None  # see set_preferred
@@ -168,6 +145,7 @@ class GlobalRequestLoadBalancer:
         chosen: Optional[str] = None
         reason = "least_loaded"
         if sticky_id is not None:
+            hold = False  # a session going on: never held, wherever its turn goes
             state = servers.get(sticky_id)
             if state is None or not state.routable:
                 del self._request_id_to_server[request_id]
@@ -190,7 +168,7 @@ class GlobalRequestLoadBalancer:
                 hold = False
         if chosen is None:
             key = prefix_key(prompt_ids) if self._policy.uses_prefix and prompt_ids is not None else None
-            if hold and (self.hold_placed or not self._policy.has_home(key)):
+            if hold and (self.hold_placed or not self._policy.has_home(key, candidates)):
                 limit = self.dispatch_limit
                 assert limit is not None
                 candidates = [c for c in candidates if c.inflight < limit]
@@ -233,8 +211,13 @@ class GlobalRequestLoadBalancer:
 
     def release_server(self, server_id: str, prompt_len: int = 0) -> None:
         """Uncount one request; unknown ids and extra releases are ignored (counts floor at 0)."""
+        departed = self._departed.get(server_id)
+        if departed is not None:  # sent before its replica was removed: uncounted there, never on
+            departed.local -= 1  # a replica re-added under the same id since
+            if departed.local <= 0:
+                del self._departed[server_id]
         state = self._servers.get(server_id)
-        if state is None:  # removed meanwhile: nothing to uncount, but a held request may now go
+        if state is None or departed is not None:  # a held request may go now all the same
             if self.on_room is not None:
                 self.on_room(False)
             return
@@ -345,17 +328,26 @@ class GlobalRequestLoadBalancer:
 
     def unstick(self, request_id: str) -> None:
         """Let a session's next turn be placed afresh (its replica just failed it); the session
-        goes on, and so does its version floor."""
-        self._request_id_to_server.pop(request_id, None)
+        goes on, and so do its version floor and its turns' exemption from the dispatch limit."""
+        if self._sticky_enabled and request_id in self._request_id_to_server:
+            self._request_id_to_server[request_id] = _REPLACE
 
     def sticky_server(self, request_id: str) -> Optional[str]:
-        return self._request_id_to_server.get(request_id)
+        """The routable replica the session's next turn goes to, if it has one."""
+        server_id = self._request_id_to_server.get(request_id)
+        return server_id if server_id and self.is_routable(server_id) else None
+
+    def is_placed(self, request_id: str) -> bool:
+        """Whether ``request_id`` is a session already placed (its turns are never held back),
+        even where its replica has left or failed it since."""
+        return request_id in self._request_id_to_server
 
     # ------------------------------------------------------------------ verl-compatible membership API
     def add_servers(self, servers: dict[str, Any]) -> None:
-        """Add (or re-add, with counts reset) replicas."""
+        """Add (or re-add, with counts reset) replicas. Requests sent to a replica before it was
+        removed stay counted apart (``_departed``): their release never uncounts the new one's."""
         for server_id, handle in servers.items():
-            self._servers[server_id] = _ServerState(server_id, handle)
+            self._servers[server_id] = ServerState(server_id, handle)
         self._views = None
         self._policy.on_servers_changed(list(self._servers))
         if servers and self.on_room is not None:
@@ -363,7 +355,13 @@ class GlobalRequestLoadBalancer:
 
     def remove_servers(self, server_ids: Iterable[str]) -> None:
         """Remove replicas; their sticky sessions are invalidated (lazily, on the next acquire)."""
-        removed = [server_id for server_id in server_ids if self._servers.pop(server_id, None) is not None]
+        removed = []
+        for server_id in server_ids:
+            state = self._servers.pop(server_id, None)
+            if state is not None:
+                removed.append(server_id)
+                if state.local > 0:
+                    self._departed[server_id] = state
         self._views = None
         self._policy.on_servers_changed(list(self._servers))
         if removed and self.on_room is not None:

@@ -50,21 +50,26 @@ def held_client(servers: dict[str, Server]) -> LLMServerClient:
 
 
 def test_a_replica_back_from_quarantine_takes_the_request_held_for_room():
-    async def main() -> tuple[float, float]:
+    async def main() -> tuple[float, float, float]:
         a, b = Server("A", 1.0, failures=1), Server("B", 100.0)
         client = held_client({"A": a, "B": b})
         start = virtual_time.now()
         first = asyncio.ensure_future(client.generate("first", prompt_ids=[1], sampling_params=PARAMS))
-        await asyncio.sleep(0)  # it takes A, which crashes: quarantined; its retry is held (B is busy)
+        await asyncio.sleep(0)  # it takes A, which crashes: A is quarantined
         slow = asyncio.ensure_future(client.generate("slow", prompt_ids=[2], sampling_params=PARAMS))
+        await asyncio.sleep(0.5)  # first's retry, a request placed before, is not held: it goes to B
+        assert b.calls == 2
+        held = asyncio.ensure_future(client.generate("new", prompt_ids=[3], sampling_params=PARAMS))
+        done_held = (await held, virtual_time.now() - start)[1]  # a new placement: held for room
         done_first = (await first, virtual_time.now() - start)[1]
         await slow
         assert client.balancer.get_total_inflight() == 0 and a.calls == 2
-        return done_first, client.fleet.quarantine_s
+        return done_held, done_first, client.fleet.quarantine_s
 
-    done_first, quarantine_s = virtual_time.run(main())
+    done_held, done_first, quarantine_s = virtual_time.run(main())
     # back when its quarantine ends, not when B's 100 s request frees B
-    assert done_first == pytest.approx(quarantine_s + 1.0, abs=0.2)
+    assert done_held == pytest.approx(quarantine_s + 1.0, abs=0.2)
+    assert done_first == pytest.approx(100.0, abs=0.5)
 
 
 def test_a_request_held_for_room_fails_over_when_the_last_replica_is_removed():

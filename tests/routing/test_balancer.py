@@ -332,3 +332,48 @@ def test_a_saturated_replica_below_the_floor_keeps_the_turn_but_it_is_counted():
     lb.report_load(LoadReport(replica_id=sid, inflight=20, inflight_tokens=2000, waiting=3, timestamp=1.0))
     assert lb.acquire_server("traj")[0] == sid
     assert lb.decisions["version_regressed"] == 1 and lb.decisions["version_floor"] == 0
+
+
+def test_a_session_turn_is_not_held_when_its_replica_failed_it_or_left():
+    """Whether its replica was quarantined, failed the turn (``unstick``) or left the fleet, a
+    session's next turn is placed afresh without waiting for room (no version floor here)."""
+    for lose in ("quarantine", "unstick", "remove"):
+        lb = make(3, max_inflight_per_replica=1)
+        sid, _ = lb.try_acquire_server("sess", 10, [1, 2, 3])
+        lb.release_server(sid, 10)
+        for other in ("s0", "s1", "s2"):  # other clients' requests: every replica at the limit
+            lb.report_load(LoadReport(replica_id=other, inflight=1, inflight_tokens=10, timestamp=1.0))
+        if lose == "quarantine":
+            lb.set_routable(sid, False)
+        elif lose == "unstick":
+            lb.unstick("sess")
+        else:
+            lb.remove_servers([sid])
+        assert lb.sticky_server("sess") is None, lose  # not a replica its turn may go to
+        assert lb.is_placed("sess"), lose  # but a session: the client's gate lets it try
+        assert lb.try_acquire_server("new", 10, [9]) is None, lose  # a new placement waits ...
+        assert lb.try_acquire_server("sess", 10, [1, 2, 3, 4]) is not None, lose  # ... the turn does not
+
+
+def test_a_request_sent_before_its_replica_left_never_uncounts_the_one_readded_under_its_id():
+    lb = make(2)
+    lb.report_load(LoadReport(replica_id="s1", inflight=5, inflight_tokens=500, timestamp=1.0))
+    old, _ = lb.acquire_server("old", 100)
+    assert old == "s0"
+    lb.remove_servers(["s0"])
+    lb.add_servers({"s0": "h0-new"})
+    new, _ = lb.acquire_server("new", 100)
+    assert new == "s0"
+    lb.release_server(old, 100)  # the old request ends: the new one is still counted
+    assert lb.get_inflight_count("s0") == 1
+    lb.release_server(new, 100)
+    assert lb.get_inflight_count("s0") == 0
+    # released the other way round, the count is over for a while, never under, and ends at 0
+    lb.acquire_server("old2", 100)
+    lb.remove_servers(["s0"])
+    lb.add_servers({"s0": "h0-newer"})
+    lb.acquire_server("new2", 100)
+    lb.release_server("s0", 100)  # new2 ends first
+    assert lb.get_inflight_count("s0") == 1
+    lb.release_server("s0", 100)
+    assert lb.get_inflight_count("s0") == 0

@@ -11,6 +11,8 @@ from rollfleet.config import RolloutConfig, SimEngineConfig
 from rollfleet.plan import VirtualFleet
 from rollfleet.routing import GlobalRequestLoadBalancer, get_policy
 from rollfleet.routing.policies import ReplicaView, RoutingPolicy
+from rollfleet.routing.policies.prefix_affinity import PrefixAffinityPolicy
+from rollfleet.types import LoadReport
 from rollfleet.utils import virtual_time
 
 pytestmark = pytest.mark.unit
@@ -43,6 +45,39 @@ def test_a_home_past_the_load_bound_gives_way_to_the_least_loaded_replica():
     assert first[0] == first[1] and first[2] != first[0]
     # the replica it spilled to is the prompt's new home
     assert lb.acquire_server("s3", 3, prompt)[0] == first[2]
+
+
+def test_a_home_past_the_bound_is_left_even_when_its_tokens_are_the_fewest():
+    """The bound counts requests; the fallback ranks by tokens. A home full of short siblings is
+    still the replica with the fewest tokens, and used to be picked again, past its bound."""
+    lb = balancer(2)
+    prompt = [3] * 4
+    home, _ = lb.acquire_server("g0", 1, prompt)
+    other = "s1" if home == "s0" else "s0"
+    lb.report_load(LoadReport(replica_id=other, inflight=1, inflight_tokens=100_000, timestamp=1.0))
+    for i in range(1, 200):
+        lb.acquire_server(f"g{i}", 1, prompt)
+    policy = lb.policy
+    assert isinstance(policy, PrefixAffinityPolicy)
+    loads = lb.get_status()["estimated_load"]
+    bound = policy.load_factor * sum(loads.values()) / 2 + policy.slack
+    assert max(loads.values()) <= bound, loads
+
+
+def test_a_sibling_whose_home_cannot_take_it_waits_for_room_as_a_new_placement_does():
+    """Under a dispatch limit a sibling skips the wait only when it goes to its home: with the
+    home quarantined, or past the bound, it starts a new placement and waits like one."""
+    policy = get_policy("prefix_affinity", seed=0)
+    lb = GlobalRequestLoadBalancer({"s0": "h0", "s1": "h1"}, policy=policy, max_inflight_per_replica=2, sticky=False)
+    prompt = [7] * 50
+    home, _ = lb.try_acquire_server("g0", 50, prompt)
+    other = "s1" if home == "s0" else "s0"
+    lb.report_load(LoadReport(replica_id=other, inflight=2, inflight_tokens=100, timestamp=1.0))
+    assert lb.try_acquire_server("g1", 50, prompt)[0] == home  # its home has room under the bound
+    lb.set_routable(home, False)
+    assert lb.try_acquire_server("g2", 50, prompt) is None  # not sent past the limit elsewhere
+    lb.report_load(LoadReport(replica_id=other, inflight=1, inflight_tokens=50, timestamp=2.0))
+    assert lb.try_acquire_server("g3", 50, prompt)[0] == other  # room: it goes, and finds a new home
 
 
 def test_a_replica_that_leaves_takes_its_homes_with_it():

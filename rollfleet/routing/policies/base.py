@@ -48,9 +48,10 @@ class RoutingPolicy(abc.ABC):
     ) -> str:
         """Return the ``replica_id`` of one of ``candidates`` (never empty)."""
 
-    def has_home(self, prefix_key: Optional[int]) -> bool:
+    def has_home(self, prefix_key: Optional[int], candidates: Sequence[ReplicaView]) -> bool:
         """True when a request with this prompt follows a placement the policy already made (a
-        sibling of a placed prompt): the balancer's dispatch limit does not hold it back."""
+        sibling of a placed prompt) and :meth:`select` would send it there, among ``candidates``:
+        the balancer's dispatch limit does not hold it back."""
         return False
 
     def on_request_done(self, replica_id: str) -> None:

@@ -57,16 +57,23 @@ class PrefixAffinityPolicy(LeastTokensPolicy):
     ) -> str:
         home = self._homes.get(prefix_key) if prefix_key is not None else None
         if home is not None:
-            view = next((c for c in candidates if c.replica_id == home), None)
-            if view is not None and view.inflight + 1 <= self._bound(candidates):
+            if self._within_bound(home, candidates):
                 return home
+            if len(candidates) > 1:  # over its bound: elsewhere, though its tokens may be fewest
+                candidates = [c for c in candidates if c.replica_id != home]
         chosen = super().select(candidates, request_id, prompt_len)  # least_tokens
         if prefix_key is not None:
             self._homes[prefix_key] = chosen
         return chosen
 
-    def has_home(self, prefix_key: Optional[int]) -> bool:
-        return prefix_key is not None and prefix_key in self._homes
+    def has_home(self, prefix_key: Optional[int], candidates: Sequence[ReplicaView]) -> bool:
+        home = self._homes.get(prefix_key) if prefix_key is not None else None
+        return home is not None and self._within_bound(home, candidates)
+
+    def _within_bound(self, home: str, candidates: Sequence[ReplicaView]) -> bool:
+        """Whether ``home`` is among ``candidates`` with room for one more under the bound."""
+        view = next((c for c in candidates if c.replica_id == home), None)
+        return view is not None and view.inflight + 1 <= self._bound(candidates)
 
     def _bound(self, candidates: Sequence[ReplicaView]) -> float:
         mean = (sum(c.inflight for c in candidates) + 1) / len(candidates)
