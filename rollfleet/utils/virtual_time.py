@@ -14,7 +14,11 @@ What it cannot make virtual: ``time.monotonic()`` and ``time.time()`` read direc
 reading the host's clock, so they may only measure, never decide: :func:`now` is the clock to
 decide by), and real I/O or threads (the loop waits for them for real when nothing else is
 scheduled; a task waiting on nothing at all would wait forever, so :func:`run` gives up after
-``idle_timeout_s`` of real time with nothing to do).
+``idle_timeout_s`` of real time with nothing to do). A thread's work (``run_in_executor``,
+``asyncio.to_thread``) takes no virtual time: while one runs, the clock does not jump, or a
+timeout around it would fire at once and periodic timers would race ahead for as long as it
+ran. Only a thread still running after ``idle_timeout_s`` of real time lets the clock go on
+(so that a timeout around a hung one fires).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import selectors
 import time
-from typing import Any, Coroutine, Optional, TypeVar
+from typing import Any, Callable, Coroutine, Optional, TypeVar
 
 T = TypeVar("T")
 
@@ -66,6 +70,10 @@ class _JumpingSelector(selectors.DefaultSelector):
                 raise Stalled(f"no task can run and no timer is scheduled (waited {self.idle_timeout_s} s for I/O)")
             return events
         assert self.loop is not None
+        if self.loop.threads_running:  # its result comes as real I/O (the loop's self-pipe)
+            events = super().select(self.idle_timeout_s)
+            if events:
+                return events
         self.loop.advance(timeout)
         return events
 
@@ -76,11 +84,22 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
     def __init__(self, idle_timeout_s: float = 30.0) -> None:
         selector = _JumpingSelector(idle_timeout_s)
         self._virtual_now = 0.0
+        #: Executor calls not yet done: the clock waits for them (see the module docstring).
+        self.threads_running = 0
         super().__init__(selector)
         selector.loop = self
 
     def time(self) -> float:
         return self._virtual_now
+
+    def run_in_executor(self, executor: Any, func: Callable[..., T], *args: Any) -> "asyncio.Future[T]":  # type: ignore[override]
+        future: "asyncio.Future[T]" = super().run_in_executor(executor, func, *args)
+        self.threads_running += 1
+        future.add_done_callback(self._thread_done)
+        return future
+
+    def _thread_done(self, _: "asyncio.Future[Any]") -> None:
+        self.threads_running -= 1
 
     def advance(self, seconds: float) -> None:
         self._virtual_now += max(0.0, seconds)

@@ -9,7 +9,7 @@ import pytest
 
 from rollfleet.config import SimEngineConfig
 from rollfleet.engines.sim import SimEngine
-from rollfleet.errors import EngineDead
+from rollfleet.errors import EngineDead, InvalidRequest
 from rollfleet.utils import virtual_time
 
 pytestmark = pytest.mark.unit
@@ -177,6 +177,52 @@ async def test_tokens_depend_on_weight_version():
     await eng.update_weights({"layer": 1})
     c = await eng.generate("c", [1, 2, 3], params)
     assert a.token_ids == b.token_ids != c.token_ids
+    await eng.shutdown()
+
+
+def test_a_load_mid_request_samples_the_rest_from_the_new_weights():
+    """``update_weights`` on a running engine: the tokens after it come from the new weights, as
+    after a ``keep`` commit (they used to keep the old weights' stream to the end)."""
+
+    async def tokens(load: str | None) -> list[int]:
+        eng = SimEngine(SimEngineConfig(vocab_size=1000, time_scale=1.0))
+        await eng.start()
+        params = {"max_tokens": 40, "ignore_eos": True, "seed": 1}
+        running = asyncio.create_task(eng.generate("a", list(range(5, 40)), params))
+        await asyncio.sleep(0.07)  # about ten steps in
+        if load == "update":
+            await eng.update_weights({"v": 1})
+        elif load == "commit":
+            await eng.stage_weights({"v": 1}, 1)
+            await eng.commit_weights(1, mode="keep")
+        out = await running
+        await eng.shutdown()
+        return out.token_ids
+
+    base, updated, committed = (virtual_time.run(tokens(load)) for load in (None, "update", "commit"))
+    assert updated[:5] == base[:5] and updated != base
+    assert committed[:5] == base[:5] and committed != base
+
+
+async def test_a_request_the_engine_cannot_serve_is_refused_naming_the_field():
+    """The replica validates every request; an engine called directly (calibration, tests) still
+    refuses what its arithmetic cannot do, where it used to answer one token."""
+    eng = await started(max_model_len=64)
+    for prompt, params, field in (
+        ([1, 2], {"max_tokens": 0}, "sampling_params.max_tokens"),
+        ([1, 2], {"max_tokens": -3}, "sampling_params.max_tokens"),
+        (list(range(1, 101)), {"max_tokens": 4}, "prompt_ids"),
+        (list(range(1, 65)), {"max_tokens": 4}, "prompt_ids"),
+        ([], {"max_tokens": 4}, "prompt_ids"),
+        ([1, 2], {"max_tokens": 4, "temperature": -1.0}, "sampling_params.temperature"),
+    ):
+        with pytest.raises(InvalidRequest) as refused:
+            await eng.generate("r", prompt, params)
+        assert refused.value.field == field
+    out = await eng.generate("ok", list(range(1, 64)), {"max_tokens": 4, "ignore_eos": True})
+    assert len(out.token_ids) == 1 and out.stop_reason == "length"  # the context's last slot
+    load = await eng.load()
+    assert load.running == load.waiting == 0
     await eng.shutdown()
 
 

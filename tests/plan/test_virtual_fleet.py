@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+import time
 
 import pytest
 
@@ -47,6 +48,39 @@ def test_a_threads_result_wakes_the_loop_and_waiting_on_nothing_is_an_error():
 
     with pytest.raises(virtual_time.Stalled, match="no timer is scheduled"):
         virtual_time.run(forever(), idle_timeout_s=0.2)
+
+
+def test_a_thread_takes_no_virtual_time_and_a_timeout_around_it_does_not_fire():
+    """While a thread works, the clock used to jump to the next timer: a ``wait_for`` around a
+    0.2 s thread timed out at once, and a 1 s ticker ran the clock 25,000 s ahead meanwhile."""
+
+    async def main() -> tuple[str, float, int]:
+        loop = asyncio.get_running_loop()
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(1.0)
+                ticks += 1
+
+        task = asyncio.create_task(ticker())
+        start = loop.time()
+        result = await asyncio.wait_for(loop.run_in_executor(None, lambda: time.sleep(0.2) or "done"), timeout=10)
+        await asyncio.to_thread(time.sleep, 0.1)
+        task.cancel()
+        return result, loop.time() - start, ticks
+
+    result, elapsed, ticks = virtual_time.run(main(), idle_timeout_s=5)
+    assert result == "done" and elapsed == 0.0 and ticks == 0
+
+    async def hung() -> float:
+        loop = asyncio.get_running_loop()
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(loop.run_in_executor(None, time.sleep, 1.0), timeout=3)
+        return loop.time()
+
+    assert virtual_time.run(hung(), idle_timeout_s=0.3) == pytest.approx(3.0)  # past the real wait: time goes on
 
 
 def test_real_io_is_delivered_while_the_loop_stays_busy():

@@ -25,7 +25,7 @@ from rollfleet.engines.sim.cost import StepCost
 from rollfleet.engines.sim.prefix import PrefixCache
 from rollfleet.engines.sim.steps import StepLoop, _Run
 from rollfleet.engines.sim.tokens import _mix
-from rollfleet.errors import EngineDead, NotSupported
+from rollfleet.errors import EngineDead, InvalidRequest, NotSupported
 from rollfleet.types import SamplingParams, TokenDelta, TokenOutput
 
 #: A script maps (request_id, prompt_ids, sampling_params) to the exact response tokens. The
@@ -180,6 +180,14 @@ class SimEngine(StepLoop, Engine):
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in flight on this engine")
         max_tokens = int(sampling_params["max_tokens"])
+        # A replica validates requests fully (rollfleet.server.validation); these are the limits the
+        # engine's own arithmetic rests on, for those that call it directly (calibration, tests).
+        if max_tokens < 1:
+            raise InvalidRequest("sampling_params.max_tokens", "max_tokens >= 1", max_tokens)
+        if not 0 < len(prompt_ids) < self._max_model_len:
+            raise InvalidRequest("prompt_ids", f"1 <= length < max_model_len ({self._max_model_len})", len(prompt_ids))
+        if float(sampling_params.get("temperature", 1.0)) < 0:
+            raise InvalidRequest("sampling_params.temperature", "temperature >= 0", sampling_params["temperature"])
         req = _Request(request_id, list(prompt_ids), max_tokens)
         req.cache_salt = self._num_updates  # the weights it arrives under (see _load)
         req.stop_ids = frozenset(sampling_params.get("stop_token_ids") or ())
@@ -259,6 +267,8 @@ class SimEngine(StepLoop, Engine):
             self._corrupt_next_load = False
             self._weights_fp = _mix(self._weights_fp, 0xBAD)
         self._weights_seed = _mix(self.config.seed, self._weights_fp, self._num_updates)
+        for req in self._requests.values():  # in flight: the rest comes from the new weights
+            req.token_seed = _mix(self._weights_seed, *req.sample_key)
         if clear_cache:
             self._prefix_cache.clear()
 
@@ -283,8 +293,6 @@ class SimEngine(StepLoop, Engine):
             # every later request off them. abort: the replica resets the cache after the load.
             await self._load(staged.pop(version), clear_cache=mode != "keep")
             self._version_label = version
-            for req in self._requests.values():  # in flight: the rest comes from the new weights
-                req.token_seed = _mix(self._weights_seed, *req.sample_key)
         finally:
             self._loading -= 1
             if self._work is not None:
