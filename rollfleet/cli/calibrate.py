@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from rollfleet.cli.paths import writable_file
 from rollfleet.config import RollfleetConfig
 from rollfleet.engines import build_engine
 from rollfleet.plan.calibrate import Measurement, Probe, Profile, default_grid, fit, measure
@@ -41,6 +42,13 @@ async def calibrate(
     rollout = config.rollout
     if repeats < 1:  # before an engine starts (a vLLM start is most of a minute)
         raise ValueError(f"--repeats must be >= 1, got {repeats}")
+    if rollout.name == "sim" and rollout.sim.time_scale != 1:
+        # calibration times the engine on the wall clock: a sim engine paced faster than real
+        # time would be measured that much cheaper, and a plan on its profile priced so
+        raise ValueError(
+            f"rollout.sim.time_scale must be 1 to calibrate the sim engine (its steps would be timed "
+            f"{rollout.sim.time_scale:g}x off), got {rollout.sim.time_scale:g}"
+        )
     longest = max(p.prompt_tokens + p.output_tokens for p in grid)
     if rollout.max_model_len is not None and longest > rollout.max_model_len:
         raise ValueError(f"rollout.max_model_len ({rollout.max_model_len}) must be >= {longest} for this grid")
@@ -93,6 +101,7 @@ def run(args: argparse.Namespace, config: RollfleetConfig, console: Console) -> 
     import asyncio
 
     grid = QUICK_GRID if args.grid == "quick" else default_grid()
+    writable_file(args.out, "--out")  # before minutes of measuring, not after
     profile = asyncio.run(calibrate(config, grid, args.repeats, console))
     render(profile, console)
     # the replica these costs price: a plan at another tp refuses the profile

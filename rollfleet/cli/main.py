@@ -74,6 +74,7 @@ def _simulate(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     """Every trainer mode on a simulated cluster in virtual time (see rollfleet.cli.plan)."""
     from rollfleet.cli import plan as cli
+    from rollfleet.cli.paths import writable_dir
     from rollfleet.cli.plan_variants import render_variants, variants_from_args
     from rollfleet.models.vocab import fit_sim_to_model
     from rollfleet.plan.report import write_variants
@@ -82,6 +83,7 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"rollfleet plan: --workers must be >= 1, got {args.workers}", file=sys.stderr)
         return 2
     try:
+        writable_dir(args.out, "--out")
         variants = variants_from_args(args)
         specs = [
             cli.spec_from_args(
@@ -166,7 +168,9 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     """RL training on the fleet (see rollfleet.trainer); outputs under runs/<run_name>/."""
+    from rollfleet.cli.paths import writable_dir
     from rollfleet.cli.train import render_summary, run_training
+    from rollfleet.trainer.config import TrainConfig
 
     overrides: dict = {}
     for key, value in (
@@ -179,6 +183,12 @@ def _train(args: argparse.Namespace) -> int:
         if value is not None:
             overrides[key] = value
     config = _load(args.config, overrides)  # the trainer section too: a typo fails before Ray starts
+    try:
+        train = TrainConfig.model_validate(config.trainer.model_dump())  # validated by _load already
+        writable_dir(os.path.join(train.output_dir, train.run_name), "trainer.output_dir")
+    except ValueError as exc:
+        print(f"rollfleet train: {exc}", file=sys.stderr)
+        return 2
     if config.rollout.name == "sim":
         from rollfleet.models.vocab import fit_sim_to_model
 

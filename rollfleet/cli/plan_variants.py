@@ -5,6 +5,7 @@ every plan, fastest first. One thing varies at a time, so every difference has o
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +15,9 @@ from rich.table import Table
 
 from rollfleet.plan.report import compare
 from rollfleet.plan.result import PlanResult
+
+#: What a folder name made from a ``--vary`` value may not hold.
+_FOLDER_UNSAFE = re.compile(r"[^\w.=+,-]")
 
 
 @dataclass(frozen=True)
@@ -69,27 +73,41 @@ def variants_from_args(args: argparse.Namespace) -> list[Variant]:
         )
     if len(set(texts)) < len(texts):
         raise ValueError(f"--vary {key}: values must not repeat, got {texts}")
-    return [Variant(f"{key}={text}", tps[0], {key: yaml.safe_load(text)}, f"{key}={text}") for text in texts]
+    # A value becomes a folder under --out: one path component, whatever the value says
+    # (a '/' in it would nest folders, '../..' would write outside --out).
+    folders = [_FOLDER_UNSAFE.sub("_", f"{key}={text}") for text in texts]
+    if len(set(folders)) < len(folders):
+        raise ValueError(f"--vary {key}: values {texts} name the same folder once made safe: {folders}")
+    return [
+        Variant(f"{key}={text}", tps[0], {key: yaml.safe_load(text)}, folder) for text, folder in zip(texts, folders)
+    ]
 
 
 def render_variants(results: list[PlanResult], variants: list[Variant], console: Console) -> None:
-    """Every mode (and split) of every plan, fastest first, and the fastest named."""
+    """Every mode (and split) of every plan, fastest (most trained tokens per second) first, and
+    the fastest named."""
     table = Table(title=f"every plan: {results[0].spec.gpus} accelerators (simulated seconds; means over seeds)")
-    for col in ("plan", "mode", "replicas", "s / step", "vs the fastest", "trainer idle", "fleet idle"):
+    columns = ("plan", "mode", "replicas", "s / step", "trained tok/s", "vs the fastest", "trainer idle", "fleet idle")
+    for col in columns:
         table.add_column(col, justify="left" if col in ("plan", "mode") else "right", no_wrap=col in ("plan", "mode"))
     rows = compare(results, [v.name for v in variants])
+    best = rows[0]
     for r in rows:
         table.add_row(
             r["plan"],
             r["label"],
             str(r["replicas"]),
             f"{r['step_s']:.2f}",
-            f"{r['step_s'] / rows[0]['step_s']:.2f}x",
+            f"{r['tokens_per_s']:,.0f}",
+            f"{best['tokens_per_s'] / r['tokens_per_s']:.2f}x" if r["tokens_per_s"] > 0 else "-",
             f"{r['trainer_idle']:.0%}",
             f"{r['fleet_idle']:.0%}",
         )
     console.print(table)
-    console.print(f"fastest: [bold]{rows[0]['label']}, {rows[0]['plan']}[/], {rows[0]['step_s']:.2f} s a step")
+    console.print(
+        f"fastest: [bold]{best['label']}, {best['plan']}[/], {best['tokens_per_s']:,.0f} trained tokens/s "
+        f"({best['step_s']:.2f} s a step)"
+    )
 
 
 __all__ = ["Variant", "tps_from_args", "variants_from_args", "render_variants"]

@@ -47,6 +47,11 @@ class SimulateOptions:
             value = getattr(self, name)
             if value < low:
                 raise ValueError(f"{name} must be >= {low}, got {value}")
+        if self.weight_updates >= self.sessions and self.weight_updates:
+            raise ValueError(
+                f"weight_updates must be < sessions ({self.sessions}): each fires while sessions still run, "
+                f"got {self.weight_updates}"
+            )
 
 
 @dataclass
@@ -139,9 +144,13 @@ async def run_simulation(
             sessions = [asyncio.ensure_future(tracked(i)) for i in range(opts.sessions)]
             for finished, session in enumerate(asyncio.as_completed(sessions), 1):
                 await session
-                version = len(updates) + 1  # the next update fires once its share of sessions is done
-                due = version <= opts.weight_updates and finished >= opts.sessions * version / (opts.weight_updates + 1)
-                if due and len(done) < opts.sessions:  # only while sessions still run
+                # Each update fires once its share of sessions is done, while sessions still run.
+                # ``finished`` counts the sessions seen here: ``done`` may already hold more, ended
+                # in the same instant, and asking it would skip updates that were due.
+                while finished < opts.sessions and len(updates) < opts.weight_updates:
+                    version = len(updates) + 1
+                    if finished < opts.sessions * version / (opts.weight_updates + 1):
+                        break
                     updates.append(await manager.update_weights({"step": version}, version))
         wall = clock() - start
         after = await manager.replica_stats()

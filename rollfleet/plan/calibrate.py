@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -96,8 +97,18 @@ def fit(measurements: Sequence[Measurement]) -> Profile:
     """The profile's constants: :func:`nonnegative_lstsq` over the measurements."""
     if len(measurements) < len(TERMS):
         raise ValueError(f"need at least {len(TERMS)} measurements to fit {len(TERMS)} terms, got {len(measurements)}")
+    bad = next((m for m in measurements if not (math.isfinite(m.seconds) and m.seconds > 0)), None)
+    if bad is not None:
+        raise ValueError(f"measurement of {bad.probe}: seconds must be a finite number > 0, got {bad.seconds}")
     x = np.array([m.probe.features() for m in measurements], dtype=float)
     y = np.array([m.seconds * 1000.0 for m in measurements], dtype=float)
+    if np.linalg.matrix_rank(x) < len(TERMS):
+        # probes that differ too little (all alike, say) fit any mix of the terms equally well:
+        # the constants would be arbitrary, and the errors 0
+        raise ValueError(
+            f"the probes cannot tell the {len(TERMS)} cost terms apart ({', '.join(TERMS)}): vary the batch, "
+            "prompt and output lengths (see default_grid)"
+        )
     # Relative errors matter (a 10 ms probe and a 3 s probe alike): weight each row by 1/y.
     w = 1.0 / np.maximum(y, 1e-6)
     coef = nonnegative_lstsq(x * w[:, None], y * w)

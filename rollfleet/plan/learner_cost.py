@@ -4,14 +4,16 @@ is given a model (``rollfleet plan --model-params-b``) instead of measured const
 
 from __future__ import annotations
 
+import math
+
 
 def _check(**values: float) -> None:
     """Every value > 0 (``gpus`` >= 1), or a ValueError naming the first that is not."""
     for name, value in values.items():
         if name == "gpus" and value < 1:
             raise ValueError(f"gpus must be >= 1, got {value}")
-        if value <= 0:
-            raise ValueError(f"{name} must be > 0, got {value:g}")
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{name} must be a finite number > 0, got {value:g}")
 
 
 def learner_seconds_per_token(

@@ -29,6 +29,7 @@ of the all-reduce latency), and the per-sequence cost (sampling, scheduling), wh
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,8 +124,8 @@ def engine_costs(
         ("allreduce_link_efficiency", allreduce_link_efficiency),
         ("allreduce_large_link_efficiency", allreduce_large_link_efficiency),
     ):
-        if value <= 0:
-            raise ValueError(f"{name} must be > 0, got {value}")
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{name} must be a finite number > 0, got {value}")
     if tp < 1:
         raise ValueError(f"tp must be >= 1, got {tp}")
     if allreduce_latency_us < 0:
@@ -138,6 +139,11 @@ def engine_costs(
     bandwidth = device.hbm_tbps * 1e12 * bandwidth_efficiency * tp  # bytes/s over the replica
     weights = params_b * 1e9 * bytes_per_param
     free = device.hbm_gib * 2**30 * tp * memory_utilization - weights
+    if free < kv_bytes_per_token * 1024 and free > 0:
+        raise ValueError(
+            f"kv_bytes_per_token: {kv_bytes_per_token:g} bytes a token leave no room for a KV cache of 1,024 tokens in "
+            f"the {free / 2**30:.1f} GiB that {params_b:g}B parameters leave on tp={tp} x {device.name}: raise --tp"
+        )
     if free < kv_bytes_per_token * 1024:
         raise ValueError(
             f"params_b: {params_b:g}B parameters ({weights / 2**30:.0f} GiB) leave no room for a KV cache on "

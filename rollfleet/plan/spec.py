@@ -63,6 +63,11 @@ class PlanSpec:
                     raise ValueError(
                         f"separate_async: rollout_share x gpus = {self.gpus * share:g} holds no tp={self.tp} replica"
                     )
+                if self.gpus - generating < 1:
+                    raise ValueError(
+                        f"separate_async: rollout_share {share} leaves the learner none of the {self.gpus} "
+                        f"accelerators (it needs at least 1)"
+                    )
             if len(set(splits)) < len(splits):
                 raise ValueError(
                     f"rollout shares {list(self.shares)} give the same split twice ({self.gpus} accelerators, "

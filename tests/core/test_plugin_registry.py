@@ -287,6 +287,27 @@ def test_rollfleet_train_rejects_a_trainer_typo_before_starting_ray(tmp_path, mo
     assert "trainer.totl_steps" in capsys.readouterr().err
 
 
+def test_rollfleet_train_refuses_an_output_dir_it_cannot_write_before_starting_ray(tmp_path, monkeypatch, capsys):
+    """A file where the run's folder goes was a NotADirectoryError traceback once Ray had started."""
+    import ray
+
+    import rollfleet.cli.train as train_cli
+    from rollfleet.cli.main import main
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("training or Ray started with an unwritable output_dir")
+
+    monkeypatch.setattr(train_cli, "run_training", must_not_run)
+    monkeypatch.setattr(ray, "init", must_not_run)
+    (tmp_path / "afile").write_text("")
+    path = tmp_path / "c.yaml"
+    path.write_text(f"rollout:\n  name: sim\ntrainer:\n  output_dir: {tmp_path / 'afile'}\n")
+    assert main(["train", "--config", str(path)]) == 2
+    assert (
+        f"rollfleet train: trainer.output_dir: {tmp_path / 'afile'} is a file, not a folder" in capsys.readouterr().err
+    )
+
+
 def test_a_config_file_that_is_missing_or_not_a_yaml_mapping_is_named_and_refused(tmp_path, monkeypatch, capsys):
     """Each was a traceback from every command (FileNotFoundError, a YAML parser error, or an
     AttributeError from a list); now one line naming the file, status 2, before Ray starts."""

@@ -56,6 +56,55 @@ def test_too_few_measurements_are_refused():
         fit(synthetic(TRUE)[:3])
 
 
+def test_measurements_that_cannot_fit_the_terms_are_refused():
+    """Five alike probes fitted arbitrary constants with 0% error; a probe of 0 s fitted a free
+    engine; NaN was a LinAlgError."""
+    alike = [Measurement(synthetic(TRUE)[0].probe, 0.5) for _ in range(6)]
+    with pytest.raises(ValueError, match="the probes cannot tell the 5 cost terms apart"):
+        fit(alike)
+    for seconds in (0.0, -1.0, float("inf"), float("nan")):
+        data = synthetic(TRUE)
+        data[3] = Measurement(data[3].probe, seconds)
+        with pytest.raises(ValueError, match="seconds must be a finite number > 0"):
+            fit(data)
+
+
+def test_what_calibration_cannot_measure_or_write_is_refused_before_an_engine_starts(tmp_path, monkeypatch, capsys):
+    """A sim engine paced faster than real time was measured that much cheaper (time_scale 50:
+    costs 50x too low, written as a profile); an --out that could not be written failed after
+    all the measuring, with a traceback."""
+    import rollfleet.cli.calibrate as calibrate_cli
+
+    monkeypatch.setattr(calibrate_cli, "build_engine", lambda *a, **k: pytest.fail("an engine started"))
+    fast = tmp_path / "fast.yaml"
+    fast.write_text("rollout: {name: sim, sim: {time_scale: 50}}\n")
+    assert main(["calibrate", "--config", str(fast), "--out", str(tmp_path / "p.yaml")]) == 2
+    assert "rollout.sim.time_scale must be 1 to calibrate the sim engine" in capsys.readouterr().err
+    (tmp_path / "afile").write_text("")
+    for out, says in (
+        (tmp_path, "is a folder, not a file"),
+        (tmp_path / "afile" / "p.yaml", "is a file, not a folder"),
+    ):
+        assert main(["calibrate", "--engine", "sim", "--out", str(out)]) == 2
+        assert "rollfleet calibrate: --out: " in (err := capsys.readouterr().err) and says in err, err
+
+
+def test_a_profile_file_that_is_not_engine_costs_is_refused_naming_it(tmp_path):
+    """A broken or non-mapping file was a yaml or AttributeError traceback; keys beside
+    rollout.sim (replicas, steps) were ignored, silently."""
+    for name, text, says in (
+        ("broken.yaml", "rollout:\n  sim: [1, 2\n", "not a readable YAML file"),
+        ("list.yaml", "- 1\n- 2\n", "has no rollout.sim section"),
+        ("scalar.yaml", "rollout: 5\n", "has no rollout.sim section"),
+        ("extra.yaml", "rollout: {num_replicas: 99, sim: {step_base_ms: 1}}\ntrainer: {total_steps: 9}\n",
+         "only rollout.sim may be set, not trainer, rollout.num_replicas"),
+    ):  # fmt: skip
+        path = tmp_path / name
+        path.write_text(text)
+        with pytest.raises(ValueError, match=f"profile {path}.*{says}"):
+            load_profile(str(path))
+
+
 def test_no_repeats_are_refused_before_an_engine_starts(tmp_path, monkeypatch, capsys):
     """``--repeats 0`` measured nothing, fitted every probe's inf seconds to a free engine and wrote
     that profile; a plan on it would have priced every step at 0."""

@@ -286,12 +286,14 @@ def test_learner_cost_from_model_size():
     assert learner_seconds_per_token(7, 128, 989, 0.35) == pytest.approx(
         learner_seconds_per_token(7, 64, 989, 0.35) / 2
     )
-    with pytest.raises(ValueError, match="mfu must be > 0, got 0"):
+    with pytest.raises(ValueError, match="mfu must be a finite number > 0, got 0"):
         learner_seconds_per_token(7, 8, 989, 0)
-    with pytest.raises(ValueError, match="params_b must be > 0, got -1"):  # named alone, with its value
+    with pytest.raises(ValueError, match="params_b must be a finite number > 0, got -1"):  # named alone, with its value
         learner_seconds_per_token(-1, 8, 989, 0.35)
-    with pytest.raises(ValueError, match="flops_per_param_token must be > 0, got 0"):  # a free learner
+    with pytest.raises(ValueError, match="flops_per_param_token must be a finite number > 0, got 0"):  # a free learner
         learner_seconds_per_token(7, 8, 989, 0.35, flops_per_param_token=0)
+    with pytest.raises(ValueError, match="params_b must be a finite number > 0, got nan"):  # passed `<= 0`
+        learner_seconds_per_token(float("nan"), 8, 989, 0.35)
 
 
 @pytest.mark.parametrize(
@@ -299,6 +301,12 @@ def test_learner_cost_from_model_size():
     [
         ({"gpus": 2, "tp": 4}, r"gpus \(2\) must hold at least one replica of tp=4"),
         ({"gpus": 4, "rollout_share": 1.0}, "rollout_share must be in"),
+        # rounded up to every accelerator: the learner's share of 0 failed the config after the
+        # other modes' runs, losing the plan
+        (
+            {"gpus": 4, "rollout_share": 0.9999999999999},
+            r"rollout_share 0.9999999999999 leaves the learner none of the 4 accelerators",
+        ),
         ({"gpus": 4, "warmup_steps": 4}, r"trainer.total_steps \(4\) must exceed warmup_steps \(4\)"),
         ({"gpus": 4, "seeds": ()}, "^seeds must not be empty"),
         ({"gpus": 4, "modes": ()}, "^modes must not be empty"),
@@ -442,7 +450,9 @@ def test_the_command_plans_every_mode_at_each_replica_size_the_roofline_prices(t
     doc = json.loads((tmp_path / "both" / "plan_variants.json").read_text())
     assert doc["plans"] == ["tp 1", "tp 2"]
     assert sorted((r["tp"], r["mode"]) for r in doc["rows"]) == sorted((tp, m) for tp in (1, 2) for m in MODES)
-    assert [r["step_s"] for r in doc["rows"]] == sorted(r["step_s"] for r in doc["rows"])  # fastest first
+    assert [r["tokens_per_s"] for r in doc["rows"]] == sorted(  # fastest first
+        (r["tokens_per_s"] for r in doc["rows"]), reverse=True
+    )
     assert f"fastest: {doc['fastest']['label']}, tp {doc['fastest']['tp']}" in printed
     assert (tmp_path / "both" / "plan_variants.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for tp, replicas in ((1, 4), (2, 2)):
@@ -497,7 +507,7 @@ def test_the_command_plans_each_value_of_one_config_key_side_by_side(tmp_path, c
     step = {(r["plan"], r["mode"]): r["step_s"] for r in doc["rows"]}
     assert step[(names[0], "sync")] == step[(names[1], "sync")]
     assert step[(names[0], "separate_async")] > step[(names[1], "separate_async")]
-    assert doc["fastest"] == min(doc["rows"], key=lambda r: r["step_s"])
+    assert doc["fastest"] == max(doc["rows"], key=lambda r: r["tokens_per_s"])
     assert (tmp_path / "v" / "plan_variants.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     bound0 = json.loads(json.dumps(WORKLOAD))
@@ -615,3 +625,39 @@ def test_a_synthetic_task_is_seeded_and_a_reward_given_outright_is_taken_as_is()
     out = AgentLoopOutput([1, 2], [5, 6], [1, 1], None)
     worker.score(out, {"reward": {"score": 0.75}})
     assert out.reward_score == 0.75
+
+
+def test_the_command_refuses_an_out_it_cannot_write_and_keeps_varied_values_in_their_folders(tmp_path, capsys):
+    """``--out`` a file was a NotADirectoryError traceback; a ``--vary`` value with a '/' nested
+    folders (and '../..' wrote outside ``--out``)."""
+    config = tmp_path / "plan.yaml"
+    config.write_text(json.dumps(WORKLOAD))
+    args = ["plan", "--config", str(config), "--gpus", "2", "--seeds", "0", "--steps", "2", "--modes", "sync"]
+    (tmp_path / "afile").write_text("")
+    for out in (tmp_path / "afile", tmp_path / "afile" / "sub"):
+        assert main([*args, "--out", str(out)]) == 2
+        assert f"rollfleet plan: --out: {tmp_path / 'afile'} is a file, not a folder" in capsys.readouterr().err
+    out = tmp_path / "v" / "a"
+    assert main([*args, "--vary", "trainer.run_name=../../esc,x/y", "--out", str(out)]) == 0
+    folders = sorted(p.name for p in out.iterdir() if p.is_dir())
+    assert folders == ["trainer.run_name=.._.._esc", "trainer.run_name=x_y"], folders
+    assert not (tmp_path / "esc").exists() and not (tmp_path / "v" / "esc").exists()
+    capsys.readouterr()
+    assert main([*args, "--vary", "trainer.run_name=x/y,x_y", "--out", str(out)]) == 2
+    assert "name the same folder once made safe" in capsys.readouterr().err
+
+
+def test_plans_that_vary_a_step_s_work_are_ranked_by_trained_tokens_per_second(tmp_path, capsys):
+    """``--vary rollout.n=1,4``: four samples a prompt make a longer step that trains more per
+    second; ranked by the step, the plan that trains least was named the fastest."""
+    config = tmp_path / "plan.yaml"
+    config.write_text(json.dumps(WORKLOAD))
+    args = ["plan", "--config", str(config), "--gpus", "2", "--seeds", "0", "--steps", "3", "--modes", "sync"]
+    assert main([*args, "--vary", "rollout.n=1,4", "--out", str(tmp_path / "n")]) == 0
+    printed = capsys.readouterr().out
+    doc = json.loads((tmp_path / "n" / "plan_variants.json").read_text())
+    step = {r["plan"]: r["step_s"] for r in doc["rows"]}
+    assert step["rollout.n=4"] > step["rollout.n=1"]  # the longer step ...
+    assert doc["fastest"]["plan"] == "rollout.n=4"  # ... trains faster
+    assert [r["tokens_per_s"] for r in doc["rows"]] == sorted((r["tokens_per_s"] for r in doc["rows"]), reverse=True)
+    assert "fastest: sync, rollout.n=4" in printed and "trained tok/s" in printed

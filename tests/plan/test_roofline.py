@@ -98,8 +98,13 @@ def test_a_model_too_large_for_its_devices_is_refused_naming_the_field():
         engine_costs(70.0, accelerator("h100"), tp=1)
     with pytest.raises(ValueError, match="accelerator 'tpu9' is not known"):
         accelerator("tpu9")
-    with pytest.raises(ValueError, match="kv_bytes_per_token must be > 0"):
+    with pytest.raises(ValueError, match="kv_bytes_per_token must be a finite number > 0"):
         engine_costs(7.0, accelerator("h100"), kv_bytes_per_token=0)
+    with pytest.raises(ValueError, match="params_b must be a finite number > 0, got nan"):
+        engine_costs(float("nan"), accelerator("h100"))  # was int(NaN) deep in the capacity
+    # the weights fit; a KV size no cache holds is what is named, not the model's size
+    with pytest.raises(ValueError, match=r"kv_bytes_per_token: 1e\+11 bytes a token leave no room"):
+        engine_costs(7.0, accelerator("h100"), kv_bytes_per_token=100_000_000_000)
 
 
 def _args(*argv: str) -> argparse.Namespace:

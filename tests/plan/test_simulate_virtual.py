@@ -49,8 +49,19 @@ def test_a_virtual_simulation_repeats_exactly():
         (["--turns", "0"], "turns must be >= 1, got 0"),  # was an IndexError
         (["--weight-updates", "-1"], "weight_updates must be >= 0, got -1"),  # was taken as none
         (["--replicas", "0"], "rollout.num_replicas must be >= 1, got 0"),  # waited 300 s, then a traceback
+        (["--sessions", "3", "--weight-updates", "3"], "weight_updates must be < sessions (3)"),  # fired fewer
     ],
 )
 def test_the_command_refuses_a_simulation_of_nothing_naming_the_flag(flags, says, capsys):
     assert main(["simulate", "--virtual", *flags]) == 2
     assert f"rollfleet simulate: {says}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("sessions, updates", [(3, 1), (8, 3), (20, 19)])
+def test_every_weight_update_asked_for_fires_while_sessions_run(sessions, updates):
+    """Sessions that ended in the same instant as the one that made an update due used to skip
+    it: 3 sessions with 1 update fired none, 8 with 3 fired 2, 20 with 19 fired 18."""
+    config = RollfleetConfig.model_validate({"rollout": {"name": "sim", "num_replicas": 2, "routing": {"seed": 0}}})
+    opts = SimulateOptions(sessions=sessions, turns=2, weight_updates=updates)
+    result = virtual_time.run(run_simulation(config, opts, virtual=True))
+    assert result.trajectories == sessions and len(result.weight_updates) == updates

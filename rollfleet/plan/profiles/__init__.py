@@ -23,10 +23,19 @@ def load_profile(name_or_path: str) -> dict[str, Any]:
         path = HERE / f"{name_or_path}.yaml"
         if not path.is_file():
             raise ValueError(f"unknown profile {name_or_path!r}: not a file, and not one of {names()}")
-    doc = yaml.safe_load(path.read_text()) or {}
-    sim = (doc.get("rollout") or {}).get("sim")
-    if not isinstance(sim, dict) or not sim:
-        raise ValueError(f"profile {path} has no rollout.sim section")
+    try:
+        doc = yaml.safe_load(path.read_text()) or {}
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise ValueError(f"profile {path}: not a readable YAML file ({exc})") from None
+    rollout = doc.get("rollout") if isinstance(doc, dict) else None
+    sim = rollout.get("sim") if isinstance(rollout, dict) else None
+    if not isinstance(rollout, dict) or not isinstance(sim, dict) or not sim:
+        raise ValueError(f"profile {path} has no rollout.sim section (a mapping of engine costs)")
+    # A profile is engine costs only: anything else in it (replicas, steps) would be ignored
+    # silently by a plan that thinks it used it.
+    others = [key for key in doc if key != "rollout"] + [f"rollout.{key}" for key in rollout if key != "sim"]
+    if others:
+        raise ValueError(f"profile {path}: only rollout.sim may be set, not {', '.join(others)}")
     return sim
 
 
