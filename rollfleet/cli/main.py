@@ -20,17 +20,25 @@ class _ConfigRejected(Exception):
     """The config did not validate; already reported on stderr."""
 
 
-def _load(path: Optional[str], overrides: dict) -> RollfleetConfig:
+def _load(path: Optional[str], overrides: dict, warn: bool = True) -> RollfleetConfig:
     """``load_config`` for a command: a bad config is reported (every bad field named) and the
     command exits with status 2 before it starts Ray or any engine."""
     try:
-        return load_config(path, overrides)
+        config = load_config(path, overrides)
     except (ValidationError, RollfleetError) as exc:
         print(f"rollfleet: invalid config{f' {path}' if path else ''}:\n{exc}", file=sys.stderr)
         raise _ConfigRejected() from exc
     except (OSError, ValueError) as exc:  # not there, unreadable, not YAML, not a mapping
         print(f"rollfleet: cannot read config: {exc}", file=sys.stderr)
         raise _ConfigRejected() from exc
+    unread = list(config.model_extra or {}) if warn else []
+    for name in unread:  # kept for tools built on top; a typo would cost a run
+        print(
+            f"rollfleet: config section {name!r} is not one rollfleet reads "
+            f"({', '.join(RollfleetConfig.model_fields)}); ignored",
+            file=sys.stderr,
+        )
+    return config
 
 
 def _simulate(args: argparse.Namespace) -> int:
@@ -43,7 +51,7 @@ def _simulate(args: argparse.Namespace) -> int:
         overrides["rollout.sim.time_scale"] = args.time_scale
     config = _load(args.config, overrides)
     if args.virtual and config.rollout.routing.seed is None:  # a virtual run repeats exactly: seed the policy
-        config = _load(args.config, {**overrides, "rollout.routing.seed": 0})
+        config = _load(args.config, {**overrides, "rollout.routing.seed": 0}, warn=False)
     if config.rollout.name != "sim":
         print(f"rollfleet simulate runs the sim engine; the config names '{config.rollout.name}'", file=sys.stderr)
         return 2

@@ -13,6 +13,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+from rollfleet.config import RollfleetConfig
 from rollfleet.plan.report import compare
 from rollfleet.plan.result import PlanResult
 
@@ -73,6 +74,11 @@ def variants_from_args(args: argparse.Namespace) -> list[Variant]:
         )
     if len(set(texts)) < len(texts):
         raise ValueError(f"--vary {key}: values must not repeat, got {texts}")
+    section = key.split(".")[0]
+    if section not in RollfleetConfig.model_fields:  # kept unread by the config: plans that differ in nothing
+        raise ValueError(
+            f"--vary {key}: {section!r} is not a config section ({', '.join(RollfleetConfig.model_fields)})"
+        )
     # A value becomes a folder under --out: one path component, whatever the value says
     # (a '/' in it would nest folders, '../..' would write outside --out).
     folders = [_FOLDER_UNSAFE.sub("_", f"{key}={text}") for text in texts]

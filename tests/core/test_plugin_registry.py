@@ -287,6 +287,23 @@ def test_rollfleet_train_rejects_a_trainer_typo_before_starting_ray(tmp_path, mo
     assert "trainer.totl_steps" in capsys.readouterr().err
 
 
+def test_a_config_section_rollfleet_does_not_read_is_named_on_stderr(tmp_path, capsys):
+    """Unknown top-level sections are kept for tools built on top, but a typo (``rolout``) ran a
+    whole simulation on the defaults without a word."""
+    from rollfleet.cli.main import main
+
+    path = tmp_path / "typo.yaml"
+    path.write_text("rolout: {num_replicas: 7}\n")
+    assert (
+        main(
+            ["simulate", "--virtual", "--sessions", "2", "--turns", "1", "--weight-updates", "0", "--config", str(path)]
+        )
+        == 0
+    )
+    err = capsys.readouterr().err
+    assert err.count("config section 'rolout' is not one rollfleet reads (rollout, ray, agent, gateway, trainer)") == 1
+
+
 def test_rollfleet_train_refuses_an_output_dir_it_cannot_write_before_starting_ray(tmp_path, monkeypatch, capsys):
     """A file where the run's folder goes was a NotADirectoryError traceback once Ray had started."""
     import ray

@@ -645,6 +645,8 @@ def test_the_command_refuses_an_out_it_cannot_write_and_keeps_varied_values_in_t
     capsys.readouterr()
     assert main([*args, "--vary", "trainer.run_name=x/y,x_y", "--out", str(out)]) == 2
     assert "name the same folder once made safe" in capsys.readouterr().err
+    assert main([*args, "--vary", "trainr.total_steps=2,3", "--out", str(out)]) == 2  # two identical plans
+    assert "--vary trainr.total_steps: 'trainr' is not a config section" in capsys.readouterr().err
 
 
 def test_plans_that_vary_a_step_s_work_are_ranked_by_trained_tokens_per_second(tmp_path, capsys):
