@@ -52,24 +52,28 @@ def resumed_params(params: SamplingParams, key: str, budget: int, done: int) -> 
 class StallCount:
     """The resume rule both resuming paths (fully-async, streamed) apply after an aborted attempt.
     It made progress if it brought tokens, or the weights are new since the attempt before, or the
-    fleet has moved past the weights it ran on (the abort was a weight update's). Only aborts
-    without progress, ``max_attempts`` in a row, end a generation (``exhausted``): it runs to its
-    budget however often the trainer syncs."""
+    fleet has moved past the weights it ran on (the abort was a weight update's), once per move: a
+    replica left behind on old weights that aborts every attempt at once must not count as
+    progress each time (the generation resent at once, forever). Only aborts without progress,
+    ``max_attempts`` in a row, end a generation (``exhausted``): it runs to its budget however
+    often the trainer syncs."""
 
     def __init__(self, max_attempts: int) -> None:
         self.max_attempts = max_attempts
         self.stalled = 0
         self.exhausted = False
         self._version: Any = None
+        self._moved: Optional[tuple[Any, Optional[int]]] = None  # the last (attempt's, fleet's) versions counted
 
     def after_abort(self, new_tokens: bool, resumed: bool, version: Any, fleet_version: Optional[int]) -> int:
         """Count one aborted attempt (``resumed``: not the first); the backoffs to wait before the
         next (0: at once)."""
-        progressed = (
-            new_tokens
-            or (resumed and version != self._version)
-            or (version is not None and fleet_version is not None and fleet_version > version)
-        )
+        moved = version is not None and fleet_version is not None and fleet_version > version
+        if moved and self._moved == (version, fleet_version):
+            moved = False  # counted already: the abort is the stale replica's, not an update's
+        elif moved:
+            self._moved = (version, fleet_version)
+        progressed = new_tokens or (resumed and version != self._version) or moved
         self._version = version
         self.stalled = 0 if progressed else self.stalled + 1
         self.exhausted = self.stalled >= self.max_attempts

@@ -57,6 +57,9 @@ class DispatchGate:
         """Every order is built with the balancer's free slots (``room``), its dispatch ``limit``
         and ``routing.dispatch_lookahead``; this one needs none of them."""
         self._waiters: deque[asyncio.Future[None]] = deque()
+        #: Waiters woken that have not tried yet: a woken one runs a loop step later, and a request
+        #: arriving meanwhile must not take the slot it was woken for.
+        self._woken = 0
 
     @property
     def waiting(self) -> int:
@@ -64,8 +67,8 @@ class DispatchGate:
 
     def may_try(self, placed: bool) -> bool:
         """Whether a request that just arrived may try for a replica before it waits (``placed``:
-        it is a session's next turn)."""
-        return True
+        it is a session's next turn): at once only while nobody waits or is woken ahead of it."""
+        return placed or not (self._waiters or self._woken)
 
     async def wait(
         self, front: bool = False, *, request_id: str = "", prompt_ids: Optional[Sequence[int]] = None
@@ -82,8 +85,10 @@ class DispatchGate:
             if future in self._waiters:
                 self._waiters.remove(future)
             elif future.done() and not future.cancelled():
+                self._woken -= 1
                 self.wake(everyone=False)  # it was picked, then cancelled: the slot goes to the next
             raise
+        self._woken -= 1  # its caller tries now, before anything else runs
 
     def wake(self, everyone: bool) -> None:
         """Let the first waiter (``everyone``: all of them) try again."""
@@ -91,6 +96,7 @@ class DispatchGate:
             future = self._waiters.popleft()
             if not future.done():
                 future.set_result(None)
+                self._woken += 1
                 if not everyone:
                     return
 

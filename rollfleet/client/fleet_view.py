@@ -58,7 +58,13 @@ class FleetView:
             self._task = loop.create_task(self._refresh_forever(), name="rollfleet-fleet-view")
         if self._first_refresh is not None:
             if not self._first_refresh.done():
-                await asyncio.shield(self._first_refresh)
+                try:
+                    await asyncio.shield(self._first_refresh)
+                except Exception as exc:  # not CancelledError: the caller's own cancellation goes on
+                    # The controller may be restarting: route on the view as it is (a fleet with
+                    # nothing routable is NoServerAvailable, which the retry policy waits out), as
+                    # every later refresh that fails does, not with the controller's raw error.
+                    logger.warning("fleet view: the first snapshot failed (%r); routing on the view as it is", exc)
             else:
                 self._first_refresh = None
 

@@ -149,3 +149,27 @@ async def test_a_failed_release_on_the_shared_balancer_keeps_the_result_and_rege
     out = await client.generate("r", prompt_ids=[1], sampling_params=PARAMS)
     assert out.token_ids == [7] and out.stop_reason == "stop"
     assert server.calls == 1 and balancer.releases == 1
+
+
+def test_a_controller_down_at_the_first_request_leaves_the_client_routing_on_the_view_it_has():
+    """The first snapshot's error (a controller restarting) escaped every request as the raw
+    ConnectionError; later refreshes that fail already keep routing on the last view."""
+
+    class Down:
+        async def _fail(self, *args: Any, **kwargs: Any) -> None:
+            raise ConnectionError("controller restarting")
+
+        def remote(self, *args: Any, **kwargs: Any) -> Any:
+            return asyncio.ensure_future(self._fail())
+
+    class Controller:
+        snapshot = Down()
+
+    async def main() -> TokenOutput:
+        client = held_client({"A": Server("A", 1.0)})
+        client.fleet.controller = Controller()
+        out = await client.generate("r", prompt_ids=[1], sampling_params=PARAMS)
+        assert client.balancer.get_total_inflight() == 0
+        return out
+
+    assert virtual_time.run(main()).token_ids == [7]

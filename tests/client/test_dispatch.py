@@ -86,6 +86,48 @@ async def test_the_gate_is_fifo_a_rewoken_waiter_keeps_its_place_and_a_cancelled
     assert gate.waiting == 0 and b.done() and retry.done()
 
 
+def test_a_request_arriving_as_a_slot_frees_queues_behind_the_held_ones():
+    """One replica, one slot. W1 and W2 are held; N arrives in the loop step after X ends, while W1
+    is woken but has not run yet: N took the slot before W1 and W2."""
+    from rollfleet.client import LLMServerClient
+    from rollfleet.server.local import LocalHandle
+    from rollfleet.types import ReplicaResponse, TokenOutput
+
+    class Replica:
+        def __init__(self) -> None:
+            self.order: list[str] = []
+
+        async def generate_with_load(self, request_id, prompt_ids, params, **kwargs):
+            self.order.append(request_id)
+            await asyncio.sleep(1.0)
+            out = TokenOutput(token_ids=[7], log_probs=[-0.1], stop_reason="length", extra_fields={"global_steps": 0})
+            return ReplicaResponse(out, LoadReport(replica_id="A", timestamp=virtual_time.now()))
+
+    async def main(spins: int) -> list[str]:
+        replica = Replica()
+        config = RolloutConfig(
+            response_length=1,
+            retry={"jitter": 0.0},
+            routing={"policy": "least_inflight", "max_inflight_per_replica": 1},
+        )
+        client = LLMServerClient(config, servers={"A": LocalHandle(replica)})
+        params = {"max_tokens": 1}
+        tasks = [asyncio.ensure_future(client.generate("X", prompt_ids=[1], sampling_params=params))]
+        for name, prompt in (("W1", [2]), ("W2", [3])):
+            await asyncio.sleep(0.1)
+            tasks.append(asyncio.ensure_future(client.generate(name, prompt_ids=prompt, sampling_params=params)))
+        await asyncio.sleep(0.8)  # X ends now
+        for _ in range(spins):
+            await asyncio.sleep(0)
+        tasks.append(asyncio.ensure_future(client.generate("N", prompt_ids=[4], sampling_params=params)))
+        await asyncio.gather(*tasks)
+        assert client.balancer.get_total_inflight() == 0
+        return replica.order
+
+    for spins in range(6):
+        assert virtual_time.run(main(spins)) == ["X", "W1", "W2", "N"], spins
+
+
 def fleet_config(limit: int) -> RolloutConfig:
     return RolloutConfig(
         name="sim",

@@ -392,3 +392,17 @@ def test_a_stream_resumes_by_the_rule_generate_resumes_by(aborts, new_weights, t
         assert out.extra_fields.get("resume_exhausted", False) is exhausted
     assert outs[0].token_ids == outs[1].token_ids
     assert outs[0].extra_fields["num_resumes"] == outs[1].extra_fields["num_resumes"]
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_replica_left_on_old_weights_that_aborts_every_attempt_is_bounded_and_flagged(streamed):
+    """The fleet is on version 4, the replica still on 0 and aborting each attempt before its
+    first token: "the fleet moved past the attempt's weights" counted as progress every time, so
+    the generation was resent at once, forever (6,000 attempts in 60 s). It counts once."""
+    server = FakeServer([0] * 100, new_weights=False)
+    c = client(server, max_attempts=3, handle=WholeOnly)
+    c.fleet.current_version = 4  # what the controller's snapshot says
+    params = {"max_tokens": 8}
+    out = asyncio.run(_streamed(c, params) if streamed else c.generate("r", prompt_ids=[1], sampling_params=params))
+    assert len(server.calls) == 4  # the one the move explains, then 3 that made no progress
+    assert out.stop_reason == "aborted" and out.extra_fields["resume_exhausted"] is True
