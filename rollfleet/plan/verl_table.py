@@ -12,7 +12,7 @@ of input, kept apart so that a reader can tell what the prediction rests on:
 * **verl's setup** (from its scripts and rollouter): the model's shape, H20s, rollout tensor
   parallelism 4, 512 x 16 samples, 28K-token responses, the async row's batches, sync interval,
   staleness threshold and partial rollout, 16 prompts in flight per server and at most
-  (1 + staleness) x a sync's prompts finished ahead of the trainer;
+  (1 + staleness) x a sync's prompts started (in flight or finished) ahead of the trainer;
 * **the learner, fitted to verl's own training columns**: a learner step costs ``a + b / gpus``
   (``b`` the work that splits over accelerators, ``a`` what does not: optimizer steps, collectives,
   the slowest micro-batch), fitted by least squares over the three rows, once for the colocated
