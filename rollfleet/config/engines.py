@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Optional
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from rollfleet.config.base import _Section
 
@@ -85,6 +85,25 @@ class SimEngineConfig(_Section):
         "(a fast-forward: the same steps, settled at once; streamed requests still step one at a time). "
         "1 wakes every step; rollfleet plan uses a large value.",
     )
+
+    def check_holds_a_sequence(self, max_model_len: int) -> None:
+        """Refuse a KV cache without room for one sequence of ``max_model_len`` tokens, as vLLM
+        refuses to start such a replica (its requests would be preempted forever, or end empty)."""
+        usable = self.kv_capacity_tokens // self.block_size * self.block_size  # the cache is whole blocks
+        if usable < max_model_len:
+            raise ValueError(
+                f"rollout.sim.kv_capacity_tokens ({self.kv_capacity_tokens:,}, {usable:,} in whole blocks of "
+                f"{self.block_size}) holds less than one sequence of rollout.max_model_len ({max_model_len:,}) "
+                "tokens: vLLM would refuse to start such a replica; raise tp, or lower the lengths"
+            )
+
+    @model_validator(mode="after")
+    def _eos_in_vocabulary(self) -> "SimEngineConfig":
+        if self.eos_token_id >= self.vocab_size:  # never sampled: no response would ever stop
+            raise ValueError(
+                f"rollout.sim.eos_token_id ({self.eos_token_id}) must be < rollout.sim.vocab_size ({self.vocab_size})"
+            )
+        return self
 
 
 class VLLMEngineConfig(_Section):

@@ -64,6 +64,22 @@ def _under(section: str, exc: ValidationError) -> ValidationError:
         return exc
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.safe_load``'s loader, refusing a key given twice in one mapping: YAML keeps the last,
+    so a second ``rollout:`` block would drop every setting of the first without a word."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} is given twice in one mapping", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_config(path: str | Path | None = None, overrides: Optional[dict[str, Any]] = None) -> RollfleetConfig:
     """Load a YAML file (or defaults) and apply nested ``overrides`` (dotted keys allowed).
 
@@ -73,7 +89,7 @@ def load_config(path: str | Path | None = None, overrides: Optional[dict[str, An
     if path is not None:
         with open(path) as f:
             try:
-                data = yaml.safe_load(f) or {}
+                data = yaml.load(f, Loader=_UniqueKeyLoader) or {}
             except yaml.YAMLError as exc:
                 raise ValueError(f"{path} is not YAML: {exc}") from None
         if not isinstance(data, dict):
@@ -81,7 +97,13 @@ def load_config(path: str | Path | None = None, overrides: Optional[dict[str, An
     for key, value in (overrides or {}).items():
         node = data
         parts = key.split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
+        for depth, part in enumerate(parts[:-1], 1):
+            if node.get(part) is None:  # missing, or an empty section (``rollout:`` alone)
+                node[part] = {}
+            node = node[part]
+            if not isinstance(node, dict):
+                raise ValueError(
+                    f"override {key}: {'.'.join(parts[:depth])} is a {type(node).__name__} ({node!r}), not a section"
+                )
         node[parts[-1]] = value
     return validate_sections(RollfleetConfig.model_validate(data))

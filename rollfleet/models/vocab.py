@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from rollfleet.config import RollfleetConfig
+from rollfleet.config import RollfleetConfig, SimEngineConfig
 
 
 def model_vocab(name_or_path: str) -> tuple[int, int | None]:
@@ -35,7 +35,19 @@ def fit_sim_to_model(config: RollfleetConfig) -> RollfleetConfig:
     update: dict[str, Any] = {"vocab_size": vocab}
     if eos is not None:
         update["eos_token_id"] = eos
-    sim = rollout.sim.model_copy(update=update)
+    given = rollout.sim.model_fields_set
+    differ = [
+        f"rollout.sim.{k} ({getattr(rollout.sim, k)})"
+        for k, v in update.items()
+        if k in given and getattr(rollout.sim, k) != v
+    ]
+    if differ:
+        raise ValueError(
+            f"{', '.join(differ)} set, but the sim engine takes model {rollout.model!r}'s "
+            f"({', '.join(f'{k} {v}' for k, v in update.items())}): leave them unset"
+        )
+    # validated as built (an EOS outside the vocabulary is refused), keeping what was set as set
+    sim = SimEngineConfig.model_validate({**rollout.sim.model_dump(exclude_unset=True), **update})
     return config.model_copy(update={"rollout": rollout.model_copy(update={"sim": sim})})
 
 

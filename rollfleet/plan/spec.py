@@ -87,13 +87,7 @@ class PlanSpec:
                 f"{self.tp} replica (a profile calibrated there, or the roofline of --model-params-b) and set it to {self.tp}"
             )
         assert rollout.max_model_len is not None  # filled in by RolloutConfig
-        usable = sim.kv_capacity_tokens // sim.block_size * sim.block_size  # the cache is whole blocks
-        if usable < rollout.max_model_len:
-            raise ValueError(
-                f"rollout.sim.kv_capacity_tokens ({sim.kv_capacity_tokens:,}, {usable:,} in whole blocks of "
-                f"{sim.block_size}) holds less than one sequence of rollout.max_model_len ({rollout.max_model_len:,}) "
-                "tokens: vLLM would refuse to start such a replica; raise tp, or lower the lengths"
-            )
+        sim.check_holds_a_sequence(rollout.max_model_len)
 
     @property
     def train(self) -> TrainConfig:

@@ -338,10 +338,13 @@ def test_a_config_file_that_is_missing_or_not_a_yaml_mapping_is_named_and_refuse
     not_yaml.write_text("rollout: [\n")
     a_list = tmp_path / "list.yaml"
     a_list.write_text("- rollout\n- trainer\n")
+    twice = tmp_path / "twice.yaml"  # YAML keeps the last: n: 4 was dropped without a word
+    twice.write_text("rollout: {n: 4}\nrollout: {num_replicas: 7}\n")
     for path, says in (
         (missing, "No such file or directory"),
         (not_yaml, "broken.yaml is not YAML"),
         (a_list, "list.yaml: the top level must map section names to settings, got a list"),
+        (twice, "the key 'rollout' is given twice in one mapping"),
     ):
         with pytest.raises(ValueError if path != missing else OSError, match=says):
             load_config(path)
@@ -362,3 +365,54 @@ def test_section_validators_skip_sections_not_given(monkeypatch):
     assert seen == []
     load_config(None, {"my_tool.knob": 1})
     assert seen == [{"knob": 1}]
+
+
+def test_a_dotted_override_through_an_empty_section_or_a_value_is_named(tmp_path):
+    """``rollout:`` alone in a file, then ``--replicas 2``, was a TypeError traceback; an override
+    that goes through a value names the key and what it found."""
+    empty = tmp_path / "empty_section.yaml"
+    empty.write_text("rollout:\n")
+    assert load_config(empty, {"rollout.num_replicas": 2}).rollout.num_replicas == 2
+    with pytest.raises(ValueError, match=r"override rollout.n.x: rollout.n is a int \(4\), not a section"):
+        load_config(None, {"rollout.n": 4, "rollout.n.x": 1})
+
+
+def test_the_sim_engine_refuses_an_eos_outside_its_vocabulary_and_a_kv_cache_without_one_sequence():
+    """An EOS id never sampled meant no response ever stopped; a KV cache of 16 tokens answered a
+    40-token prompt with nothing, stop_reason 'length'. vLLM refuses to start such a replica."""
+    from rollfleet.config import RolloutConfig, SimEngineConfig
+
+    with pytest.raises(
+        ValidationError, match=r"rollout.sim.eos_token_id \(100\) must be < rollout.sim.vocab_size \(16\)"
+    ):
+        SimEngineConfig(vocab_size=16, eos_token_id=100)
+    rollout = RolloutConfig(name="sim", max_model_len=256, sim={"kv_capacity_tokens": 250})
+    with pytest.raises(ValueError, match=r"kv_capacity_tokens \(250, 240 in whole blocks of 16\) holds less than one"):
+        SimEngine.from_config(rollout, replica_index=0)
+    SimEngine.from_config(RolloutConfig(name="sim", max_model_len=256, sim={"kv_capacity_tokens": 256}), 0)
+
+
+def test_fitting_the_sim_engine_to_a_model_keeps_its_vocabulary_valid_and_refuses_a_conflicting_setting(tmp_path):
+    """fit_sim_to_model copied the model's vocabulary in unvalidated (an EOS of 5000 in a
+    vocabulary of 1000: no response ever stopped) and overwrote what the config set, silently."""
+    import json
+
+    from rollfleet.models.vocab import fit_sim_to_model
+
+    def model(vocab: int, eos: int) -> str:
+        folder = tmp_path / f"m{vocab}-{eos}"
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"vocab_size": vocab, "eos_token_id": eos}))
+        return str(folder)
+
+    fitted = fit_sim_to_model(load_config(None, {"rollout.name": "sim", "rollout.model": model(1000, 7)}))
+    assert (fitted.rollout.sim.vocab_size, fitted.rollout.sim.eos_token_id) == (1000, 7)
+    with pytest.raises(ValidationError, match=r"eos_token_id \(5000\) must be < rollout.sim.vocab_size \(1000\)"):
+        fit_sim_to_model(load_config(None, {"rollout.name": "sim", "rollout.model": model(1000, 5000)}))
+    given = {"rollout.name": "sim", "rollout.model": model(2000, 3), "rollout.sim.vocab_size": 500}
+    with pytest.raises(
+        ValueError, match=r"rollout.sim.vocab_size \(500\) set, but the sim engine takes model .*vocab_size 2000"
+    ):
+        fit_sim_to_model(load_config(None, given))
+    same = fit_sim_to_model(load_config(None, {**given, "rollout.sim.vocab_size": 2000}))
+    assert same.rollout.sim.vocab_size == 2000  # set to what the model says: nothing to refuse

@@ -94,6 +94,7 @@ class SimEngine(StepLoop, Engine):
         sim = config.sim
         if config.max_model_len and config.max_model_len != sim.max_model_len:
             sim = sim.model_copy(update={"max_model_len": config.max_model_len})
+        sim.check_holds_a_sequence(sim.max_model_len)  # a replica's start fails, as vLLM's does
         return cls(sim, max_model_len=sim.max_model_len, replica_index=replica_index)
 
     # ------------------------------------------------------------------ lifecycle
