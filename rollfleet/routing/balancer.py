@@ -360,7 +360,9 @@ class GlobalRequestLoadBalancer:
             state = self._servers.pop(server_id, None)
             if state is not None:
                 removed.append(server_id)
-                if state.local > 0:
+                if state.local > 0:  # removed twice before those ended: one count for both
+                    earlier = self._departed.get(server_id)
+                    state.local += earlier.local if earlier is not None else 0
                     self._departed[server_id] = state
         self._views = None
         self._policy.on_servers_changed(list(self._servers))

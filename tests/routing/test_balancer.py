@@ -377,3 +377,12 @@ def test_a_request_sent_before_its_replica_left_never_uncounts_the_one_readded_u
     assert lb.get_inflight_count("s0") == 1
     lb.release_server("s0", 100)
     assert lb.get_inflight_count("s0") == 0
+    # removed twice while requests of both earlier incarnations run: neither uncounts the third's
+    for name in ("a", "b"):
+        assert lb.acquire_server(name, 100)[0] == "s0"
+        lb.remove_servers(["s0"])
+        lb.add_servers({"s0": f"h0-{name}"})
+    assert lb.acquire_server("c", 100)[0] == "s0"
+    lb.release_server("s0", 100)
+    lb.release_server("s0", 100)  # a and b end
+    assert lb.get_inflight_count("s0") == 1
