@@ -194,13 +194,13 @@ def _train(args: argparse.Namespace) -> int:
     try:
         train = TrainConfig.model_validate(config.trainer.model_dump())  # validated by _load already
         writable_dir(os.path.join(train.output_dir, train.run_name), "trainer.output_dir")
+        if config.rollout.name == "sim":
+            from rollfleet.models.vocab import fit_sim_to_model
+
+            config = fit_sim_to_model(config)  # a vocabulary the config sets otherwise is refused
     except ValueError as exc:
         print(f"rollfleet train: {exc}", file=sys.stderr)
         return 2
-    if config.rollout.name == "sim":
-        from rollfleet.models.vocab import fit_sim_to_model
-
-        config = fit_sim_to_model(config)
     console = Console()
     console.print(
         f"[bold]rollfleet train[/]: {config.trainer.trainer_mode} on {config.rollout.num_replicas} "

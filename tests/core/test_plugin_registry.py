@@ -416,3 +416,21 @@ def test_fitting_the_sim_engine_to_a_model_keeps_its_vocabulary_valid_and_refuse
         fit_sim_to_model(load_config(None, given))
     same = fit_sim_to_model(load_config(None, {**given, "rollout.sim.vocab_size": 2000}))
     assert same.rollout.sim.vocab_size == 2000  # set to what the model says: nothing to refuse
+
+
+def test_rollfleet_train_refuses_a_sim_vocabulary_the_model_contradicts_before_starting_ray(
+    tmp_path, monkeypatch, capsys
+):
+    import ray
+
+    import rollfleet.cli.train as train_cli
+    from rollfleet.cli.main import main
+
+    monkeypatch.setattr(train_cli, "run_training", lambda *a, **k: pytest.fail("training started"))
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray started"))
+    path = tmp_path / "c.yaml"
+    path.write_text(f"rollout:\n  name: sim\n  sim: {{vocab_size: 500}}\ntrainer:\n  output_dir: {tmp_path}\n")
+    assert main(["train", "--config", str(path)]) == 2
+    assert (
+        "rollfleet train: rollout.sim.vocab_size (500) set, but the sim engine takes model" in capsys.readouterr().err
+    )
