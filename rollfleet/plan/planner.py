@@ -172,12 +172,23 @@ def run_plans(
                 futures[pool.submit(_run_one, specs[k], mode, seed, share)] = i
             for future in as_completed(futures):
                 finished(futures[future], future.result())
-        finally:  # a failed run fails the plan at once: the runs not started are dropped
+        except BaseException:  # a failed run (or Ctrl-C) fails the plan at once: the runs going are stopped
+            _stop_workers(pool)
+            raise
+        finally:  # and the runs not started are dropped
             pool.shutdown(wait=True, cancel_futures=True)
     return [
         PlanResult(spec, [r for (k, *_), r in zip(jobs, runs) if k == index and r is not None])
         for index, spec in enumerate(specs)
     ]
+
+
+def _stop_workers(pool: ProcessPoolExecutor) -> None:
+    """Terminate the pool's worker processes: ``shutdown`` only cancels what has not started, and
+    would wait minutes for the runs in progress of a plan that has already failed. (The executor
+    has no public way to do this before Python 3.14's ``terminate_workers``.)"""
+    for process in list((getattr(pool, "_processes", None) or {}).values()):
+        process.terminate()
 
 
 __all__ = [

@@ -663,3 +663,22 @@ def test_plans_that_vary_a_step_s_work_are_ranked_by_trained_tokens_per_second(t
     assert doc["fastest"]["plan"] == "rollout.n=4"  # ... trains faster
     assert [r["tokens_per_s"] for r in doc["rows"]] == sorted((r["tokens_per_s"] for r in doc["rows"]), reverse=True)
     assert "fastest: sync, rollout.n=4" in printed and "trained tok/s" in printed
+
+
+def test_a_run_that_fails_stops_the_runs_still_going(tmp_path):
+    """On two processes a failed run failed the plan only once the runs in progress had ended
+    (minutes a run at scale): the pool's shutdown cancels what has not started, nothing more."""
+    (tmp_path / "afile").write_text("")
+    long = PlanSpec(
+        workload_config(**{"trainer.total_steps": 2000}),
+        gpus=4,
+        modes=("sync",),
+        seeds=(0,),
+        output_dir=str(tmp_path / "long"),
+    )
+    broken = PlanSpec(workload_config(), gpus=4, modes=("sync",), seeds=(0,), output_dir=str(tmp_path / "afile"))
+    with pytest.raises(OSError):  # its run folder cannot be made under a file
+        run_plans([long, broken], workers=2, longest_first=False)
+    metrics = list((tmp_path / "long").rglob("metrics.jsonl"))
+    trained = len(metrics[0].read_text().splitlines()) if metrics else 0
+    assert trained < 2000  # stopped, not waited for
