@@ -18,7 +18,8 @@ scheduled; a task waiting on nothing at all would wait forever, so :func:`run` g
 ``asyncio.to_thread``) takes no virtual time: while one runs, the clock does not jump, or a
 timeout around it would fire at once and periodic timers would race ahead for as long as it
 ran. Only a thread still running after ``idle_timeout_s`` of real time lets the clock go on
-(so that a timeout around a hung one fires).
+(so that a timeout around a hung one fires), and is not waited for again: a thread left running
+on purpose (a timed-out tool call that cannot be stopped) must not cost every later jump that wait.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ class _JumpingSelector(selectors.DefaultSelector):
             events = super().select(self.idle_timeout_s)
             if events:
                 return events
+            self.loop.threads_running = 0  # hung, or left running: the clock goes on without them
         self.loop.advance(timeout)
         return events
 
@@ -99,7 +101,7 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         return future
 
     def _thread_done(self, _: "asyncio.Future[Any]") -> None:
-        self.threads_running -= 1
+        self.threads_running = max(0, self.threads_running - 1)  # 0 already if it was given up on
 
     def advance(self, seconds: float) -> None:
         self._virtual_now += max(0.0, seconds)

@@ -82,6 +82,21 @@ def test_a_thread_takes_no_virtual_time_and_a_timeout_around_it_does_not_fire():
 
     assert virtual_time.run(hung(), idle_timeout_s=0.3) == pytest.approx(3.0)  # past the real wait: time goes on
 
+    async def left_running() -> float:
+        loop = asyncio.get_running_loop()
+        release = threading.Event()
+        thread = loop.run_in_executor(None, release.wait, 30.0)  # a call nobody waits for any more
+        start = time.monotonic()
+        for _ in range(20):
+            await asyncio.sleep(1.0)
+        elapsed = time.monotonic() - start
+        release.set()
+        await thread
+        return elapsed
+
+    # waited for once (0.3 s), not before each of the 20 jumps (6 s)
+    assert virtual_time.run(left_running(), idle_timeout_s=0.3) < 2.0
+
 
 def test_real_io_is_delivered_while_the_loop_stays_busy():
     """The selector polls real descriptors only every BUSY_POLL_EVERY-th busy iteration: data on a
