@@ -101,7 +101,11 @@ class DispatchGate:
                     return
 
     def dispatched(self, request_id: str, prompt_ids: Sequence[int], replica_id: str) -> None:
-        """A request woken here got ``replica_id``."""
+        """A request woken here got ``replica_id``. The next waiter tries too: two slots may have
+        freed in one tick while one request was held, and one that arrived meanwhile queued
+        behind it (:meth:`may_try`); no release would wake it for the second."""
+        if self._waiters:
+            self.wake(everyone=False)
 
     def finished(self, request_id: str, ended: bool = True) -> None:
         """An attempt of a request of this client is over, whatever its outcome (``ended``: it

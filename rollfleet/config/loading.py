@@ -71,8 +71,14 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # ``<<: *anchor``: merged by the parent
+                continue
             key = self.construct_object(key_node, deep=deep)
-            if key in seen:
+            try:
+                repeated = key in seen
+            except TypeError:  # unhashable: the parent refuses it, as safe_load does
+                break
+            if repeated:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"the key {key!r} is given twice in one mapping", key_node.start_mark
                 )

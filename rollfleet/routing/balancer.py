@@ -148,7 +148,8 @@ class GlobalRequestLoadBalancer:
             hold = False  # a session going on: never held, wherever its turn goes
             state = servers.get(sticky_id)
             if state is None or not state.routable:
-                del self._request_id_to_server[request_id]
+                # still a session (never held), should no replica be left to place it on now
+                self._request_id_to_server[request_id] = _REPLACE
                 reason = "sticky_invalidated"
             elif self._spill_allowed and self._overloaded(sticky_id):
                 reason = "spill_over"

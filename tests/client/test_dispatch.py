@@ -128,6 +128,52 @@ def test_a_request_arriving_as_a_slot_frees_queues_behind_the_held_ones():
         assert virtual_time.run(main(spins)) == ["X", "W1", "W2", "N"], spins
 
 
+def test_two_slots_freed_in_one_tick_serve_the_held_request_and_one_arriving_meanwhile():
+    """X and Y end at t=1 on two replicas; W1 (held) is woken for one slot, the second wake finds
+    nobody; N arrives before W1 runs and queues behind it. N waited for W1's 10 s on A while B
+    stood idle: a woken request that gets its replica now lets the next one try."""
+    from rollfleet.client import LLMServerClient
+    from rollfleet.server.local import LocalHandle
+    from rollfleet.types import ReplicaResponse, TokenOutput
+
+    class Replica:
+        def __init__(self, name: str, log: list) -> None:
+            self.name, self.log = name, log
+
+        async def generate_with_load(self, request_id, prompt_ids, params, **kwargs):
+            self.log.append((request_id, virtual_time.now()))
+            await asyncio.sleep(10.0 if request_id == "W1" else 1.0)
+            out = TokenOutput(token_ids=[7], log_probs=[-0.1], stop_reason="length", extra_fields={"global_steps": 0})
+            return ReplicaResponse(out, LoadReport(replica_id=self.name, timestamp=virtual_time.now()))
+
+    async def main(spins: int) -> dict[str, float]:
+        log: list = []
+        config = RolloutConfig(
+            response_length=1,
+            retry={"jitter": 0.0},
+            routing={"policy": "least_inflight", "max_inflight_per_replica": 1},
+        )
+        client = LLMServerClient(config, servers={n: LocalHandle(Replica(n, log)) for n in ("A", "B")})
+        params = {"max_tokens": 1}
+        tasks = [
+            asyncio.ensure_future(client.generate(n, prompt_ids=[k], sampling_params=params))
+            for k, n in ((1, "X"), (2, "Y"))
+        ]
+        await asyncio.sleep(0.1)
+        tasks.append(asyncio.ensure_future(client.generate("W1", prompt_ids=[5], sampling_params=params)))
+        await asyncio.sleep(0.9)  # X and Y end now
+        for _ in range(spins):
+            await asyncio.sleep(0)
+        tasks.append(asyncio.ensure_future(client.generate("N", prompt_ids=[6], sampling_params=params)))
+        await asyncio.gather(*tasks)
+        assert client.balancer.get_total_inflight() == 0
+        return dict(log)
+
+    for spins in range(4):
+        started = virtual_time.run(main(spins))
+        assert started["W1"] == started["N"] == pytest.approx(1.0), (spins, started)
+
+
 def fleet_config(limit: int) -> RolloutConfig:
     return RolloutConfig(
         name="sim",

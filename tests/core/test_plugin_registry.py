@@ -340,11 +340,17 @@ def test_a_config_file_that_is_missing_or_not_a_yaml_mapping_is_named_and_refuse
     a_list.write_text("- rollout\n- trainer\n")
     twice = tmp_path / "twice.yaml"  # YAML keeps the last: n: 4 was dropped without a word
     twice.write_text("rollout: {n: 4}\nrollout: {num_replicas: 7}\n")
+    unhashable = tmp_path / "unhashable.yaml"
+    unhashable.write_text("rollout:\n  [a, b]: 1\n")
+    merged = tmp_path / "merged.yaml"  # anchors and merge keys are still YAML
+    merged.write_text("base: &b\n  num_replicas: 2\nrollout:\n  <<: *b\n  n: 4\n")
+    assert (load_config(merged).rollout.num_replicas, load_config(merged).rollout.n) == (2, 4)
     for path, says in (
         (missing, "No such file or directory"),
         (not_yaml, "broken.yaml is not YAML"),
         (a_list, "list.yaml: the top level must map section names to settings, got a list"),
         (twice, "the key 'rollout' is given twice in one mapping"),
+        (unhashable, "found unhashable key"),
     ):
         with pytest.raises(ValueError if path != missing else OSError, match=says):
             load_config(path)

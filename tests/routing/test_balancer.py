@@ -386,3 +386,19 @@ def test_a_request_sent_before_its_replica_left_never_uncounts_the_one_readded_u
     lb.release_server("s0", 100)
     lb.release_server("s0", 100)  # a and b end
     assert lb.get_inflight_count("s0") == 1
+
+
+def test_a_session_stays_placed_when_no_replica_is_left_to_place_its_turn_on():
+    """Its replica quarantined and none other routable: the turn fails with NoServerAvailable, and
+    the session used to be forgotten, its retried turn then held like a new placement."""
+    lb = make(1, max_inflight_per_replica=1)
+    sid, _ = lb.try_acquire_server("sess", 10, [1, 2, 3])
+    lb.release_server(sid, 10)
+    lb.set_routable(sid, False)
+    with pytest.raises(NoServerAvailable):
+        lb.try_acquire_server("sess", 10, [1, 2, 3, 4])
+    assert lb.is_placed("sess")
+    lb.set_routable(sid, True)
+    lb.report_load(LoadReport(replica_id=sid, inflight=1, inflight_tokens=10, timestamp=1.0))  # at the limit
+    assert lb.try_acquire_server("new", 10, [9]) is None
+    assert lb.try_acquire_server("sess", 10, [1, 2, 3, 4]) is not None
