@@ -125,7 +125,8 @@ class RolloutConfig(_Section):
 
     @model_validator(mode="after")
     def _lengths(self) -> "RolloutConfig":
-        if self.max_model_len is None:
+        if self.max_model_len is None or "max_model_len" not in self.model_fields_set:
+            # derived (not given): follows the lengths when one is assigned later, not stale
             object.__setattr__(self, "max_model_len", self.prompt_length + self.response_length)
         assert self.max_model_len is not None  # set just above when it was not given
         if self.max_model_len < 2:

@@ -440,3 +440,17 @@ def test_rollfleet_train_refuses_a_sim_vocabulary_the_model_contradicts_before_s
     assert (
         "rollfleet train: rollout.sim.vocab_size (500) set, but the sim engine takes model" in capsys.readouterr().err
     )
+
+
+def test_a_derived_max_model_len_follows_the_lengths_and_a_given_one_stays():
+    """Derived once at construction, it went stale: response_length set to 10**6 afterwards left
+    max_model_len at 1,024, and every response was cut there."""
+    from rollfleet.config import RolloutConfig
+
+    derived = RolloutConfig(prompt_length=24, response_length=1000)
+    assert derived.max_model_len == 1024
+    derived.response_length = 10**6
+    assert derived.max_model_len == 10**6 + 24
+    given = RolloutConfig(prompt_length=24, response_length=1000, max_model_len=300)
+    given.response_length = 5000
+    assert given.max_model_len == 300
