@@ -4,14 +4,17 @@ room; sessions and placed siblings are never held; waiting and cancelling leak n
 from __future__ import annotations
 
 import asyncio
+from typing import Callable, Sequence
 
 import pytest
 
+from rollfleet.client import LLMServerClient
 from rollfleet.client.dispatch import DispatchGate
 from rollfleet.config import RolloutConfig, SimEngineConfig
 from rollfleet.plan import VirtualFleet
 from rollfleet.routing import GlobalRequestLoadBalancer
-from rollfleet.types import LoadReport
+from rollfleet.server.local import LocalHandle
+from rollfleet.types import LoadReport, ReplicaResponse, TokenOutput
 from rollfleet.utils import virtual_time
 
 pytestmark = pytest.mark.unit
@@ -86,31 +89,35 @@ async def test_the_gate_is_fifo_a_rewoken_waiter_keeps_its_place_and_a_cancelled
     assert gate.waiting == 0 and b.done() and retry.done()
 
 
+class _LoggedReplica:
+    """Answers one token after ``seconds(request_id)`` of virtual time; logs ``(request_id, when)``
+    as each request reaches it, in a log its fleet shares."""
+
+    def __init__(self, name: str, log: list[tuple[str, float]], seconds: Callable[[str], float]) -> None:
+        self.name, self.log, self.seconds = name, log, seconds
+
+    async def generate_with_load(self, request_id, prompt_ids, params, **kwargs):
+        self.log.append((request_id, virtual_time.now()))
+        await asyncio.sleep(self.seconds(request_id))
+        out = TokenOutput(token_ids=[7], log_probs=[-0.1], stop_reason="length", extra_fields={"global_steps": 0})
+        return ReplicaResponse(out, LoadReport(replica_id=self.name, timestamp=virtual_time.now()))
+
+
+def _one_slot_each(names: Sequence[str], log: list, seconds: Callable[[str], float]) -> LLMServerClient:
+    """A late-binding client over :class:`_LoggedReplica` replicas of one slot each, in arrival order."""
+    config = RolloutConfig(
+        response_length=1, retry={"jitter": 0.0}, routing={"policy": "least_inflight", "max_inflight_per_replica": 1}
+    )
+    return LLMServerClient(config, servers={n: LocalHandle(_LoggedReplica(n, log, seconds)) for n in names})
+
+
 def test_a_request_arriving_as_a_slot_frees_queues_behind_the_held_ones():
     """One replica, one slot. W1 and W2 are held; N arrives in the loop step after X ends, while W1
     is woken but has not run yet: N took the slot before W1 and W2."""
-    from rollfleet.client import LLMServerClient
-    from rollfleet.server.local import LocalHandle
-    from rollfleet.types import ReplicaResponse, TokenOutput
-
-    class Replica:
-        def __init__(self) -> None:
-            self.order: list[str] = []
-
-        async def generate_with_load(self, request_id, prompt_ids, params, **kwargs):
-            self.order.append(request_id)
-            await asyncio.sleep(1.0)
-            out = TokenOutput(token_ids=[7], log_probs=[-0.1], stop_reason="length", extra_fields={"global_steps": 0})
-            return ReplicaResponse(out, LoadReport(replica_id="A", timestamp=virtual_time.now()))
 
     async def main(spins: int) -> list[str]:
-        replica = Replica()
-        config = RolloutConfig(
-            response_length=1,
-            retry={"jitter": 0.0},
-            routing={"policy": "least_inflight", "max_inflight_per_replica": 1},
-        )
-        client = LLMServerClient(config, servers={"A": LocalHandle(replica)})
+        log: list[tuple[str, float]] = []
+        client = _one_slot_each(["A"], log, lambda request_id: 1.0)
         params = {"max_tokens": 1}
         tasks = [asyncio.ensure_future(client.generate("X", prompt_ids=[1], sampling_params=params))]
         for name, prompt in (("W1", [2]), ("W2", [3])):
@@ -122,7 +129,7 @@ def test_a_request_arriving_as_a_slot_frees_queues_behind_the_held_ones():
         tasks.append(asyncio.ensure_future(client.generate("N", prompt_ids=[4], sampling_params=params)))
         await asyncio.gather(*tasks)
         assert client.balancer.get_total_inflight() == 0
-        return replica.order
+        return [request_id for request_id, _ in log]
 
     for spins in range(6):
         assert virtual_time.run(main(spins)) == ["X", "W1", "W2", "N"], spins
@@ -132,28 +139,10 @@ def test_two_slots_freed_in_one_tick_serve_the_held_request_and_one_arriving_mea
     """X and Y end at t=1 on two replicas; W1 (held) is woken for one slot, the second wake finds
     nobody; N arrives before W1 runs and queues behind it. N waited for W1's 10 s on A while B
     stood idle: a woken request that gets its replica now lets the next one try."""
-    from rollfleet.client import LLMServerClient
-    from rollfleet.server.local import LocalHandle
-    from rollfleet.types import ReplicaResponse, TokenOutput
-
-    class Replica:
-        def __init__(self, name: str, log: list) -> None:
-            self.name, self.log = name, log
-
-        async def generate_with_load(self, request_id, prompt_ids, params, **kwargs):
-            self.log.append((request_id, virtual_time.now()))
-            await asyncio.sleep(10.0 if request_id == "W1" else 1.0)
-            out = TokenOutput(token_ids=[7], log_probs=[-0.1], stop_reason="length", extra_fields={"global_steps": 0})
-            return ReplicaResponse(out, LoadReport(replica_id=self.name, timestamp=virtual_time.now()))
 
     async def main(spins: int) -> dict[str, float]:
-        log: list = []
-        config = RolloutConfig(
-            response_length=1,
-            retry={"jitter": 0.0},
-            routing={"policy": "least_inflight", "max_inflight_per_replica": 1},
-        )
-        client = LLMServerClient(config, servers={n: LocalHandle(Replica(n, log)) for n in ("A", "B")})
+        log: list[tuple[str, float]] = []
+        client = _one_slot_each(["A", "B"], log, lambda request_id: 10.0 if request_id == "W1" else 1.0)
         params = {"max_tokens": 1}
         tasks = [
             asyncio.ensure_future(client.generate(n, prompt_ids=[k], sampling_params=params))

@@ -191,38 +191,32 @@ async def _server_closing_the_first(route: str, body: bytes, kind: bytes) -> tup
     return server, seen, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
 
 
+_COMPLETION = (b'{"choices":[{"token_ids":[7,8,9],"logprobs":{"token_logprobs":[-0.1,-0.2,-0.3]},'
+               b'"finish_reason":"length"}],"usage":{}}')  # fmt: skip
+_STREAM = (b'data: {"choices":[{"token_ids":[7,8],"logprobs":{"content":[{"logprob":-0.1},{"logprob":-0.2}]}}]}\n\n'
+           b'data: {"choices":[{"token_ids":[9],"logprobs":{"content":[{"logprob":-0.3}]},"finish_reason":"length",'
+           b'"weight_versions":[{"version":"default","start":0,"end":3}]}]}\n\ndata: [DONE]\n\n')  # fmt: skip
+
+
 @pytest.mark.asyncio
-async def test_a_keep_alive_connection_closed_by_the_server_is_retried_once_under_a_new_id():
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "stream"])
+async def test_a_keep_alive_connection_closed_by_the_server_is_retried_once_under_a_new_id(streamed):
     """vLLM drops idle keep-alive connections after 5 s; a request written into one as it closes
-    must not fail (it used to quarantine the replica for seconds): it is sent again, once."""
-    completion = (b'{"choices":[{"token_ids":[7,8,9],"logprobs":{"token_logprobs":[-0.1,-0.2,-0.3]},'
-                  b'"finish_reason":"length"}],"usage":{}}')  # fmt: skip
-    server, seen, url = await _server_closing_the_first("/v1/completions", completion, b"application/json")
-    eng = attached(url)
+    must not fail (it used to quarantine the replica for seconds): it is sent again, once. The
+    same for a stream (vLLM's default generate path), which had no second try: a healthy replica
+    under load was quarantined and its stream resumed elsewhere."""
+    if streamed:
+        server, seen, url = await _server_closing_the_first("/inference/v1/generate", _STREAM, b"text/event-stream")
+        eng = attached(url, rl_routes=True)
+    else:
+        server, seen, url = await _server_closing_the_first("/v1/completions", _COMPLETION, b"application/json")
+        eng = attached(url)
     await eng.start()
     try:
-        out = await eng.generate("s1", [1, 2, 3], {"max_tokens": 3})
-        assert out.token_ids == [7, 8, 9] and out.stop_reason == "length"
-        assert len(seen) == 2 and seen[1] == seen[0] + "~r"
-        assert len(eng._table) == 0 and eng.stats()["num_errors"] == 0
-    finally:
-        await eng.shutdown()
-        server.close()
-
-
-@pytest.mark.asyncio
-async def test_a_stream_whose_keep_alive_connection_was_closed_under_it_is_sent_once_more():
-    """The same for a stream (vLLM's default generate path): it had no second try, so a healthy
-    replica under load was quarantined and its stream resumed elsewhere."""
-    chunks = (b'data: {"choices":[{"token_ids":[7,8],"logprobs":{"content":[{"logprob":-0.1},{"logprob":-0.2}]}}]}\n\n'
-              b'data: {"choices":[{"token_ids":[9],"logprobs":{"content":[{"logprob":-0.3}]},"finish_reason":"length",'
-              b'"weight_versions":[{"version":"default","start":0,"end":3}]}]}\n\ndata: [DONE]\n\n')  # fmt: skip
-    server, seen, url = await _server_closing_the_first("/inference/v1/generate", chunks, b"text/event-stream")
-    eng = attached(url, rl_routes=True)
-    await eng.start()
-    try:
-        items = [item async for item in eng.generate_stream("s1", [1, 2, 3], {"max_tokens": 3})]
-        out = items[-1]
+        if streamed:
+            out = [item async for item in eng.generate_stream("s1", [1, 2, 3], {"max_tokens": 3})][-1]
+        else:
+            out = await eng.generate("s1", [1, 2, 3], {"max_tokens": 3})
         assert isinstance(out, TokenOutput) and out.token_ids == [7, 8, 9] and out.stop_reason == "length"
         assert len(seen) == 2 and seen[1] == seen[0] + "~r"
         assert len(eng._table) == 0 and eng.stats()["num_errors"] == 0
