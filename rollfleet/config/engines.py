@@ -21,7 +21,12 @@ class SimEngineConfig(_Section):
 
     vocab_size: int = Field(32000, ge=16, description="Token ids are drawn from [0, vocab_size).")
     eos_token_id: int = Field(2, ge=0, description="Token that ends a response with stop_reason 'stop'.")
-    max_model_len: int = Field(32768, ge=16, description="Context length: prompt + response tokens.")
+    max_model_len: int = Field(
+        32768,
+        ge=16,
+        description="Context length: prompt + response tokens. In a rollout it is rollout.max_model_len (given "
+        "here alone, it sets that; both given, they must agree).",
+    )
     step_base_ms: float = Field(7.0, ge=0, description="Fixed cost of one engine step (ms).")
     step_per_seq_ms: float = Field(0.06, ge=0, description="Decode cost per running sequence per step (ms).")
     prefill_per_token_ms: float = Field(0.04, ge=0, description="Cost per uncached prompt token (ms).")

@@ -125,10 +125,23 @@ class RolloutConfig(_Section):
 
     @model_validator(mode="after")
     def _lengths(self) -> "RolloutConfig":
+        """``max_model_len`` given, or derived: the sim engine's own when only that is given (it was
+        ignored), else the lengths' sum. Derived, it follows an assignment made later, not stale.
+        The sim engine's is kept equal to it, so a config dumped and loaded again stays valid."""
+        sim_given = self.name == "sim" and "max_model_len" in self.sim.model_fields_set
         if self.max_model_len is None or "max_model_len" not in self.model_fields_set:
-            # derived (not given): follows the lengths when one is assigned later, not stale
-            object.__setattr__(self, "max_model_len", self.prompt_length + self.response_length)
+            derived = self.sim.max_model_len if sim_given else self.prompt_length + self.response_length
+            object.__setattr__(self, "max_model_len", derived)
+        elif sim_given and self.sim.max_model_len != self.max_model_len:
+            raise ValueError(
+                f"rollout.sim.max_model_len ({self.sim.max_model_len}) differs from rollout.max_model_len "
+                f"({self.max_model_len}): the sim engine's context is rollout.max_model_len; give one of them"
+            )
         assert self.max_model_len is not None  # set just above when it was not given
         if self.max_model_len < 2:
             raise ValueError("rollout.max_model_len must be >= 2")
+        if self.name == "sim" and self.sim.max_model_len != self.max_model_len:
+            sim = self.sim.model_copy()  # keeps which fields were given; a copy: the section may be shared
+            object.__setattr__(sim, "max_model_len", self.max_model_len)
+            object.__setattr__(self, "sim", sim)
         return self

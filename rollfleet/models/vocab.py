@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from rollfleet.config import RollfleetConfig, SimEngineConfig
+from rollfleet.config import RollfleetConfig, RolloutConfig, SimEngineConfig
 
 
 def model_vocab(name_or_path: str) -> tuple[int, int | None]:
@@ -48,7 +48,9 @@ def fit_sim_to_model(config: RollfleetConfig) -> RollfleetConfig:
         )
     # validated as built (an EOS outside the vocabulary is refused), keeping what was set as set
     sim = SimEngineConfig.model_validate({**rollout.sim.model_dump(exclude_unset=True), **update})
-    return config.model_copy(update={"rollout": rollout.model_copy(update={"sim": sim})})
+    # the section validated again too: it keeps the sim engine's context equal to its own
+    fitted = RolloutConfig.model_validate({**rollout.model_dump(exclude_unset=True), "sim": sim})
+    return config.model_copy(update={"rollout": fitted})
 
 
 __all__ = ["model_vocab", "fit_sim_to_model"]

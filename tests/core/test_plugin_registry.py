@@ -454,3 +454,22 @@ def test_a_derived_max_model_len_follows_the_lengths_and_a_given_one_stays():
     given = RolloutConfig(prompt_length=24, response_length=1000, max_model_len=300)
     given.response_length = 5000
     assert given.max_model_len == 300
+
+
+def test_the_sim_engines_own_max_model_len_is_honoured_and_a_conflict_refused():
+    """``rollout.sim.max_model_len`` alone was ignored: the engine took prompt_length +
+    response_length (124 here), refusing every longer prompt the user had sized it for."""
+    from rollfleet.config import RolloutConfig
+    from rollfleet.engines.sim import SimEngine
+
+    own = RolloutConfig(name="sim", prompt_length=24, response_length=100, sim={"max_model_len": 4096})
+    assert SimEngine.from_config(own, 0).limits().max_model_len == 4096
+    assert own.max_model_len == 4096
+    again = RolloutConfig.model_validate(own.model_dump())  # dumped and loaded (a plan does so)
+    assert (again.max_model_len, again.sim.max_model_len) == (4096, 4096)
+    derived = RolloutConfig.model_validate(RolloutConfig(name="sim", prompt_length=24).model_dump())
+    assert derived.max_model_len == derived.sim.max_model_len == 24 + 512
+    with pytest.raises(
+        ValueError, match=r"rollout.sim.max_model_len \(4096\) differs from rollout.max_model_len \(300\)"
+    ):
+        RolloutConfig(name="sim", max_model_len=300, sim={"max_model_len": 4096})

@@ -336,6 +336,15 @@ def test_a_plan_refuses_a_kv_cache_that_holds_no_whole_sequence():
         PlanSpec(tight, gpus=4)
 
 
+def test_a_plan_refuses_a_context_its_prompts_fill():
+    """max_model_len 100 under 128-token prompts planned every prompt refused: 0 trained tokens a
+    second and a 100% idle fleet, reported as a plan."""
+    cramped = workload_config(**{"rollout.prompt_length": 128, "rollout.max_model_len": 100})
+    with pytest.raises(ValueError, match=r"rollout.max_model_len \(100\) must exceed rollout.prompt_length \(128\)"):
+        PlanSpec(cramped, gpus=4)
+    PlanSpec(workload_config(**{"rollout.prompt_length": 128, "rollout.max_model_len": 129}), gpus=4)
+
+
 def test_an_uneven_split_leaves_the_rest_to_the_learner():
     tp2 = workload_config(**{"rollout.sim.tensor_parallel_size": 2})
     spec = PlanSpec(tp2, gpus=7, tp=2, modes=("separate_async",))  # 3.5 rollout accelerators asked
