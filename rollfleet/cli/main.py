@@ -104,10 +104,16 @@ def _plan(args: argparse.Namespace) -> int:
         return 2
     console = Console(width=None if sys.stdout.isatty() else 160)  # the table is wide
     spec = specs[0]
+
+    def each(values: list[int]) -> str:  # "8", or "4, 8" where varied plans differ in it
+        return ", ".join(str(v) for v in dict.fromkeys(values))
+
+    seeds = len(spec.seeds)
     console.print(
         f"[bold]rollfleet plan[/]: {', '.join(spec.modes)} on {spec.gpus} accelerators "
-        f"(tp {', '.join(str(s.tp) for s in specs)}), {spec.train.total_steps} steps x {len(spec.seeds)} seeds, "
-        "in virtual time" + (f"; {len(specs)} plans: {', '.join(v.name for v in variants)}" if len(specs) > 1 else "")
+        f"(tp {each([s.tp for s in specs])}), {each([s.train.total_steps for s in specs])} steps x {seeds} "
+        f"seed{'s' if seeds > 1 else ''}, in virtual time"
+        + (f"; {len(specs)} plans: {', '.join(v.name for v in variants)}" if len(specs) > 1 else "")
     )
     results = cli.run(specs, console, args.workers)
     written = []

@@ -285,7 +285,7 @@ def render(result: PlanResult, console: Console) -> None:
         speedup = best["speedup_vs_sync"]
         console.print(
             f"fastest split of separate_async: [bold]{best['rollout_gpus']}:{best['learner_gpus']}[/] "
-            f"(generating : training), {best['step_s']:.2f} s a step"
+            f"(generating : training), {best['tokens_per_s']:,.0f} trained tokens/s, {best['step_s']:.2f} s a step"
             + ("" if speedup is None else f", {speedup:.2f}x sync")
         )
 

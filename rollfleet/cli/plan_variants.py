@@ -93,7 +93,16 @@ def render_variants(results: list[PlanResult], variants: list[Variant], console:
     """Every mode (and split) of every plan, fastest (most trained tokens per second) first, and
     the fastest named."""
     table = Table(title=f"every plan: {results[0].spec.gpus} accelerators (simulated seconds; means over seeds)")
-    columns = ("plan", "mode", "replicas", "s / step", "trained tok/s", "vs the fastest", "trainer idle", "fleet idle")
+    columns = (
+        "plan",
+        "mode",
+        "replicas",
+        "s / step",
+        "trained tok/s",
+        "of the fastest's",
+        "trainer idle",
+        "fleet idle",
+    )
     for col in columns:
         table.add_column(col, justify="left" if col in ("plan", "mode") else "right", no_wrap=col in ("plan", "mode"))
     rows = compare(results, [v.name for v in variants])
@@ -105,7 +114,7 @@ def render_variants(results: list[PlanResult], variants: list[Variant], console:
             str(r["replicas"]),
             f"{r['step_s']:.2f}",
             f"{r['tokens_per_s']:,.0f}",
-            f"{best['tokens_per_s'] / r['tokens_per_s']:.2f}x" if r["tokens_per_s"] > 0 else "-",
+            f"{r['tokens_per_s'] / best['tokens_per_s']:.0%}" if best["tokens_per_s"] > 0 else "-",
             f"{r['trainer_idle']:.0%}",
             f"{r['fleet_idle']:.0%}",
         )

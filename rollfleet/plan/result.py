@@ -86,6 +86,7 @@ class PlanResult:
                     "learner_gpus": learner_gpus,
                     "dropped_groups": statistics.fmean(r.dropped_groups for r in runs),
                     "tokens_per_s": statistics.fmean(r.tokens_per_s for r in runs),
+                    "tokens_per_s_range": [min(r.tokens_per_s for r in runs), max(r.tokens_per_s for r in runs)],
                     "generated_per_trained": statistics.fmean(r.generated_per_trained for r in runs),
                     "requests_per_sample": statistics.fmean(r.requests_per_sample for r in runs),
                 }
@@ -93,16 +94,18 @@ class PlanResult:
         return rows
 
     def best_split(self) -> Optional[dict[str, Any]]:
-        """The summary row of the ``separate_async`` split with the shortest step, in a plan of
-        several splits (None otherwise)."""
+        """The summary row of the fastest ``separate_async`` split (:func:`fastest_split`), in a
+        plan of several splits (None otherwise)."""
         return fastest_split(self.summary())
 
 
 def fastest_split(rows: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
-    """Of a plan's summary ``rows``, the ``separate_async`` split with the shortest step, where
-    there are several (None otherwise)."""
+    """Of a plan's summary ``rows``, the ``separate_async`` split that trains the most tokens a
+    second (the shorter step on a tie), where there are several (None otherwise). Not the shortest
+    step alone: a split whose fleet falls behind drops more stale groups, the long ones first, so
+    its steps train fewer tokens; the ranking of varied plans counts the same way."""
     splits = [r for r in rows if r["mode"] == "separate_async"]
-    return min(splits, key=lambda r: r["step_s"]) if len(splits) > 1 else None
+    return min(splits, key=lambda r: (-r["tokens_per_s"], r["step_s"])) if len(splits) > 1 else None
 
 
 __all__ = ["ModeRun", "PlanResult", "fastest_split"]

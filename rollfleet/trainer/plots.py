@@ -4,10 +4,19 @@ weight sync. Written at the end of ``rollfleet train`` (and by ``rollfleet plot 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from rollfleet.trainer.tracking import read_jsonl
 
 COLORS = {"wait": "#d9d9d9", "train": "#4c72b0", "sync": "#dd8452", "generating": "#55a868", "paused": "#c44e52"}
+
+
+def legend_kinds(spans: list[dict[str, Any]]) -> list[str]:
+    """The timeline legend's entries: one per kind of span that shows (a kind whose spans all
+    have no width, such as a ``separate_async`` trainer's instant syncs, does not), in one order
+    for every run (:data:`COLORS`'), kinds it does not know last."""
+    shown = {s["kind"] for s in spans if s["end"] > s["start"]}
+    return [k for k in COLORS if k in shown] + sorted(shown - COLORS.keys())
 
 
 def plot_run(run_dir: str | Path) -> list[Path]:
@@ -15,6 +24,7 @@ def plot_run(run_dir: str | Path) -> list[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     run_dir = Path(run_dir)
     rows = read_jsonl(run_dir / "metrics.jsonl")
@@ -48,31 +58,30 @@ def plot_run(run_dir: str | Path) -> list[Path]:
             written.append(path)
     if spans:
         lanes = sorted({s["lane"] for s in spans}, reverse=True)
-        fig, ax = plt.subplots(figsize=(10, 1.2 + 0.7 * len(lanes)))
-        seen = set()
+        fig, ax = plt.subplots(figsize=(10, 1.6 + 0.7 * len(lanes)))
         for s in spans:
-            y = lanes.index(s["lane"])
-            span_label = s["kind"] if s["kind"] not in seen else None  # one legend entry per kind
-            seen.add(s["kind"])
             ax.barh(
-                y,
+                lanes.index(s["lane"]),
                 s["end"] - s["start"],
                 left=s["start"],
                 color=COLORS.get(s["kind"], "#8172b3"),
-                label=span_label,
+                edgecolor="white",  # back-to-back spans (one train step after another) stay apart
+                linewidth=0.4,
                 height=0.6,
             )
+        handles = [Patch(color=COLORS.get(k, "#8172b3"), label=k) for k in legend_kinds(spans)]
         ax.set_yticks(range(len(lanes)))
         ax.set_yticklabels(lanes)
         ax.set_xlabel("seconds since start")
-        ax.legend(loc="upper right", ncol=len(seen), fontsize=8)
+        if handles:  # below the lanes, where it covers none of them
+            ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=len(handles), fontsize=8)
         ax.set_title(f"{run_dir.name}: timeline")
         fig.tight_layout()
         path = run_dir / "timeline.png"
-        fig.savefig(path, dpi=110)
+        fig.savefig(path, dpi=110, bbox_inches="tight")
         plt.close(fig)
         written.append(path)
     return written
 
 
-__all__ = ["plot_run"]
+__all__ = ["legend_kinds", "plot_run"]

@@ -437,7 +437,8 @@ def test_the_command_plans_several_splits_and_names_the_fastest(tmp_path, capsys
         assert label in printed
     doc = json.loads((out / "plan.json").read_text())
     assert doc["rollout_shares"] == [0.25, 0.5, 0.75]
-    best = min((r for r in doc["summary"] if r["mode"] == "separate_async"), key=lambda r: r["step_s"])
+    splits = [r for r in doc["summary"] if r["mode"] == "separate_async"]
+    best = min(splits, key=lambda r: (-r["tokens_per_s"], r["step_s"]))  # most trained tokens/s
     assert f"fastest split of separate_async: {best['rollout_gpus']}:{best['learner_gpus']}" in printed
     for split in ("1x3", "2x2", "3x1"):  # a timeline per split
         png = out / "runs" / f"separate_async-{split}-seed0" / "timeline.png"
@@ -672,6 +673,38 @@ def test_plans_that_vary_a_step_s_work_are_ranked_by_trained_tokens_per_second(t
     assert doc["fastest"]["plan"] == "rollout.n=4"  # ... trains faster
     assert [r["tokens_per_s"] for r in doc["rows"]] == sorted((r["tokens_per_s"] for r in doc["rows"]), reverse=True)
     assert "fastest: sync, rollout.n=4" in printed and "trained tok/s" in printed
+    assert "(tp 1), 3 steps x 1 seed, in virtual time" in printed  # was "(tp 1, 1) ... 1 seeds"
+
+
+def test_the_fastest_split_is_the_one_that_trains_most_per_second():
+    """It was the shortest step, while varied plans rank by trained tokens per second: one plan
+    named two different splits fastest. A split whose fleet falls behind drops the long groups."""
+    from rollfleet.plan.result import fastest_split
+
+    rows = [
+        {"mode": "sync", "step_s": 9.0, "tokens_per_s": 900.0},
+        {"mode": "separate_async", "label": "1:3", "step_s": 2.8, "tokens_per_s": 1130.0},
+        {"mode": "separate_async", "label": "2:2", "step_s": 3.0, "tokens_per_s": 1187.0},
+    ]
+    assert fastest_split(rows)["label"] == "2:2"
+    rows[1]["tokens_per_s"] = 1187.0  # a tie in tokens: the shorter step
+    assert fastest_split(rows)["label"] == "1:3"
+    assert fastest_split(rows[:2]) is None  # one split: nothing to pick
+
+
+def test_the_timeline_legend_names_what_shows_in_one_order():
+    """Zero-width sync spans gave every timeline a "sync" entry with no bar of it, and the
+    entries came in the order each run first met them."""
+    from rollfleet.trainer.plots import legend_kinds
+
+    spans = [
+        {"lane": "trainer", "kind": "train", "start": 1.0, "end": 2.0},
+        {"lane": "trainer", "kind": "sync", "start": 2.0, "end": 2.0},
+        {"lane": "fleet", "kind": "generating", "start": 0.0, "end": 2.0},
+        {"lane": "trainer", "kind": "wait", "start": 0.0, "end": 1.0},
+        {"lane": "fleet", "kind": "custom", "start": 0.0, "end": 0.5},
+    ]
+    assert legend_kinds(spans) == ["wait", "train", "generating", "custom"]
 
 
 def test_a_run_that_fails_stops_the_runs_still_going(tmp_path):
