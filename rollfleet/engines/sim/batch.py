@@ -72,6 +72,7 @@ class _Request:
         "hashes",
         "cache_hold",
         "cache_salt",
+        "cache_epoch",
     )
 
     def __init__(self, request_id: str, prompt_ids: list[int], max_tokens: int) -> None:
@@ -100,6 +101,7 @@ class _Request:
         self.hashes: list[int] = []  # of its context's full blocks so far (its context only grows)
         self.cache_hold = (0, 0)  # what the prefix cache holds for it while it runs (PrefixCache.hold)
         self.cache_salt = 0  # the weights it arrived under (0: the boot weights): its hashes' seed
+        self.cache_epoch = 0  # the prefix cache's epoch when it was admitted (its KV computed since)
 
     @property
     def context_len(self) -> int:
@@ -200,7 +202,7 @@ class BatchModel:
                 pass
         self._release(req)
         if computed:
-            self._insert_prefix(self._hashes_of(req))
+            self._cache_computed(req)
         if reason == "aborted":
             self._remember_continuation(req)
         self._stats["num_aborted" if reason == "aborted" else "num_finished"] += 1
@@ -245,6 +247,14 @@ class BatchModel:
     def _insert_prefix(self, hashes: list[int]) -> None:
         self._prefix_cache.insert(hashes, self._kv_blocks_free)
 
+    def _cache_computed(self, req: _Request) -> None:
+        """The blocks of ``req``, which ran and now leaves the batch (finished, aborted or
+        preempted), stay cached as free blocks, as vLLM's freed blocks keep their hashes; unless
+        the cache was cleared since it was admitted: it computed them under the weights before,
+        and a request queued under those weights' salt would hit them."""
+        if req.cache_epoch == self._prefix_cache.epoch:
+            self._insert_prefix(self._hashes_of(req))
+
     def _evict(self) -> None:
         self._prefix_cache.evict(self._kv_blocks_free)
 
@@ -276,6 +286,7 @@ class BatchModel:
                 self._stats["prompt_tokens"] += len(req.prompt_ids)
             req.prefilled = True
             self._unpaid[req] = len(context) - cached
+            req.cache_epoch = self._prefix_cache.epoch
             if self.config.cache_on_prefill:  # its blocks are computed now: later requests reuse them
                 req.cache_hold = self._prefix_cache.hold(hashes)
             self._evict()  # after the lookup, as vLLM takes the blocks it hit before allocating
@@ -297,6 +308,7 @@ class BatchModel:
         self._materialize(victim)
         self._running.remove(victim)
         self._release(victim)
+        self._cache_computed(victim)  # its recompute hits what is left of them, as in vLLM
         victim.num_preempted += 1
         self._stats["num_preemptions"] += 1
         self._waiting.appendleft(victim)
@@ -326,7 +338,8 @@ class BatchModel:
             return "stop"
         # A stop sampled as the last token the budget allows is a stop, as vLLM reports it (RL code
         # penalises or filters "length" as truncated).
-        if not req.ignore_eos and (tok == self.config.eos_token_id or tok in req.stop_ids):
+        # ignore_eos ignores the EOS only: a stop token id still ends it (vLLM's check_stop)
+        if (tok == self.config.eos_token_id and not req.ignore_eos) or tok in req.stop_ids:
             return "stop"
         if n >= req.max_tokens:
             return "length"
@@ -339,19 +352,20 @@ class BatchModel:
         length it was drawn, ``max_tokens``, the context, a stop in its script), or 0 where a
         sampled id may be a stop id (then only stepping finds out)."""
         end = min(req.max_tokens, self._max_model_len - len(req.prompt_ids))
-        stops = req.stop_ids | {self.config.eos_token_id}
+        avoided = req.stop_ids | {self.config.eos_token_id}  # ids sampling steps around
+        stops = req.stop_ids if req.ignore_eos else avoided  # ids that end it
         if req.scripted is not None:
             end = min(end, len(req.scripted))
+            for i, tok in enumerate(req.scripted[:end]):
+                if tok in stops:
+                    return i + 1
+        elif stops:
             if not req.ignore_eos:
-                for i, tok in enumerate(req.scripted[:end]):
-                    if tok in stops:
-                        return i + 1
-        elif not req.ignore_eos:
-            end = min(end, req.target_len)
+                end = min(end, req.target_len)
             vocab = self.config.vocab_size
-            # A sampled stop id becomes the next id, twice at most: only three stop ids in a row
-            # let one through.
-            if any((s + 1) % vocab in stops and (s + 2) % vocab in stops for s in stops):
+            # A sampled stop id becomes the next id, twice at most: only three avoided ids in a
+            # row let one through.
+            if any((s + 1) % vocab in avoided and (s + 2) % vocab in avoided for s in avoided):
                 return 0
         return max(1, end)
 

@@ -190,7 +190,8 @@ class SimEngine(StepLoop, Engine):
         if float(sampling_params.get("temperature", 1.0)) < 0:
             raise InvalidRequest("sampling_params.temperature", "temperature >= 0", sampling_params["temperature"])
         req = _Request(request_id, list(prompt_ids), max_tokens)
-        req.cache_salt = self._num_updates  # the weights it arrives under (see _load)
+        # the weights it runs under (see _load): arriving during a load, those being loaded
+        req.cache_salt = self._num_updates + self._loading
         req.stop_ids = frozenset(sampling_params.get("stop_token_ids") or ())
         req.ignore_eos = bool(sampling_params.get("ignore_eos", False))
         prompt_key, salt = self._seed_request(req, sampling_params)

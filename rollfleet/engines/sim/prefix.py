@@ -32,6 +32,11 @@ class PrefixCache:
         self._epoch = 0  # a clear starts a new one: what was held before it is not released into it
 
     @property
+    def epoch(self) -> int:
+        """How many times the cache was cleared: blocks computed before a clear are not cached after it."""
+        return self._epoch
+
+    @property
     def enabled(self) -> bool:
         return self.bound != 0
 

@@ -1,0 +1,120 @@
+"""The sim engine's prefix cache and stop rules where weights change, the cache is reset, a
+sequence is preempted or EOS is ignored: each as vLLM does it, or a plan prices work that a real
+fleet would not do (or skips work it would)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from rollfleet.config import SimEngineConfig
+from rollfleet.engines.sim import SimEngine
+from rollfleet.utils import virtual_time
+
+pytestmark = pytest.mark.unit
+
+PROMPT = list(range(1, 101))  # six whole blocks of 16, and four tokens
+
+
+async def started(**kw) -> SimEngine:
+    engine = SimEngine(SimEngineConfig(**{"vocab_size": 1000, "mean_response_tokens": 50, "block_size": 16, **kw}))
+    await engine.start()
+    return engine
+
+
+def hits(engine: SimEngine) -> int:
+    return int(engine.stats()["prefix_cache_hit_tokens"])
+
+
+def test_ignore_eos_ignores_the_eos_only_not_the_stop_token_ids():
+    """With ``ignore_eos`` a stop token id was ignored too; vLLM's ``check_stop`` ends on it."""
+
+    async def run() -> None:
+        engine = await started()
+        engine.script_responses(lambda rid, prompt, params: [5, 7, 9, 11])
+        for spw in (1, 1000):  # the step-at-a-time loop and the fast-forward
+            engine.config.max_steps_per_wake = spw
+            out = await engine.generate(
+                f"a{spw}", [1] * 20, {"max_tokens": 10, "ignore_eos": True, "stop_token_ids": [7]}
+            )
+            assert (out.token_ids, out.stop_reason) == ([5, 7], "stop")
+        eos = engine.config.eos_token_id
+        engine.script_responses(lambda rid, prompt, params: [5, eos, 9])
+        out = await engine.generate("b", [1] * 20, {"max_tokens": 10, "ignore_eos": True})
+        assert (out.token_ids, out.stop_reason) == ([5, eos, 9], "stop")  # the EOS itself is ignored
+        await engine.shutdown()
+
+    virtual_time.run(run())
+
+
+@pytest.mark.parametrize("mode", ["keep", "abort"])
+def test_a_request_that_arrives_during_a_weight_load_misses_the_old_weights_blocks(mode):
+    """It took the salt of the weights being replaced and hit their blocks (96 tokens), though
+    every one of its tokens came from the new weights; rollfleet's vLLM engine holds it back and
+    salts it with the new label."""
+
+    async def run() -> None:
+        engine = await started(weight_load_ms=100.0)
+        await engine.generate("warm", PROMPT, {"max_tokens": 4, "ignore_eos": True})
+        before = hits(engine)
+        await engine.stage_weights({"w": 1}, 1)
+        commit = asyncio.ensure_future(engine.commit_weights(1, mode=mode))
+        await asyncio.sleep(0.01)  # the load is under way
+        late = asyncio.ensure_future(engine.generate("late", PROMPT, {"max_tokens": 4, "ignore_eos": True}))
+        await commit
+        out = await late
+        assert out.token_versions == [1, 1, 1, 1]
+        assert hits(engine) == before
+        again = await engine.generate("again", PROMPT, {"max_tokens": 4, "ignore_eos": True})
+        assert again.token_versions == [1] * 4 and hits(engine) == before + 96  # the new weights' blocks
+        await engine.shutdown()
+
+    virtual_time.run(run())
+
+
+@pytest.mark.parametrize("reset", ["update_weights", "clear_kv_cache"])
+def test_after_a_cache_reset_a_queued_request_does_not_find_the_blocks_of_before(reset):
+    """A request running through the reset put its blocks, computed before it, back in the cache
+    when it finished; a request queued before the reset carries the same salt and hit them."""
+
+    async def run() -> None:
+        engine = await started(max_num_seqs=1, step_base_ms=10.0)
+        running = asyncio.ensure_future(engine.generate("a", PROMPT, {"max_tokens": 20, "ignore_eos": True}))
+        queued = asyncio.ensure_future(engine.generate("b", PROMPT, {"max_tokens": 5, "ignore_eos": True}))
+        await asyncio.sleep(0.05)
+        if reset == "update_weights":
+            await engine.update_weights({"w": 1})
+        else:
+            await engine.clear_kv_cache()
+        await asyncio.gather(running, queued)
+        assert hits(engine) == 0
+        await engine.shutdown()
+
+    virtual_time.run(run())
+
+
+@pytest.mark.parametrize("cache_on_prefill", [False, True])
+@pytest.mark.parametrize("spw", [1, 1000])
+def test_a_preempted_sequence_recomputes_only_what_left_the_cache(cache_on_prefill, spw):
+    """Its blocks were freed without their hashes: the recompute prefilled its whole context again
+    (0 tokens hit without cache_on_prefill, only the prompt with it), where vLLM's freed blocks
+    stay cached until reused."""
+
+    async def run() -> None:
+        engine = await started(
+            kv_capacity_tokens=320, max_model_len=320, cache_on_prefill=cache_on_prefill, max_steps_per_wake=spw
+        )
+        outs = await asyncio.gather(
+            *(
+                engine.generate(f"r{i}", [10 + i] * 96, {"max_tokens": 100, "ignore_eos": True, "seed": i})
+                for i in (0, 1)
+            )
+        )
+        assert [o.num_preempted for o in outs] == [0, 1]
+        prompt_hits = 96 if cache_on_prefill else 0
+        assert hits(engine) > prompt_hits  # its generated blocks too
+        assert engine._kv_blocks_free == engine._kv_blocks_total  # nothing leaked
+        await engine.shutdown()
+
+    virtual_time.run(run())
