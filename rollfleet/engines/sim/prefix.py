@@ -13,7 +13,9 @@ block are cached:
   ``prefix_cache_blocks``).
 
 Where the sim differs from vLLM: a request is charged KV blocks for its whole context even where
-it shares a held prefix (vLLM holds a shared block once), so the cache is a little smaller here.
+it shares a held prefix (vLLM holds a shared block once), so the cache is a little smaller here;
+and a context cached whole is served whole, where vLLM caps a hit at all but the last token and so
+computes the last block again (a block of prefill per sibling of a group, not charged here).
 """
 
 from __future__ import annotations
