@@ -112,11 +112,8 @@ def _plot_variants(results: list[PlanResult], names: list[str], best: dict[str, 
     width = 0.8 / len(results)
     fig, ax = plt.subplots(figsize=(max(7.0, 1.8 * len(labels)), 4.2))
     for k, (name, rows) in enumerate(zip(names, summaries)):
-        mine = [
-            next(row for row in rows if row["label"] == label)
-            for label in labels
-            if label in {r["label"] for r in rows}
-        ]
+        by_label = {row["label"]: row for row in rows}
+        mine = [by_label[label] for label in labels if label in by_label]
         xs = [labels.index(row["label"]) + (k - (len(results) - 1) / 2) * width for row in mine]
         bars = ax.bar(xs, [row["tokens_per_s"] for row in mine], width=width, label=name)
         ax.errorbar(xs, [row["tokens_per_s"] for row in mine], yerr=_spread(mine, "tokens_per_s"), fmt="none",
