@@ -23,7 +23,7 @@ class SimEngineConfig(_Section):
     eos_token_id: int = Field(2, ge=0, description="Token that ends a response with stop_reason 'stop'.")
     max_model_len: int = Field(
         32768,
-        ge=16,
+        ge=2,
         description="Context length: prompt + response tokens. In a rollout it is rollout.max_model_len (given "
         "here alone, it sets that; both given, they must agree).",
     )

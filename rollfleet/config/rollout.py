@@ -140,7 +140,10 @@ class RolloutConfig(_Section):
         assert self.max_model_len is not None  # set just above when it was not given
         if self.max_model_len < 2:
             raise ValueError("rollout.max_model_len must be >= 2")
-        if self.name == "sim" and self.sim.max_model_len != self.max_model_len:
+        # Kept equal whatever the engine (a plan renames a dumped vllm config's engine to sim),
+        # unless this engine is not the sim and the sim section gives its own.
+        own = self.name != "sim" and "max_model_len" in self.sim.model_fields_set
+        if not own and self.sim.max_model_len != self.max_model_len:
             sim = self.sim.model_copy()  # keeps which fields were given; a copy: the section may be shared
             object.__setattr__(sim, "max_model_len", self.max_model_len)
             object.__setattr__(self, "sim", sim)

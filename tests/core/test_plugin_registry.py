@@ -473,3 +473,22 @@ def test_the_sim_engines_own_max_model_len_is_honoured_and_a_conflict_refused():
         ValueError, match=r"rollout.sim.max_model_len \(4096\) differs from rollout.max_model_len \(300\)"
     ):
         RolloutConfig(name="sim", max_model_len=300, sim={"max_model_len": 4096})
+
+
+def test_a_dumped_config_of_another_engine_validates_again_as_the_sim():
+    """A plan dumps the config and renames its engine to sim: from a vllm config (demo.yaml) that
+    met the sim section's default context (32,768) as if given, against the derived one."""
+    from pathlib import Path
+
+    from rollfleet.config import RolloutConfig, load_config
+    from rollfleet.plan.spec import PlanSpec
+
+    demo = load_config(Path(__file__).parents[2] / "configs" / "demo.yaml")
+    assert demo.rollout.name == "vllm"
+    planned = PlanSpec(demo, gpus=4, modes=("sync",), seeds=(0,)).config_for("sync", 0)
+    assert planned.rollout.name == "sim" and planned.rollout.sim.max_model_len == demo.rollout.max_model_len
+    renamed = RolloutConfig.model_validate(RolloutConfig(name="vllm").model_dump())
+    renamed.name = "sim"
+    assert renamed.max_model_len == renamed.sim.max_model_len == 1024
+    tiny = RolloutConfig.model_validate(RolloutConfig(name="sim", prompt_length=4, response_length=8).model_dump())
+    assert tiny.max_model_len == tiny.sim.max_model_len == 12  # the sim section takes any context a rollout does

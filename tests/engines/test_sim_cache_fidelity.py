@@ -118,3 +118,26 @@ def test_a_preempted_sequence_recomputes_only_what_left_the_cache(cache_on_prefi
         await engine.shutdown()
 
     virtual_time.run(run())
+
+
+@pytest.mark.parametrize("spw", [1, 1000])
+def test_min_tokens_holds_back_the_eos_and_the_stop_ids(spw):
+    """The sim read no ``min_tokens``: asked for at least 45 tokens, a response drawn short
+    stopped at its EOS after 26 (vLLM masks the EOS and the stop ids until then)."""
+
+    async def run() -> None:
+        engine = await started(mean_response_tokens=5, max_steps_per_wake=spw)
+        short = await engine.generate("short", [1] * 20, {"max_tokens": 50, "seed": 3})
+        assert short.stop_reason == "stop" and len(short.token_ids) < 45
+        held = await engine.generate("held", [1] * 20, {"max_tokens": 50, "min_tokens": 45, "seed": 3})
+        eos = engine.config.eos_token_id
+        assert (len(held.token_ids), held.token_ids[-1], held.stop_reason) == (46, eos, "stop")
+        assert eos not in held.token_ids[:-1]
+        alias = await engine.generate("alias", [1] * 20, {"max_tokens": 50, "min_new_tokens": 45, "seed": 3})
+        assert alias.token_ids == held.token_ids
+        engine.script_responses(lambda rid, prompt, params: [5, 7, 9, 7, 13])
+        out = await engine.generate("scripted", [1] * 20, {"max_tokens": 10, "min_tokens": 2, "stop_token_ids": [7]})
+        assert (out.token_ids, out.stop_reason) == ([5, 7, 9, 7], "stop")  # the first 7 came too soon
+        await engine.shutdown()
+
+    virtual_time.run(run())

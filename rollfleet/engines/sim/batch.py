@@ -12,7 +12,6 @@ import asyncio
 import functools
 import math
 import random
-import zlib
 from collections import deque
 from typing import Any, Optional
 
@@ -23,30 +22,6 @@ from rollfleet.engines.sim.tokens import _mix, next_token, tokens
 from rollfleet.types import StopReason, TokenOutput
 
 
-def _fingerprint(weights: Any) -> int:
-    """A stable number for a weights object: what changes it changes the simulated tokens."""
-    if weights is None:
-        return 0
-    if isinstance(weights, int):
-        return weights
-    if isinstance(weights, (str, bytes)):
-        data = weights.encode() if isinstance(weights, str) else weights
-        return zlib.crc32(data)
-    if isinstance(weights, dict):
-        h = 0
-        for key in sorted(weights, key=str):
-            value = weights[key]
-            summary = repr(getattr(value, "shape", None))
-            try:  # torch tensors and numpy arrays: use a checksum of a few values
-                flat = value.reshape(-1)[:16]
-                summary += repr([float(x) for x in flat])
-            except Exception:
-                summary += repr(value)[:200]
-            h = _mix(h, zlib.crc32(f"{key}:{summary}".encode()))
-        return h
-    return zlib.crc32(repr(weights).encode())
-
-
 class _Request:
     __slots__ = (
         "request_id",
@@ -55,6 +30,7 @@ class _Request:
         "target_len",
         "stop_ids",
         "ignore_eos",
+        "min_tokens",
         "token_seed",
         "generated",
         "log_probs",
@@ -82,6 +58,7 @@ class _Request:
         self.target_len = max_tokens
         self.stop_ids: frozenset[int] = frozenset()
         self.ignore_eos = False
+        self.min_tokens = 0  # tokens before which neither the EOS nor a stop id ends it
         self.token_seed = 0
         self.generated: list[int] = []
         self.log_probs: list[float] = []
@@ -338,8 +315,9 @@ class BatchModel:
             return "stop"
         # A stop sampled as the last token the budget allows is a stop, as vLLM reports it (RL code
         # penalises or filters "length" as truncated).
-        # ignore_eos ignores the EOS only: a stop token id still ends it (vLLM's check_stop)
-        if (tok == self.config.eos_token_id and not req.ignore_eos) or tok in req.stop_ids:
+        # ignore_eos ignores the EOS only: a stop token id still ends it (vLLM's check_stop); and
+        # before min_tokens neither can (vLLM masks them out of the sampling until then)
+        if n > req.min_tokens and ((tok == self.config.eos_token_id and not req.ignore_eos) or tok in req.stop_ids):
             return "stop"
         if n >= req.max_tokens:
             return "length"
@@ -357,7 +335,7 @@ class BatchModel:
         if req.scripted is not None:
             end = min(end, len(req.scripted))
             for i, tok in enumerate(req.scripted[:end]):
-                if tok in stops:
+                if tok in stops and i >= req.min_tokens:
                     return i + 1
         elif stops:
             if not req.ignore_eos:
@@ -399,4 +377,4 @@ class BatchModel:
                 self._finish(req, reason)
 
 
-__all__ = ["BatchModel", "_Request", "_fingerprint"]
+__all__ = ["BatchModel", "_Request"]

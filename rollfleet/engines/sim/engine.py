@@ -19,12 +19,12 @@ from typing import Any, AsyncIterator, Callable, Optional, Sequence, Union
 
 from rollfleet.config import RolloutConfig, SimEngineConfig
 from rollfleet.engines.base import CommitMode, Engine, EngineHealth, EngineLimits, EngineLoad
-from rollfleet.engines.sim.batch import _fingerprint, _Request
+from rollfleet.engines.sim.batch import _Request
 from rollfleet.engines.sim.continuations import Continuations
 from rollfleet.engines.sim.cost import StepCost
 from rollfleet.engines.sim.prefix import PrefixCache
 from rollfleet.engines.sim.steps import StepLoop, _Run
-from rollfleet.engines.sim.tokens import _mix
+from rollfleet.engines.sim.tokens import _fingerprint, _mix
 from rollfleet.errors import EngineDead, InvalidRequest, NotSupported
 from rollfleet.types import SamplingParams, TokenDelta, TokenOutput
 
@@ -194,6 +194,7 @@ class SimEngine(StepLoop, Engine):
         req.cache_salt = self._num_updates + self._loading
         req.stop_ids = frozenset(sampling_params.get("stop_token_ids") or ())
         req.ignore_eos = bool(sampling_params.get("ignore_eos", False))
+        req.min_tokens = int(sampling_params.get("min_tokens") or sampling_params.get("min_new_tokens") or 0)
         prompt_key, salt = self._seed_request(req, sampling_params)
         if self._script is not None:
             req.scripted = [int(t) for t in self._script(request_id, list(prompt_ids), dict(sampling_params))]
@@ -203,6 +204,8 @@ class SimEngine(StepLoop, Engine):
         else:
             continued = self._continuations.take(prompt_key, len(req.prompt_ids))
             req.target_len = continued if continued is not None else self._natural_length(prompt_key, salt)
+            # its EOS comes no sooner than min_tokens allow: as vLLM masks it out until then
+            req.target_len = max(req.target_len, req.min_tokens + 1)
         req.end_at = self._latest_end(req)
         if streamed:
             req.progress = asyncio.Event()

@@ -4,11 +4,13 @@ and the position (no model, no randomness at run time).
 Two implementations of one rule, kept side by side: :func:`next_token` makes one token (the
 step-at-a-time loop, where a numpy call per token would cost more than the token), :func:`tokens`
 makes many at once, vectorised (a fast-forward produces a request's counted tokens in one go).
-They must agree bit for bit; ``tests/engines/test_sim_fast_forward.py`` compares them.
+They must agree bit for bit; ``tests/engines/test_sim_fast_forward.py`` compares them. The
+weights enter as a number, :func:`_fingerprint`.
 """
 
 from __future__ import annotations
 
+import zlib
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -33,6 +35,30 @@ def _mix(*values: int) -> int:
         h = (h ^ (v & _MASK64)) * _MULT & _MASK64
         h ^= h >> 31
     return h
+
+
+def _fingerprint(weights: Any) -> int:
+    """A stable number for a weights object: what changes it changes the simulated tokens."""
+    if weights is None:
+        return 0
+    if isinstance(weights, int):
+        return weights
+    if isinstance(weights, (str, bytes)):
+        data = weights.encode() if isinstance(weights, str) else weights
+        return zlib.crc32(data)
+    if isinstance(weights, dict):
+        h = 0
+        for key in sorted(weights, key=str):
+            value = weights[key]
+            summary = repr(getattr(value, "shape", None))
+            try:  # torch tensors and numpy arrays: use a checksum of a few values
+                flat = value.reshape(-1)[:16]
+                summary += repr([float(x) for x in flat])
+            except Exception:
+                summary += repr(value)[:200]
+            h = _mix(h, zlib.crc32(f"{key}:{summary}".encode()))
+        return h
+    return zlib.crc32(repr(weights).encode())
 
 
 def _mix_round(state: Any, values: Any) -> Any:
@@ -90,4 +116,4 @@ def tokens(req: "_Request", start: int, count: int, vocab_size: int, eos: int) -
     return ids.tolist(), logprobs.tolist()
 
 
-__all__ = ["next_token", "tokens", "_mix"]
+__all__ = ["next_token", "tokens", "_mix", "_fingerprint"]
