@@ -492,3 +492,22 @@ def test_a_dumped_config_of_another_engine_validates_again_as_the_sim():
     assert renamed.max_model_len == renamed.sim.max_model_len == 1024
     tiny = RolloutConfig.model_validate(RolloutConfig(name="sim", prompt_length=4, response_length=8).model_dump())
     assert tiny.max_model_len == tiny.sim.max_model_len == 12  # the sim section takes any context a rollout does
+
+
+def test_an_assignment_a_validator_refuses_leaves_the_section_as_it_was():
+    """pydantic applies an assigned value before the section's own validators, and kept it when
+    one refused it: the section was left in the state the error had just refused."""
+    from pydantic import ValidationError
+
+    from rollfleet.config import RolloutConfig
+
+    own = RolloutConfig(name="sim", sim={"max_model_len": 4096})
+    with pytest.raises(ValidationError, match="differs from rollout.max_model_len"):
+        own.max_model_len = 300
+    assert (own.max_model_len, "max_model_len" in own.model_fields_set) == (4096, False)
+    other = RolloutConfig(name="vllm", max_model_len=300, sim={"max_model_len": 4096})
+    with pytest.raises(ValidationError):
+        other.name = "sim"
+    assert (other.name, other.max_model_len) == ("vllm", 300)
+    other.prompt_length = 100  # a good assignment still lands
+    assert other.prompt_length == 100
