@@ -114,21 +114,46 @@ def describe_cluster(nodes: Sequence[NodeInfo], selector: Mapping[str, str], res
     return f"{len(live)} live node{'s' if len(live) != 1 else ''}{where} with {parts} (at most {most_gpu:g} GPU on one node)"
 
 
+def resource_order(bundle: Mapping[str, float]) -> list[str]:
+    """The resources of ``bundle`` a replica needs, in the order a shortage is blamed on them: the
+    devices and custom resources before CPUs (short of both, the replica's size is the fix)."""
+    return [res for res, amount in sorted(bundle.items(), key=lambda kv: kv[0] == "CPU") if amount > 0]
+
+
 def one_replica_short(
     nodes: Sequence[NodeInfo], bundle: Mapping[str, float], devices: int, selector: Mapping[str, str]
 ) -> Optional[tuple[str, float, float]]:
-    """``(resource, needed on one node, most any live node has)`` for a resource no live node
-    matching ``selector`` has enough of to hold one replica of ``devices`` bundles, or None. The
-    devices and custom resources come before CPUs: short of both, the replica's size is the fix."""
-    live = [n for n in nodes if n.alive and label_matches(n.labels, selector)]
-    if not live:
+    """``(resource, needed on one node, most any candidate node has)`` for the resource that keeps
+    every live node matching ``selector`` from holding one replica of ``devices`` bundles, or None.
+
+    A replica needs all its resources on one node, so the resources are taken in
+    :func:`resource_order` and the candidates narrowed at each step to the nodes with enough of
+    those checked so far: taken one by one over all nodes, a CPU-only head with many CPUs and a
+    GPU node with few each hid the other's shortage, and the count of replicas was blamed. The
+    ``most`` reported is thus among nodes that have enough of the resources before it."""
+    candidates = [n for n in nodes if n.alive and label_matches(n.labels, selector)]
+    if not candidates:
         return None  # no node at all: not a question of the replica's size
-    for res, amount in sorted(bundle.items(), key=lambda kv: kv[0] == "CPU"):  # the devices' CPUs last
-        need = amount * devices
-        most = max((n.total.get(res, 0.0) for n in live), default=0.0)
-        if need > 0 and most + 1e-9 < need:
+    for res in resource_order(bundle):
+        need = bundle[res] * devices
+        most = max(n.total.get(res, 0.0) for n in candidates)
+        if most + 1e-9 < need:
             return res, need, most
+        candidates = [n for n in candidates if n.total.get(res, 0.0) + 1e-9 >= need]
     return None
+
+
+def without_held(nodes: Sequence[NodeInfo], held: Mapping[str, Sequence[Mapping[str, float]]]) -> list[NodeInfo]:
+    """``nodes`` with the bundles in ``held`` (per node id) taken off their totals: what is left
+    there for others, whatever happens to be free now."""
+    out = []
+    for n in nodes:
+        total = dict(n.total)
+        for bundle in held.get(n.node_id, ()):
+            for res, amount in bundle.items():
+                total[res] = max(0.0, total.get(res, 0.0) - amount)
+        out.append(NodeInfo(n.node_id, n.ip, n.alive, total, n.free, n.labels))
+    return out
 
 
 __all__ = [
@@ -140,4 +165,6 @@ __all__ = [
     "label_matches",
     "one_replica_short",
     "replicas_that_fit",
+    "resource_order",
+    "without_held",
 ]

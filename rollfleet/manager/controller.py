@@ -25,7 +25,7 @@ from rollfleet.errors import FleetShutDown, InsufficientResources, InvalidReques
 from rollfleet.health import FleetSnapshot, HealthState, ReplicaRecord
 from rollfleet.manager.fanout import ControlFanOut
 from rollfleet.manager.joining import ReplicaStarter, replica_info
-from rollfleet.manager.placement import Placer, ReplicaPlacement, WorkerPlacement, release_group
+from rollfleet.manager.placement import Placer, ReplicaPlacement, WorkerPlacement
 from rollfleet.manager.prometheus import ScrapeConfigWriter
 from rollfleet.manager.supervision import STOP_TIMEOUT_DEAD_S, HealthSupervisor
 from rollfleet.records import FleetEvent, FleetStatus, ReplicaInfo, ReplicaStatus
@@ -344,10 +344,8 @@ class FleetController(HealthSupervisor, ReplicaStarter, ControlFanOut):
         await asyncio.gather(*(self._stop_handle(r.handle) for r in self._records.values()), return_exceptions=True)
         self._records.clear()
         if self._placer is not None:
-            self._placer.release_all()
-        if self._learner_group is not None:
-            release_group(self._learner_group)
-            self._learner_group = None
+            self._placer.release_all()  # the learner's own bundle too: the placer reserved it
+        self._learner_group = None
         self._membership_changed()
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import replace
 from typing import Any, Mapping, Optional, Sequence
 
 from rollfleet.config import PlacementConfig
@@ -39,87 +39,21 @@ from rollfleet.manager.cluster_view import (
     label_matches,
     one_replica_short,
     replicas_that_fit,
+    resource_order,
+    without_held,
+)
+from rollfleet.manager.placement_groups import (
+    DeviceHolder,
+    ReplicaPlacement,
+    WorkerPlacement,
+    list_nodes,
+    release_group,
 )
 
 logger = logging.getLogger(__name__)
 
 #: Ray's built-in label holding a node's id (every node has it).
 NODE_ID_LABEL = "ray.io/node-id"
-
-
-def list_nodes(with_free: bool = True) -> list[NodeInfo]:
-    """The cluster's nodes with their total and free resources (GCS calls: run off the loop)."""
-    import ray
-
-    free_by_node: dict[str, dict[str, float]] = {}
-    try:  # free resources per node; without them the totals stand in and Ray's own wait decides
-        from ray._private import state
-
-        if with_free:
-            free_by_node = state.available_resources_per_node()
-    except Exception:  # pragma: no cover - private API moved
-        logger.debug("per-node free resources unavailable", exc_info=True)
-    nodes = []
-    for n in ray.nodes():
-        total = {k: float(v) for k, v in (n.get("Resources") or {}).items()}
-        free = {k: float(v) for k, v in free_by_node.get(n["NodeID"], total).items()}
-        nodes.append(
-            NodeInfo(n["NodeID"], n["NodeManagerAddress"], bool(n["Alive"]), total, free, n.get("Labels") or {})
-        )
-    return nodes
-
-
-@dataclass
-class WorkerPlacement:
-    """A share of one bundle, for one actor: a replica rank or a learner worker."""
-
-    pg: Any
-    bundle_index: int
-    device: str  # "gpu" | "cpu"
-    bundle: Mapping[str, float]
-    fraction: float
-    node_id: str = ""
-    node_ip: str = ""
-
-    def actor_options(self) -> dict[str, Any]:
-        """``Actor.options(**this)``: scheduled in the bundle with this share of its resources."""
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        share = {k: v * self.fraction for k, v in self.bundle.items()}
-        return {
-            "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                placement_group=self.pg, placement_group_bundle_index=self.bundle_index
-            ),
-            "num_cpus": share.pop("CPU", 0.0),
-            "num_gpus": share.pop("GPU", 0.0),
-            "resources": share,
-        }
-
-
-@dataclass
-class ReplicaPlacement:
-    """The placement group of one replica and where it landed."""
-
-    pg: Any
-    node_id: str
-    node_ip: str
-    device: str
-    bundle: Mapping[str, float]
-    num_bundles: int
-    #: Share of each bundle the replica takes (the rest belongs to a colocated learner).
-    fraction: float = 1.0
-    holders: list[Any] = field(default_factory=list, repr=False)
-
-    def rank(self, index: int, fraction: Optional[float] = None) -> WorkerPlacement:
-        return WorkerPlacement(
-            self.pg,
-            index,
-            self.device,
-            self.bundle,
-            self.fraction if fraction is None else fraction,
-            self.node_id,
-            self.node_ip,
-        )
 
 
 class Placer:
@@ -133,6 +67,8 @@ class Placer:
         self.devices_per_replica = devices_per_replica
         self.engine = engine
         self.placements: dict[str, ReplicaPlacement] = {}
+        #: Bundles of the fleet's own workers (the learner in separate mode), by name.
+        self.workers: dict[str, WorkerPlacement] = {}
         self._device: Optional[str] = None
         self._lock = asyncio.Lock()
 
@@ -141,11 +77,17 @@ class Placer:
         return await asyncio.to_thread(list_nodes, with_free)
 
     async def device(self) -> str:
-        """``gpu`` | ``cpu`` | ``none``, resolving ``auto`` against the cluster once."""
+        """``gpu`` | ``cpu`` | ``none``, resolving ``auto`` against the cluster once: against the
+        live nodes of the fleet's pool (``node_labels``) only, where its replicas go (a GPU node
+        outside the pool made a fleet confined to CPU nodes ask for GPUs it could never get)."""
         if self._device is None:
             want = self.config.device
             if want == "auto":
-                has_gpu = any(n.alive and n.total.get("GPU", 0) > 0 for n in await self.nodes())
+                selector = self.config.node_labels
+                has_gpu = any(
+                    n.alive and label_matches(n.labels, selector) and n.total.get("GPU", 0) > 0
+                    for n in await self.nodes()
+                )
                 want = "gpu" if has_gpu else ("none" if self.engine == "sim" else "cpu")
             self._device = want
         return self._device
@@ -157,8 +99,23 @@ class Placer:
         alive = {n.node_id for n in await self.nodes(with_free=False) if n.alive}
         return {p.node_id for p in self.placements.values() if p.node_id not in alive}
 
+    def _held(self, replicas: bool) -> dict[str, list[Mapping[str, float]]]:
+        """The bundles this fleet holds, per node id: its workers' (the learner's), and with
+        ``replicas`` its replicas' too (each group holds its full bundles, shared or not)."""
+        held: dict[str, list[Mapping[str, float]]] = {}
+        for worker in self.workers.values():
+            held.setdefault(worker.node_id, []).append(worker.bundle)
+        if replicas:
+            for p in self.placements.values():
+                held.setdefault(p.node_id, []).extend([p.bundle] * p.num_bundles)
+        return held
+
     async def check_capacity(self, total_replicas: int, field_name: str) -> None:
-        """Fail at once when the cluster could never hold ``total_replicas`` replicas."""
+        """Fail at once when the cluster could never hold ``total_replicas`` replicas.
+
+        The bundles of the fleet's own workers (a separate learner) are taken off their node's
+        totals first: counted as room for replicas, they let a check pass that the reservation
+        then failed, naming a replica instead of the setting."""
         device = await self.device()
         if device == "none":
             return
@@ -167,7 +124,7 @@ class Placer:
         selector = self.config.node_labels
         per_node = [
             replicas_that_fit(n, bundle, self.devices_per_replica, free=False)
-            for n in nodes
+            for n in without_held(nodes, self._held(replicas=False))
             if n.alive and label_matches(n.labels, selector)
         ]
         if self.config.strategy == "STRICT_SPREAD":
@@ -180,19 +137,26 @@ class Placer:
         short = one_replica_short(nodes, bundle, tp, selector)
         if short is not None:  # no node holds even one replica: the replica's size is the limit
             name, need, most = short
+            order = resource_order(bundle)
+            # the resources checked before this one: ``most`` is among the nodes with enough of them
+            before = ", ".join(f"{bundle[r] * tp:g} {r}" for r in order[: order.index(name)])
             raise InsufficientResources(
                 self._field_of(name, device),
                 f"{need:g} {name} on one node for one replica ({tp} x {bundle[name]:g} {name}: a replica's "
                 f"devices share a node)",
                 cluster,
-                f"at most {most:g} {name} on one live node",
+                f"at most {most:g} {name} on one live node"
+                + (f" that has the other resources ({before})" if before else ""),
             )
+        beside = ""
+        if self.workers:  # their bundles were taken off the room: say so, or the count looks wrong
+            beside = f" beside the device bundle held for {', '.join(sorted(self.workers))}"
         raise InsufficientResources(
             field_name,
             f"{total_replicas} replicas x {tp} {res} (tensor_parallel_size={tp}, "
             f"{self.config.cpus_per_device:g} CPU per device, strategy {self.config.strategy})",
             cluster,
-            f"room for {sum(per_node)} such replicas",
+            f"room for {sum(per_node)} such replicas{beside}",
         )
 
     def _field_of(self, resource: str, device: str) -> str:
@@ -242,15 +206,66 @@ class Placer:
 
     async def reserve_worker(self, name: str) -> Optional[WorkerPlacement]:
         """One device of the fleet's kind for a worker of its own (the learner in separate mode),
-        on a node of the fleet's pool (``node_labels``) as its replicas are."""
+        on a node of the fleet's pool (``node_labels``) as its replicas are; the same one again
+        for a name already reserved.
+
+        The node is chosen here, as a replica's is, and recorded, so that :meth:`check_capacity`
+        takes the bundle off that node (counted as room for replicas, it let more replicas pass
+        the check than could be placed); and under the placer's lock, so that a replica reserved
+        at the same moment sees what the worker took. Raises :class:`InsufficientResources` at
+        once when the fleet's own replicas hold the devices the worker would need: Ray's wait
+        could not end then.
+        """
         device = await self.device()
         if device == "none":
             return None
-        bundle = device_bundle(device, self.config)
-        nodes = await self.nodes()
-        selector = [dict(self.config.node_labels)] if self.config.node_labels else None
-        pg = await self._create_group([dict(bundle)], "STRICT_PACK", selector, name, nodes)
-        return WorkerPlacement(pg, 0, device, bundle, 1.0)
+        async with self._lock:
+            if name in self.workers:
+                return self.workers[name]
+            bundle = device_bundle(device, self.config)
+            nodes = await self.nodes()
+            # PACK with no replicas counted: the tightest fit, so one device leaves whole nodes to replicas
+            node = choose_node(nodes, bundle, 1, "PACK", self.config.node_labels, {})
+            if node is None:
+                node = self._worker_node_beside_fleet(name, nodes, bundle, device)
+            selector = {**self.config.node_labels, NODE_ID_LABEL: node.node_id}
+            pg = await self._create_group([dict(bundle)], "STRICT_PACK", [selector], name, nodes)
+            worker = WorkerPlacement(pg, 0, device, bundle, 1.0, node.node_id, node.ip)
+            self.workers[name] = worker
+        return worker
+
+    def _worker_node_beside_fleet(
+        self, name: str, nodes: Sequence[NodeInfo], bundle: Mapping[str, float], device: str
+    ) -> NodeInfo:
+        """Where a worker waits when no node has its bundle free now: a node where only other jobs
+        hold it (Ray waits ``timeout_s`` for them). Where the fleet's own groups hold it on every
+        node, or no node could hold it at all, raises :class:`InsufficientResources` at once:
+        waiting used to run out ``timeout_s`` and then blame other jobs."""
+        labels = self.config.node_labels
+        cluster = describe_cluster(nodes, labels, list(bundle))
+        # the totals stand in for the free resources: what the node holds when others give it back
+        left = [replace(n, free=n.total) for n in nodes]
+        colocate = f"share a replica's device with rollout.placement.colocate (the {name} then needs none of its own)"
+        if choose_node(left, bundle, 1, "PACK", labels, {}) is None:
+            raise InsufficientResources(
+                "rollout.placement.colocate",
+                f"1 x {dict(bundle)} on one node for the {name}",
+                cluster,
+                f"no live node of the fleet's pool could hold it: {colocate}",
+            )
+        beside = without_held(left, self._held(replicas=True))
+        node = choose_node([replace(n, free=n.total) for n in beside], bundle, 1, "PACK", labels, {})
+        if node is not None:
+            return next(n for n in nodes if n.node_id == node.node_id)
+        tp = self.devices_per_replica
+        raise InsufficientResources(
+            "rollout.num_replicas",
+            f"1 x {dict(bundle)} for the {name}, one device bundle beyond the fleet's {len(self.placements)} "
+            f"replicas x {tp} {DEVICE_RESOURCE[device]}",
+            cluster,
+            f"the fleet's replicas hold the devices on every live node that could take it: "
+            f"fewer replicas, or {colocate}",
+        )
 
     async def _create_group(
         self, bundles: list[dict[str, float]], strategy: str, selector: Any, owner: str, nodes: Sequence[NodeInfo]
@@ -286,38 +301,11 @@ class Placer:
             release_group(placement)
 
     def release_all(self) -> None:
+        """Give back every replica's group and every worker's (the learner's) bundle."""
         for rid in list(self.placements):
             self.release(rid)
-
-
-def release_group(placement: ReplicaPlacement | WorkerPlacement) -> None:
-    """Kill the group's holders and give its resources back (a dead node's group included)."""
-    import ray
-    from ray.util.placement_group import remove_placement_group
-
-    for holder in getattr(placement, "holders", ()):
-        try:
-            ray.kill(holder, no_restart=True)
-        except Exception:
-            pass
-    try:
-        remove_placement_group(placement.pg)
-    except Exception:  # already gone with its creator
-        logger.debug("placement group already removed", exc_info=True)
-
-
-try:
-    import ray
-
-    @ray.remote(num_cpus=0)
-    class DeviceHolder:
-        """Holds one bundle of a replica's group and reports the devices Ray assigned to it."""
-
-        def accelerator_ids(self) -> list[str]:
-            return list(ray.get_runtime_context().get_accelerator_ids().get("GPU", []))
-
-except ImportError:  # pragma: no cover
-    DeviceHolder = None  # type: ignore[assignment,misc]
+        for name in list(self.workers):
+            release_group(self.workers.pop(name))
 
 
 __all__ = [
