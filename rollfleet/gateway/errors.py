@@ -64,6 +64,17 @@ def bad_request(param: Optional[str], message: str, code: str = "invalid_value")
     return GatewayError(400, message, "invalid_request_error", param, code)
 
 
+#: nginx's status for a request whose client closed the connection before the answer (it reaches
+#: nobody; it is what the request counts as in the gateway's metrics).
+CLIENT_CLOSED_REQUEST = 499
+
+
+def client_gone() -> GatewayError:
+    return GatewayError(
+        CLIENT_CLOSED_REQUEST, "the client closed the connection before the answer", code="client_disconnected"
+    )
+
+
 def model_not_found(model: str, served: Sequence[str]) -> GatewayError:
     return GatewayError(
         404,
@@ -135,4 +146,13 @@ def from_exception(exc: BaseException, field_map: FieldMap = _identity) -> Gatew
     return GatewayError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error", None, "internal_error")
 
 
-__all__ = ["GatewayError", "FieldMap", "bad_request", "model_not_found", "from_validation_error", "from_exception"]
+__all__ = [
+    "GatewayError",
+    "FieldMap",
+    "CLIENT_CLOSED_REQUEST",
+    "bad_request",
+    "client_gone",
+    "model_not_found",
+    "from_validation_error",
+    "from_exception",
+]

@@ -28,7 +28,14 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from rollfleet.gateway import responses
-from rollfleet.gateway.errors import FieldMap, bad_request, from_exception, from_validation_error, model_not_found
+from rollfleet.gateway.errors import (
+    FieldMap,
+    bad_request,
+    client_gone,
+    from_exception,
+    from_validation_error,
+    model_not_found,
+)
 from rollfleet.gateway.jsonio import dumps
 from rollfleet.gateway.limits import GatewayLimits
 from rollfleet.gateway.live import live_events
@@ -58,6 +65,14 @@ def parse_body(model: type[M], body: bytes) -> M:
         return model.model_validate_json(body)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
+
+
+async def until_disconnected(request: Request) -> None:
+    """Return once the client has closed the connection. Call it after the body was read: the
+    server then answers ``receive`` only when the client goes (vLLM's ``with_cancellation``
+    listens the same way)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def json_response(body: Any, status: int = 200, headers: Optional[dict[str, str]] = None) -> Response:
@@ -136,6 +151,7 @@ class RoutesBase:
 
     async def _generate(
         self,
+        request: Request,
         route: str,
         prompts: Sequence[list[int]],
         params: SamplingParams,
@@ -143,8 +159,23 @@ class RoutesBase:
         session_id: Optional[str],
         fields: FieldMap,
     ) -> list[TokenOutput]:
+        """The whole answer, unless the caller hangs up first: then the fleet's requests are
+        cancelled (aborted in the engines) and nothing after this runs, so a session records no
+        turn and issues no key for an answer nobody received (a client's timeout retry would
+        otherwise find its session's key taken by the attempt it gave up on)."""
+        generation = asyncio.ensure_future(self.service.generate(route, prompts, params, n=n, session_id=session_id))
+        gone = asyncio.ensure_future(until_disconnected(request))
         try:
-            return await self.service.generate(route, prompts, params, n=n, session_id=session_id)
+            await asyncio.wait((generation, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:  # cancelled from outside too (a shutdown): neither outlives the handler
+            gone.cancel()
+            if not generation.done():
+                generation.cancel()
+                await asyncio.gather(generation, return_exceptions=True)
+        if generation.cancelled():
+            raise client_gone()
+        try:
+            return generation.result()
         except Exception as exc:
             raise from_exception(exc, fields) from exc
 

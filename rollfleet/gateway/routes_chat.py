@@ -74,7 +74,7 @@ class ChatRoutes(RoutesBase):
             route = "/v1/chat/completions"
             return await self._live("chat", route, req, prompt, params, session, fields, logprobs=req.logprobs,
                                     tools=gates, on_done=replied)  # fmt: skip
-        outputs = await self._generate("/v1/chat/completions", [prompt], params, req.n, session, fields)
+        outputs = await self._generate(request, "/v1/chat/completions", [prompt], params, req.n, session, fields)
         replies = replied(outputs)
         headers = self._headers(outputs, session)
         if req.stream:

@@ -81,7 +81,7 @@ class OpenAIRoutes(ChatRoutes):
         params = sampling_params(req, budget, self.codec if req.stop else None)
         session = self._session(request, req)
         fields = field_mapper("prompt_token_ids", "max_tokens", keep_prompt_index=True)
-        outputs = await self._generate("/v1/completions/tokens", [prompt], params, req.n, session, fields)
+        outputs = await self._generate(request, "/v1/completions/tokens", [prompt], params, req.n, session, fields)
         return json_response(
             responses.tokens_body(req.model, outputs, len(prompt)), headers=self._headers(outputs, session)
         )
@@ -110,7 +110,9 @@ class OpenAIRoutes(ChatRoutes):
             route, fields = "/v1/completions", field_mapper("prompt")
             logprobs_on = req.logprobs is not None
             return await self._live("completion", route, req, prompts[0], params, session, fields, logprobs=logprobs_on)
-        outputs = await self._generate("/v1/completions", prompts, params, req.n, session, field_mapper("prompt"))
+        outputs = await self._generate(
+            request, "/v1/completions", prompts, params, req.n, session, field_mapper("prompt")
+        )
         echo = (texts if texts is not None else [codec.decode(p) for p in prompts]) if req.echo else None
         logprobs = req.logprobs is not None
         headers = self._headers(outputs, session)

@@ -1,0 +1,69 @@
+"""A caller that hangs up before a whole (non-streamed) answer: the fleet stops generating it, and
+its session is left as if the request had never come (no turn recorded, no key handed out)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+import httpx
+import pytest
+from gateway_support import MODEL, in_process_gateway
+
+from rollfleet.config import GatewayConfig
+from rollfleet.gateway.sessions import SESSION_KEY_HEADER
+
+pytestmark = pytest.mark.unit
+
+ROUTES = ["/v1/completions", "/v1/chat/completions", "/v1/completions/tokens"]
+
+
+@asynccontextmanager
+async def gateway() -> AsyncIterator[tuple[Any, Any, Any]]:
+    # time_scale 5: 300 tokens take about a second, so a caller gone after 0.3 s left mid-way.
+    server, gw, replica = await in_process_gateway(
+        GatewayConfig(), response_length=300, time_scale=5.0, mean_response_tokens=50
+    )
+    try:
+        yield server, gw, replica
+    finally:
+        await server.stop()
+        await replica.shutdown()
+
+
+def body(route: str, max_tokens: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"model": MODEL, "max_tokens": max_tokens, "ignore_eos": True, "session_id": "s1"}
+    if route.endswith("chat/completions"):
+        return out | {"messages": [{"role": "user", "content": "hi"}]}
+    if route.endswith("tokens"):
+        return out | {"prompt_token_ids": [1, 2, 3]}
+    return out | {"prompt": "count 1 2 3"}
+
+
+@pytest.mark.parametrize("route", ROUTES)
+async def test_a_caller_that_hangs_up_stops_its_generation_and_a_retry_gets_the_session(route):
+    async with gateway() as (server, gw, replica):
+        async with httpx.AsyncClient(base_url=server.url, timeout=0.3) as http:
+            with pytest.raises(httpx.ReadTimeout):  # the openai client's timeout closes the connection so
+                await http.post(route, json=body(route, 300))
+        deadline = time.monotonic() + 5
+        while replica._book.requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        stats = replica.engine.stats()
+        # aborted, not generated to its end for nobody
+        assert replica._book.requests == 0 and stats["num_aborted"] == 1 and stats["num_finished"] == 0
+        assert gw.trajectories.get("s1") is None  # no turn the agent never saw
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+            retry = await http.post(route, json=body(route, 4))
+        assert retry.status_code == 200, retry.text
+        assert retry.headers.get(SESSION_KEY_HEADER)  # the retry opens the session: its key is the caller's
+        if route.endswith("chat/completions"):
+            assert gw.trajectories.trajectory("s1")["num_turns"] == 1
+        assert 'status="499"' in (await http_metrics(server.url))
+
+
+async def http_metrics(url: str) -> str:
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        return (await http.get("/metrics")).text
