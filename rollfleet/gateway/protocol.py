@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 #: Bounds on what a request may ask the gateway to stop on. A stop string must be one token of the
 #: vocabulary (:meth:`~rollfleet.gateway.codec.TextCodec.stop_token_ids`), and each is tokenised
@@ -36,6 +36,16 @@ _Stop = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """JSON ``null`` for a field means its default, as OpenAI's spec marks ``n``, ``stream``,
+        ``logprobs``, ``echo``... nullable: the ``openai`` client sends ``null`` for a parameter given
+        as ``None``, and frameworks forward unset settings that way (``"n": null`` was a 400)."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
 
 
 class StreamOptions(_Body):

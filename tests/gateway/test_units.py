@@ -12,7 +12,7 @@ from rollfleet.errors import InvalidRequest, NoServerAvailable, RetriesExhausted
 from rollfleet.gateway import TextCodec, fit_sim_to_tokenizer
 from rollfleet.gateway.codec import IncrementalDecoder
 from rollfleet.gateway.errors import GatewayError, from_exception
-from rollfleet.gateway.protocol import CompletionRequest
+from rollfleet.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from rollfleet.gateway.sampling import field_mapper, sampling_params, token_budget
 
 pytestmark = pytest.mark.unit
@@ -125,6 +125,27 @@ def test_codec_stop_strings(codec):
     with pytest.raises(GatewayError) as err:
         codec.stop_token_ids(["<|im_end|>", "two separate words"])
     assert err.value.param == "stop[1]"
+
+
+def test_json_null_means_the_default_as_openai_marks_those_fields_nullable():
+    # what the openai client sends for a parameter given as None (n=None, stream=None, ...)
+    chat = ChatCompletionRequest.model_validate_json(
+        '{"model": "m", "messages": [{"role": "user", "content": "hi", "name": null}], "n": null, "stream": null,'
+        ' "logprobs": null, "add_generation_prompt": null, "ignore_eos": null, "stream_options": null}'
+    )
+    assert (chat.n, chat.stream, chat.logprobs, chat.add_generation_prompt, chat.ignore_eos) == (
+        1,
+        False,
+        False,
+        True,
+        False,
+    )
+    done = CompletionRequest.model_validate_json(
+        '{"model": "m", "prompt": "x", "echo": null, "return_token_ids": null}'
+    )
+    assert (done.echo, done.return_token_ids, done.n) == (False, False, 1)
+    with pytest.raises(ValueError, match="prompt"):  # a required field given null is still missing
+        CompletionRequest.model_validate_json('{"model": "m", "prompt": null}')
 
 
 def test_budget_and_sampling_params(codec):
