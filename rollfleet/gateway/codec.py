@@ -40,6 +40,15 @@ class TextCodec:
         self._backend_decode = backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False)
 
     @functools.cached_property
+    def knows_developer_role(self) -> bool:
+        """Whether the chat template writes ``developer`` messages. OpenAI's newer clients send
+        their instructions as ``developer`` where older ones sent ``system``; a template that knows
+        only ``system`` (Qwen's, Llama's) skips a role it does not know, without a word."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        sources = template.values() if isinstance(template, dict) else [template]
+        return any(isinstance(t, str) and "developer" in t for t in sources)
+
+    @functools.cached_property
     def max_token_chars(self) -> int:
         """The longest token's text, in characters (byte-level vocabularies write one character per
         byte, so no token decodes to more characters than its vocabulary entry has)."""

@@ -28,6 +28,8 @@ class ChatRoutes(RoutesBase):
         check_tools(req.tools, req.tool_choice)
         codec = self.codec
         messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
+        if not codec.knows_developer_role:  # as the system prompt it replaces (OpenAI's own reading)
+            messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
         # Every string the template may render counts (tool calls, extra fields, the tools' JSON
         # schemas), not only the contents: none of it may reach the tokenizer past the limits.
         # chat_template_kwargs too: a template may render any of them (documents, date_string).
