@@ -41,6 +41,7 @@ class _Choice:
         self.text = IncrementalDecoder(codec)
         self.sampled: list[int] = []
         self.logprobs: list[float] = []
+        self.text_offset = 0  # of the next token (a completion's logprobs.text_offset)
         self.reply: Optional[responses.Reply] = None
 
     def delta(self, delta: TokenDelta, chat: bool, logprobs: bool, token_ids: bool) -> Optional[dict[str, Any]]:
@@ -56,11 +57,15 @@ class _Choice:
         choice: dict[str, Any] = {"delta": {"content": piece}} if chat else {"text": piece}
         if logprobs:
             so_far = TokenOutput.model_construct(token_ids=self.sampled, log_probs=self.logprobs)
-            choice["logprobs"] = (
-                responses.chat_logprobs(self.codec, so_far, start)
-                if chat
-                else responses.completion_logprobs(self.codec, so_far, start, offset=self.text.sent_chars - len(piece))
-            )
+            if chat:
+                choice["logprobs"] = responses.chat_logprobs(self.codec, so_far, start)
+            else:
+                # Offsets count every token's own text, as a whole answer's do: a token whose text
+                # was held back (part of a character) has its offset where it was sampled.
+                found = responses.completion_logprobs(self.codec, so_far, start, offset=self.text_offset)
+                assert found is not None
+                self.text_offset += sum(len(t) for t in found["tokens"])
+                choice["logprobs"] = found
         if token_ids:
             choice["token_ids"] = delta.token_ids
         return choice

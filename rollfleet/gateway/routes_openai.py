@@ -1,7 +1,7 @@
 """The OpenAI-compatible route table, and the handlers other than chat: ``/v1/models``,
 ``/v1/completions``, the token route ``/v1/completions/tokens``, ``/health``, ``/metrics``. The
-generation routes are also served under ``/sessions/{id}/v1/...``: an agent given that base URL is
-in session ``id`` without setting a header.
+generation routes and ``/v1/models`` are also served under ``/sessions/{id}/v1/...``: an agent given
+that base URL is in session ``id`` without setting a header.
 
 Each handler reads the raw body and validates it with ``model_validate_json`` (pydantic-core parses
 and validates in one pass) instead of FastAPI's body machinery: the same 400s, a fraction of the
@@ -45,6 +45,8 @@ class OpenAIRoutes(ChatRoutes):
         ]
         return [
             Route("/v1/models", wrap("/v1/models", self.models), methods=["GET"]),
+            # an agent handed a session's base URL may list the models first, as against any other
+            Route("/sessions/{session_id}/v1/models", wrap("/v1/models", self.models), methods=["GET"]),
             *(Route(path, wrap(path, handler), methods=["POST"]) for path, handler in generation),
             *(
                 Route("/sessions/{session_id}" + path, wrap(path, handler), methods=["POST"])
