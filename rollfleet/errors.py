@@ -121,6 +121,20 @@ class InsufficientResources(RollfleetError, RuntimeError):
         return (type(self), (self.field, self.requested, self.available, self.detail))
 
 
+class CannotListen(RollfleetError, OSError):
+    """A listener cannot bind the address its settings give (the port is taken, or the host is not
+    this machine's). ``field`` names the setting to change (``gateway.port``, ``gateway.host``)."""
+
+    def __init__(self, field: str, address: str, reason: str) -> None:
+        self.field = field
+        self.address = address
+        self.reason = reason
+        super().__init__(f"'{field}': cannot listen on {address}: {reason}")
+
+    def __reduce__(self):
+        return (type(self), (self.field, self.address, self.reason))
+
+
 class FleetOperationFailed(RollfleetError, RuntimeError):
     """A control operation fanned out to the fleet failed on some replicas.
 
@@ -224,6 +238,7 @@ __all__ = [
     "EngineDead",
     "NotSupported",
     "InsufficientResources",
+    "CannotListen",
     "FleetOperationFailed",
     "FleetShutDown",
     "RetriesExhausted",

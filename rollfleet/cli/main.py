@@ -177,7 +177,11 @@ def _serve(args: argparse.Namespace) -> int:
         runner = uvloop.run
     except ImportError:  # pragma: no cover - uvloop is optional
         runner = asyncio.run
-    return runner(serve(config, announce=announce))
+    try:
+        return runner(serve(config, announce=announce))
+    except RollfleetError as exc:  # the cluster or this host cannot give what the config asks (a port, devices)
+        print(f"rollfleet serve: {exc}", file=sys.stderr)
+        return 2
 
 
 def _train(args: argparse.Namespace) -> int:

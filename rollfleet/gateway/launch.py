@@ -28,7 +28,7 @@ from rollfleet.config import RollfleetConfig
 from rollfleet.gateway.app import Gateway
 from rollfleet.gateway.codec import TextCodec
 from rollfleet.gateway.prometheus import PrometheusConfig, update_prometheus_config
-from rollfleet.gateway.server import GatewayServer
+from rollfleet.gateway.server import GatewayServer, check_can_listen
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +63,7 @@ class GatewayStack:
         from rollfleet.manager import LLMServerManager
 
         gw_cfg = config.gateway
+        check_can_listen(gw_cfg.host, gw_cfg.port)  # before Ray and the fleet: a taken port is a config error
         codec = codec or TextCodec.load(gw_cfg.tokenizer or config.rollout.model)
         config = fit_sim_to_tokenizer(config, codec)
         manager = await LLMServerManager.create(config)

@@ -19,10 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import importlib.util
+import socket
 from typing import Any, Iterator, Optional
 
 import uvicorn
+
+from rollfleet.errors import CannotListen
 
 #: How long start() waits for uvicorn to bind and finish the app's lifespan start-up.
 STARTUP_TIMEOUT_S = 30.0
@@ -67,6 +71,27 @@ def _with_header_deadline(protocol: type, header_timeout_s: float) -> type:
             super().connection_lost(exc)
 
     return HeaderDeadline
+
+
+def check_can_listen(host: str, port: int) -> None:
+    """Raise :class:`~rollfleet.errors.CannotListen` when ``host:port`` cannot be bound now, before
+    anything costly starts (``rollfleet serve`` starts Ray and the fleet before its gateway, and a
+    taken port then ended that start-up in a traceback). Port 0 always binds. Bound as uvicorn
+    binds (``SO_REUSEADDR``: a port only in TIME_WAIT is free) and let go at once."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise CannotListen("gateway.host", f"{host}:{port}", str(exc)) from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            field = "gateway.port" if exc.errno == errno.EADDRINUSE else "gateway.host"
+            raise CannotListen(field, f"{host}:{port}", exc.strerror or str(exc)) from None
 
 
 class GatewayServer:
@@ -145,4 +170,4 @@ class GatewayServer:
             pass
 
 
-__all__ = ["GatewayServer", "STARTUP_TIMEOUT_S"]
+__all__ = ["GatewayServer", "STARTUP_TIMEOUT_S", "check_can_listen"]

@@ -78,3 +78,28 @@ def test_serve_runs_and_stops_cleanly(tmp_path, sig):
             proc.wait()
     with pytest.raises(httpx.ConnectError):
         httpx.get(url + "/v1/models", timeout=2)
+
+
+def test_a_taken_port_is_refused_before_ray_starts_naming_the_setting(tmp_path):
+    import socket
+
+    config = tmp_path / "taken.yaml"
+    config.write_text(yaml.safe_dump({"rollout": {"name": "sim", "num_replicas": 1}, "ray": {"num_cpus": 1}}))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+        env.pop("RAY_ADDRESS", None)
+        started = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, "-m", "rollfleet.cli.main", "serve", "--config", str(config), "--port", str(port)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=STARTUP_TIMEOUT_S,
+        )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"'gateway.port': cannot listen on 127.0.0.1:{port}" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and "Started a local Ray instance" not in done.stdout + done.stderr
+    print(f"refused in {time.monotonic() - started:.1f} s")

@@ -254,3 +254,22 @@ async def test_a_live_stream_records_its_turn_before_it_says_done(codec):
     else:
         raise AssertionError("no [DONE]")
     await events.aclose()  # type: ignore[attr-defined]
+
+
+def test_a_gateway_address_that_cannot_be_bound_names_the_setting():
+    import socket
+
+    from rollfleet.errors import CannotListen
+    from rollfleet.gateway.server import check_can_listen
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(CannotListen) as err:
+            check_can_listen("127.0.0.1", port)
+    assert err.value.field == "gateway.port" and f"127.0.0.1:{port}" in str(err.value)
+    with pytest.raises(CannotListen) as err:
+        check_can_listen("192.0.2.1", 8000)  # TEST-NET-1: no interface of this host has it
+    assert err.value.field == "gateway.host"
+    check_can_listen("127.0.0.1", 0)  # any free port: never refused
