@@ -68,14 +68,22 @@ def expand_groups(samples: Sequence[Mapping[str, Any]], n: int, deterministic: b
     ``deterministic``: the uid and request ids are named after the sample's ``task_index`` (its
     place in the batch when it has none), the same in every run. Not after the place alone: the
     async trainers expand one prompt at a time, and every group would be ``group-0``, one GRPO
-    group across prompts, its requests sharing ids with the groups in flight beside it."""
+    group across prompts, its requests sharing ids with the groups in flight beside it.
+
+    A sample's own ``request_id`` names a trajectory; its ``n`` copies are ``n`` trajectories, so
+    each gets it with its index (``row-17-0``, ``row-17-1``...). Shared, the siblings shared one
+    session: one instance of each tool (each read and wrote the other's state, and the first to end
+    released it under the other), one sticky entry, one id an abort stopped both by."""
     out = []
     for i, sample in enumerate(samples):
         key = sample.get("task_index", i)
         uid = str(sample.get("uid") or (f"group-{key}" if deterministic else uuid.uuid4().hex))
+        given = sample.get("request_id")
         for j in range(n):
             copy = dict(sample, uid=uid, sample_index=j)
-            if deterministic and not copy.get("request_id"):
+            if given and n > 1:
+                copy["request_id"] = f"{given}-{j}"
+            elif deterministic and not given:
                 copy["request_id"] = f"det-{key}-{j}"  # stable session keys route the same way every run
             out.append(copy)
     return out

@@ -79,6 +79,10 @@ def test_groups_share_uid():
     assert [s["sample_index"] for s in samples[:4]] == [0, 1, 2, 3]
     det = expand_groups([{"prompt_ids": [1]}], n=2, deterministic=True)
     assert [s["request_id"] for s in det] == ["det-0-0", "det-0-1"]
+    # a sample's own id names one trajectory: each copy is one (its session, its tools' instances)
+    given = expand_groups([{"prompt_ids": [1], "request_id": "row-17"}], n=3, deterministic=True)
+    assert [s["request_id"] for s in given] == ["row-17-0", "row-17-1", "row-17-2"]
+    assert expand_groups([{"prompt_ids": [1], "request_id": "row-17"}], n=1)[0]["request_id"] == "row-17"
 
 
 @settings(max_examples=60, deadline=None)

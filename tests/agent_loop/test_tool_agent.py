@@ -316,3 +316,47 @@ async def test_a_samples_own_budget_bounds_its_trajectory(tokenizer, agent, key)
         )
     assert err.value.field == "sampling_params.max_new_tokens"
     await fleet.shutdown()
+
+
+async def test_siblings_of_a_sample_with_its_own_request_id_each_get_their_own_tool_instance(tokenizer):
+    """A GRPO group's copies kept the sample's request_id: one tool instance for all of them, each
+    sibling counting on the other's state, the first to end releasing it under the other."""
+
+    class Counter(BaseTool):
+        def __init__(self) -> None:
+            super().__init__({"type": "function", "function": {"name": "incr", "description": "count",
+                                                               "parameters": {"type": "object", "properties": {}}}})  # fmt: skip
+            self.state: dict[str, int] = {}
+            self.created: list[str] = []
+
+        async def create(self, instance_id: str, **kwargs: Any) -> str:
+            self.created.append(instance_id)
+            self.state[instance_id] = 0
+            return instance_id
+
+        async def execute(self, instance_id: str, parameters: dict[str, Any]) -> str:
+            await asyncio.sleep(0.05)  # the siblings' calls interleave
+            self.state[instance_id] += 1
+            return f"count={self.state[instance_id]}"
+
+        async def release(self, instance_id: str) -> None:
+            self.state.pop(instance_id)
+
+    counter = Counter()
+    config = sim_config(tokenizer, rollout={"prompt_length": 1024, "n": 2},
+                        agent={"num_workers": 1, "multi_turn": {"tool_timeout_s": 2}})  # fmt: skip
+    fleet = await LocalFleet(config).start()
+    call = '<tool_call>\n{"name": "incr", "arguments": {}}\n</tool_call>'
+    fleet.script(ScriptedTurns.from_texts(tokenizer, [call, call, "done"]))
+    manager = await AgentLoopManager.create(config, llm_client=fleet.client, tokenizer=tokenizer, tools=[counter])
+    batch = await manager.generate_sequences(
+        [{"raw_prompt": QUESTION, "agent_name": "tool_agent", "request_id": "row-17"}]
+    )
+    assert [e["request_id"] for e in batch.extra_fields] == ["row-17-0", "row-17-1"]
+    assert sorted(counter.created) == ["row-17-0:incr", "row-17-1:incr"] and counter.state == {}
+    for i in range(len(batch)):
+        text = tokenizer.decode(batch.responses[i][: int(batch.response_lengths[i])].tolist())
+        assert "count=1" in text and "count=2" in text and "count=3" not in text, text
+        assert batch.extra_fields[i]["tool_errors"] == {}
+    await manager.shutdown()
+    await fleet.shutdown()
