@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextvars
 import functools
 import logging
+import threading
 from typing import Any, Awaitable, Callable, Coroutine, Iterable, TypeVar
 
 T = TypeVar("T")
@@ -66,3 +69,32 @@ def _log_outcome(what: str, outcome: Callable[[Any], str], task: "asyncio.Future
         logger.error("%s whose caller gave up failed: %r", what, exc)
     else:
         logger.info("%s whose caller gave up %s", what, outcome(task.result()))
+
+
+class ThreadPerCall(concurrent.futures.Executor):
+    """An executor that runs every call on a thread of its own, started at once (a daemon).
+
+    For calls that may hang for good (a user's synchronous tool whose backend is gone): a call
+    that times out keeps its thread, and no Python thread can be stopped. On a pool (the loop's
+    default one has 6 threads on 2 cores) a few hung calls took every thread, and each later call
+    waited for one until its own timeout, reported as timed out without having run (and ran
+    later, after the model was told it had not). Here a hung call costs its own thread only, and
+    a daemon thread does not hold up the interpreter's exit. Use it through
+    ``loop.run_in_executor``, so that a virtual-time loop knows a thread is working."""
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> "concurrent.futures.Future[T]":
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        context = contextvars.copy_context()  # as asyncio.to_thread does
+
+        def run() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                result = context.run(fn, *args, **kwargs)
+            except BaseException as exc:
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+
+        threading.Thread(target=run, name="rollfleet-call", daemon=True).start()
+        return future

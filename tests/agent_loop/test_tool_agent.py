@@ -360,3 +360,44 @@ async def test_siblings_of_a_sample_with_its_own_request_id_each_get_their_own_t
         assert batch.extra_fields[i]["tool_errors"] == {}
     await manager.shutdown()
     await fleet.shutdown()
+
+
+async def test_sync_tools_that_hang_hold_up_no_other_tool_call(tokenizer):
+    """Each hung call kept a thread of the loop's shared pool: once they held every thread, every
+    later sync tool call timed out without running (and ran later, after the model was told so)."""
+    import os
+    import threading
+
+    release = threading.Event()
+    ran: list[str] = []
+
+    def stuck(x: str) -> str:
+        """A tool whose backend stopped answering."""
+        release.wait(30)
+        return "late"
+
+    def quick(x: str) -> str:
+        """Answers at once."""
+        ran.append(x)
+        return "quick-ok"
+
+    hung = min(32, (os.cpu_count() or 1) + 4) + 2  # more than the loop's default pool has threads
+    fleet, _, worker = await make(
+        tokenizer,
+        ['<tool_call>\n{"name": "stuck", "arguments": {"x": "1"}}\n</tool_call>', "done"],
+        agent={"max_concurrent_trajectories": 64},
+        tools=[stuck, quick],
+    )
+    try:
+        outs = await worker.generate_sequences([{"raw_prompt": QUESTION, "agent_name": "tool_agent"}] * hung)
+        assert all(o.extra_fields["tool_errors"] == {"timeout": 1} for o in outs)
+        fleet.script(
+            ScriptedTurns.from_texts(
+                tokenizer, ['<tool_call>\n{"name": "quick", "arguments": {"x": "1"}}\n</tool_call>', "done"]
+            )
+        )
+        outs = await worker.generate_sequences([{"raw_prompt": QUESTION, "agent_name": "tool_agent"}] * 3)
+        assert [o.extra_fields["tool_errors"] for o in outs] == [{}] * 3 and len(ran) == 3
+    finally:
+        release.set()
+        await fleet.shutdown()

@@ -2,8 +2,9 @@
 
 The JSON schema comes from the signature and type hints; the description from the docstring's
 first paragraph and parameter descriptions from a Google-style ``Args:`` section. A sync function
-runs in a thread so a slow one neither blocks the worker's event loop nor escapes the timeout
-(the thread itself cannot be killed: on timeout it finishes in the background, its result dropped).
+runs on a thread of its own so a slow one neither blocks the worker's event loop nor escapes the
+timeout (the thread itself cannot be killed: on timeout it finishes in the background, its result
+dropped), and a hung one holds up no other call.
 
 Arguments are bound with ``inspect.Signature.bind``: a missing or unexpected argument is a tool
 error the model gets to read, not a crash.
@@ -23,6 +24,10 @@ import typing
 from typing import Any, Callable, Optional
 
 from rollfleet.agent_loop.tools.base import BaseTool, ToolResult
+from rollfleet.utils.aio import ThreadPerCall
+
+#: Sync tools run each on a thread of its own: a hung one keeps only its own (see ThreadPerCall).
+_THREADS = ThreadPerCall()
 
 _SIMPLE = {str: "string", int: "integer", float: "number", bool: "boolean", dict: "object", list: "array"}
 
@@ -153,7 +158,8 @@ class FunctionTool(BaseTool):
         if self.is_async:
             value = await self.fn(*bound.args, **bound.kwargs)
         else:
-            value = await asyncio.to_thread(functools.partial(self.fn, *bound.args, **bound.kwargs))
+            call = functools.partial(self.fn, *bound.args, **bound.kwargs)
+            value = await asyncio.get_running_loop().run_in_executor(_THREADS, call)
         return value if isinstance(value, ToolResult) else _to_text(value)
 
 
