@@ -9,22 +9,52 @@ the text as content.
 from __future__ import annotations
 
 import json
-import re
 
 from rollfleet.tool_parser.base import FunctionCall, ParsedResponse, ToolParser
 
-_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 
 
 class HermesToolParser(ToolParser):
-    call_start = "<tool_call>"
+    call_start = _OPEN
 
     def parse(self, text: str) -> ParsedResponse:
         calls: list[FunctionCall] = []
-        for i, match in enumerate(_CALL.finditer(text)):
-            calls.append(_parse_one(match.group(1).strip(), f"call_{i}"))
-        content = _CALL.sub("", text).strip()
-        return ParsedResponse(content=content, tool_calls=calls)
+        content, pos = [], 0
+        for i, (start, end, body) in enumerate(_calls(text)):
+            calls.append(_parse_one(body.strip(), f"call_{i}"))
+            content.append(text[pos:start])
+            pos = end
+        content.append(text[pos:])
+        return ParsedResponse(content="".join(content).strip(), tool_calls=calls)
+
+
+def _calls(text: str) -> list[tuple[int, int, str]]:
+    """``(start, end, body)`` of every closed call. A body ends at the first closing tag after
+    which it is JSON; at the first closing tag when none makes it JSON. A call whose arguments
+    quote the tag (code that prints ``</tool_call>``) used to end inside its own string: a valid
+    call answered as invalid JSON, the rest of it left in the content."""
+    out = []
+    pos = 0
+    while (start := text.find(_OPEN, pos)) >= 0:
+        body = start + len(_OPEN)
+        first = close = text.find(_CLOSE, body)
+        if first < 0:
+            break  # not closed: left in the content (see the module docstring)
+        while close >= 0 and not _is_json(text[body:close]):
+            close = text.find(_CLOSE, close + len(_CLOSE))
+        close = first if close < 0 else close
+        out.append((start, close + len(_CLOSE), text[body:close]))
+        pos = close + len(_CLOSE)
+    return out
+
+
+def _is_json(raw: str) -> bool:
+    try:
+        json.loads(raw)
+    except (json.JSONDecodeError, RecursionError):
+        return False
+    return True
 
 
 def _parse_one(raw: str, call_id: str) -> FunctionCall:

@@ -43,3 +43,19 @@ def test_unclosed_call_is_not_a_call_and_unknown_format_lists_valid():
     assert get_tool_parser("hermes").parse('<tool_call>{"name": "f", "argu').tool_calls == []
     with pytest.raises(KeyError, match="hermes"):
         get_tool_parser("nope")
+
+
+def test_a_call_whose_arguments_quote_the_closing_tag_is_one_valid_call():
+    """The call ended at the tag inside its own string: a valid call answered as invalid JSON."""
+    parser = get_tool_parser("hermes")
+    code = '<tool_call>{"name": "py", "arguments": {"code": "print(\'</tool_call>\')"}}</tool_call>'
+    parsed = parser.parse(f'Running it.\n{code}\n<tool_call>{{"name": "ls", "arguments": {{}}}}</tool_call> done')
+    assert [(c.name, c.arguments, c.error) for c in parsed.tool_calls] == [
+        ("py", {"code": "print('</tool_call>')"}, None),
+        ("ls", {}, None),
+    ]
+    assert parsed.content == "Running it.\n\n done"
+    # a malformed call still ends at its first closing tag, and the next call is its own
+    bad = parser.parse('<tool_call>{oops</tool_call> then <tool_call>{"name": "ls", "arguments": {}}</tool_call>')
+    assert [(c.name, c.error is None) for c in bad.tool_calls] == [("", False), ("ls", True)]
+    assert bad.content == "then"
