@@ -24,6 +24,7 @@ from typing import Any, AsyncGenerator, AsyncIterator, Optional, Union
 from rollfleet.errors import ReplicaUnavailable
 from rollfleet.server import wire
 from rollfleet.types import ReplicaResponse, SamplingParams, TokenDelta
+from rollfleet.utils.refs import cancel as cancel_call
 
 logger = logging.getLogger(__name__)
 
@@ -276,7 +277,19 @@ class _DirectCall:
     async def _through_ray(self, request_id: str, prompt_ids: list[int], sampling_params: Any, kwargs: dict[str, Any]):
         actor = self._handle.actor
         method = actor.generate if self._output_only else actor.generate_with_load
-        return await method.remote(request_id, prompt_ids, sampling_params, **kwargs)
+        return await _cancelled_with_caller(method.remote(request_id, prompt_ids, sampling_params, **kwargs))
+
+
+async def _cancelled_with_caller(ref: Any) -> Any:
+    """Await a Ray call; a caller that gives up cancels it on the replica too. Awaiting an
+    ``ObjectRef`` from a task that is cancelled does not cancel the actor's call: the fallback's
+    cancelled and timed-out requests ran to their end, holding a batch slot, and a timed-out one
+    was generated twice (the client retried it elsewhere)."""
+    try:
+        return await ref
+    except asyncio.CancelledError:
+        cancel_call(ref)
+        raise
 
 
 class DirectHandle:
@@ -326,7 +339,8 @@ class DirectHandle:
                     raise
                 conn = None  # values JSON cannot carry, and pickle is off on the data plane
         if conn is None:
-            yield await self.actor.generate_with_load.remote(request_id, prompt_ids, sampling_params, **kwargs)
+            ref = self.actor.generate_with_load.remote(request_id, prompt_ids, sampling_params, **kwargs)
+            yield await _cancelled_with_caller(ref)
             return
         try:
             yield first
