@@ -136,6 +136,7 @@ async def stream_generate(
     failures = 0  # failed tries in a row that brought no token: generate()'s retries of one attempt
     stalls = StallCount(client.retry.max_attempts)  # generate()'s rule for aborts
     no_server_since: Optional[float] = None
+    no_server_waits = 0  # the backoff's step while no replica is routable (generate()'s, too)
     stop_reason = "aborted"
     last: Optional[TokenOutput] = None
     while len(sofar.token_ids) < budget:
@@ -181,7 +182,13 @@ async def stream_generate(
                     no_server_since = no_server_since or virtual_time.now()
                     if virtual_time.now() - no_server_since > client.config.retry.no_server_wait_s:
                         raise RetriesExhausted(request_id, failures + 1, exc) from exc
-                elif len(sofar.token_ids) == before:
+                    # backing off as generate() does: at the floor each time, thousands of open
+                    # streams spun through a fleet-wide restart (3,005 tries a stream in 30 s)
+                    no_server_waits += 1
+                    await client.retry.wait(no_server_waits)
+                    continue
+                no_server_since, no_server_waits = None, 0
+                if len(sofar.token_ids) == before:
                     failures += 1  # a failure that brought nothing: bounded; one that did is a resume
                     if failures >= client.retry.max_attempts:
                         raise RetriesExhausted(request_id, failures, exc) from exc
@@ -191,7 +198,7 @@ async def stream_generate(
                 continue
         finally:
             await attempt.aclose()  # at once: it releases the replica and cancels its request
-        no_server_since = None
+        no_server_since, no_server_waits = None, 0
         failures = 0
         if stop_reason != "aborted" or not resumes or len(sofar.token_ids) >= budget:
             break

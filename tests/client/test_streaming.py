@@ -357,3 +357,38 @@ async def test_max_tokens_and_max_new_tokens_that_differ_are_refused_by_the_resu
     assert client.balancer.get_total_inflight() == 0
     for r in replicas:
         await r.shutdown()
+
+
+@pytest.mark.parametrize("client_cls", [LLMServerClient, FullyAsyncLLMServerClient])
+def test_a_stream_waiting_for_a_routable_replica_backs_off_as_generate_does(client_cls):
+    """The stream retried at the backoff's floor (10 ms) the whole no_server_wait_s: 3,005 tries
+    in 30 s where generate() made 37 (a busy loop, and an RPC storm on a shared balancer)."""
+    from rollfleet.errors import RetriesExhausted
+    from rollfleet.utils import virtual_time
+
+    async def tries(stream: bool) -> int:
+        client = client_cls(RolloutConfig(response_length=8, retry={"no_server_wait_s": 30.0}),
+                            servers={"A": LocalHandle(object())})  # fmt: skip
+        client.balancer.set_routable("A", False)  # the whole fleet restarting
+        counted = 0
+        acquire = client._acquire
+
+        async def counting(*args: Any, **kwargs: Any) -> Any:
+            nonlocal counted
+            counted += 1
+            return await acquire(*args, **kwargs)
+
+        client._acquire = counting  # type: ignore[method-assign]
+        with pytest.raises(RetriesExhausted):
+            if stream:
+                async for _ in client.generate_stream("x", prompt_ids=[1], sampling_params={"max_tokens": 8}):
+                    pass
+            else:
+                await client.generate("x", prompt_ids=[1], sampling_params={"max_tokens": 8})
+        return counted
+
+    async def both() -> tuple[int, int]:
+        return await tries(stream=False), await tries(stream=True)
+
+    whole, streamed = virtual_time.run(both(), idle_timeout_s=5)
+    assert streamed <= 2 * whole, (whole, streamed)
