@@ -9,13 +9,17 @@ from rollfleet.errors import InvalidRequest
 from rollfleet.types import BUDGET_KEYS, SamplingParams
 
 
-def token_budget(params: SamplingParams, response_length: Any) -> tuple[str, int]:
+def token_budget(params: SamplingParams, response_length: Any, room: Optional[int] = None) -> tuple[str, int]:
     """``(key, budget)``: the caller's ``max_tokens`` / ``max_new_tokens``, else the configured
-    ``response_length``. Checked before any arithmetic on it ("16" or True must not become a budget)."""
+    ``response_length``, at most the ``room`` the context leaves after the prompt (the default a
+    replica gives a request without a budget: sent explicitly, ``response_length`` past the room
+    was refused, so a late turn of a long trajectory failed on the resuming paths where a plain
+    ``generate`` served it). Checked before any arithmetic on it ("16" or True must not become a
+    budget)."""
     key = next((k for k in BUDGET_KEYS if params.get(k) is not None), None)
     if key is None:
         if isinstance(response_length, int) and not isinstance(response_length, bool) and response_length > 0:
-            return "max_tokens", response_length
+            return "max_tokens", min(response_length, room) if room is not None and room >= 1 else response_length
         raise ValueError("no token budget: pass max_tokens/max_new_tokens or configure response_length")
     budget = params[key]
     if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
@@ -28,6 +32,14 @@ def token_budget(params: SamplingParams, response_length: Any) -> tuple[str, int
                 f"sampling_params.{other}", f"equal to {key} ({budget}) when both are given", params[other]
             )
     return key, budget
+
+
+def room_after(max_model_len: Optional[int], prompt_ids: Any) -> Optional[int]:
+    """The tokens the context leaves after the prompt (None: unknown, or no sized prompt)."""
+    try:
+        return None if max_model_len is None else max_model_len - len(prompt_ids)
+    except TypeError:  # no length: the replica names the field
+        return None
 
 
 #: Lower bounds on the tokens to generate: a resumed attempt owes what is left of them.
@@ -80,4 +92,4 @@ class StallCount:
         return self.stalled
 
 
-__all__ = ["MIN_KEYS", "StallCount", "resumed_params", "token_budget"]
+__all__ = ["MIN_KEYS", "StallCount", "resumed_params", "room_after", "token_budget"]

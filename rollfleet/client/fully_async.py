@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from rollfleet.client.budget import StallCount, resumed_params, token_budget
+from rollfleet.client.budget import StallCount, resumed_params, room_after, token_budget
 from rollfleet.client.llm_client import LLMServerClient
 from rollfleet.types import SamplingParams, StopReason, TokenOutput
 
@@ -50,8 +50,8 @@ class FullyAsyncLLMServerClient(LLMServerClient):
         **kwargs: Any,
     ) -> TokenOutput:
         params: SamplingParams = dict(sampling_params or {})
-        key, budget = token_budget(params, self.config.response_length)
         prompt = list(prompt_ids)
+        key, budget = token_budget(params, self.config.response_length, room_after(self.config.max_model_len, prompt))
 
         token_ids: list[int] = []
         log_probs: Optional[list[float]] = []

@@ -33,7 +33,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Optional, Union, cast
 
-from rollfleet.client.budget import StallCount, resumed_params, token_budget
+from rollfleet.client.budget import StallCount, resumed_params, room_after, token_budget
 from rollfleet.client.retry import is_replica_failure, is_retryable, unwrap
 from rollfleet.errors import NoServerAvailable, RetriesExhausted
 from rollfleet.types import ReplicaResponse, SamplingParams, TokenDelta, TokenOutput
@@ -130,7 +130,9 @@ async def stream_generate(
     """See the module docstring."""
     await client.fleet.ensure_started()
     params: SamplingParams = dict(sampling_params or {})
-    key, budget = token_budget(params, client.config.response_length)
+    key, budget = token_budget(
+        params, client.config.response_length, room_after(client.config.max_model_len, prompt_ids)
+    )
     resumes = bool(getattr(client, "partial_rollout", False))
     sofar = _Sofar()
     failures = 0  # failed tries in a row that brought no token: generate()'s retries of one attempt

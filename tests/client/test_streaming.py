@@ -392,3 +392,19 @@ def test_a_stream_waiting_for_a_routable_replica_backs_off_as_generate_does(clie
 
     whole, streamed = virtual_time.run(both(), idle_timeout_s=5)
     assert streamed <= 2 * whole, (whole, streamed)
+
+
+async def test_a_prompt_that_leaves_less_room_than_response_length_is_served_on_every_path():
+    """No max_tokens: the resuming paths sent response_length (400) explicitly, and a 700-token
+    prompt in a 1,024-token context was refused there while a plain generate got the 324 left."""
+    replicas, plain, _ = await fleet(1, time_scale=50.0)
+    resuming = FullyAsyncLLMServerClient(replicas[0].config, servers={"r0": LocalHandle(replicas[0])})
+    prompt, params = [5] * 700, {"temperature": 1.0, "ignore_eos": True}
+    whole = await plain.generate("g", prompt_ids=prompt, sampling_params=params)
+    outs = [whole, await resuming.generate("f", prompt_ids=prompt, sampling_params=params)]
+    for client in (plain, resuming):
+        items = [item async for item in client.generate_stream("s", prompt_ids=prompt, sampling_params=params)]
+        outs.append(items[-1])
+    assert [(len(o.token_ids), o.stop_reason) for o in outs] == [(324, "length")] * 4
+    for r in replicas:
+        await r.shutdown()
