@@ -90,7 +90,8 @@ def check_can_listen(host: str, port: int) -> None:
         try:
             sock.bind(address)
         except OSError as exc:
-            field = "gateway.port" if exc.errno == errno.EADDRINUSE else "gateway.host"
+            # an address not this machine's is the host's fault; taken, or privileged, the port's
+            field = "gateway.host" if exc.errno == errno.EADDRNOTAVAIL else "gateway.port"
             raise CannotListen(field, f"{host}:{port}", exc.strerror or str(exc)) from None
 
 

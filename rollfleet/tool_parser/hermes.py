@@ -9,6 +9,7 @@ the text as content.
 from __future__ import annotations
 
 import json
+from typing import Optional
 
 from rollfleet.tool_parser.base import FunctionCall, ParsedResponse, ToolParser
 
@@ -30,31 +31,41 @@ class HermesToolParser(ToolParser):
 
 
 def _calls(text: str) -> list[tuple[int, int, str]]:
-    """``(start, end, body)`` of every closed call. A body ends at the first closing tag after
-    which it is JSON; at the first closing tag when none makes it JSON. A call whose arguments
-    quote the tag (code that prints ``</tool_call>``) used to end inside its own string: a valid
-    call answered as invalid JSON, the rest of it left in the content."""
+    """``(start, end, body)`` of every closed call. A body that is one JSON value followed by a
+    closing tag ends there, even past a closing tag inside one of its strings (a call whose
+    arguments quote ``</tool_call>``, code that prints it, used to end inside its own string: a
+    valid call answered as invalid JSON, the rest left in the content); any other body ends at the
+    first closing tag. Each body is decoded once, so the scan stays linear in the text."""
     out = []
     pos = 0
     while (start := text.find(_OPEN, pos)) >= 0:
         body = start + len(_OPEN)
-        first = close = text.find(_CLOSE, body)
-        if first < 0:
+        close = text.find(_CLOSE, body)
+        if close < 0:
             break  # not closed: left in the content (see the module docstring)
-        while close >= 0 and not _is_json(text[body:close]):
-            close = text.find(_CLOSE, close + len(_CLOSE))
-        close = first if close < 0 else close
+        end = _json_end(text, body)
+        if end is not None and end > close and text.startswith(_CLOSE, end):
+            close = end
         out.append((start, close + len(_CLOSE), text[body:close]))
         pos = close + len(_CLOSE)
     return out
 
 
-def _is_json(raw: str) -> bool:
+_DECODER = json.JSONDecoder()
+_WHITESPACE = " \t\n\r"
+
+
+def _json_end(text: str, at: int) -> Optional[int]:
+    """Where the whitespace after the JSON value starting at ``at`` ends, or None if none starts."""
+    while at < len(text) and text[at] in _WHITESPACE:
+        at += 1
     try:
-        json.loads(raw)
+        _, end = _DECODER.raw_decode(text, at)
     except (json.JSONDecodeError, RecursionError):
-        return False
-    return True
+        return None
+    while end < len(text) and text[end] in _WHITESPACE:
+        end += 1
+    return end
 
 
 def _parse_one(raw: str, call_id: str) -> FunctionCall:
