@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import functools
-from typing import Any
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
 
 from rollfleet.config import RollfleetConfig
 from rollfleet.gateway import TextCodec
@@ -65,3 +66,19 @@ async def in_process_gateway(
     client = LLMServerClient(rollout, servers={"r0": LocalHandle(replica)})
     gw = Gateway(client, codec, config=config, rollout=rollout)
     return await GatewayServer(gw.app, **server_options).start(), gw, replica
+
+
+@asynccontextmanager
+async def slow_gateway() -> AsyncIterator[tuple[Any, Any, Any]]:
+    """:func:`in_process_gateway` whose 300-token answers take about a second (time_scale 5), so
+    "early" and "mid-way" are measurable; stopped afterwards."""
+    from rollfleet.config import GatewayConfig
+
+    server, gw, replica = await in_process_gateway(
+        GatewayConfig(), response_length=300, time_scale=5.0, mean_response_tokens=50
+    )
+    try:
+        yield server, gw, replica
+    finally:
+        await server.stop()
+        await replica.shutdown()

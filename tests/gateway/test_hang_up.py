@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Any
 
 import httpx
 import pytest
-from gateway_support import MODEL, in_process_gateway
+from gateway_support import MODEL, slow_gateway
 
-from rollfleet.config import GatewayConfig
 from rollfleet.gateway.sessions import SESSION_KEY_HEADER
 
 pytestmark = pytest.mark.unit
@@ -20,17 +18,7 @@ pytestmark = pytest.mark.unit
 ROUTES = ["/v1/completions", "/v1/chat/completions", "/v1/completions/tokens"]
 
 
-@asynccontextmanager
-async def gateway() -> AsyncIterator[tuple[Any, Any, Any]]:
-    # time_scale 5: 300 tokens take about a second, so a caller gone after 0.3 s left mid-way.
-    server, gw, replica = await in_process_gateway(
-        GatewayConfig(), response_length=300, time_scale=5.0, mean_response_tokens=50
-    )
-    try:
-        yield server, gw, replica
-    finally:
-        await server.stop()
-        await replica.shutdown()
+gateway = slow_gateway
 
 
 def body(route: str, max_tokens: int) -> dict[str, Any]:

@@ -7,32 +7,19 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Any
 
 import httpx
 import openai
 import pytest
-from gateway_support import MODEL, in_process_gateway
-
-from rollfleet.config import GatewayConfig
+from gateway_support import MODEL, slow_gateway
 
 pytestmark = pytest.mark.unit
 
 LONG = {"max_tokens": 300, "ignore_eos": True}
 
 
-@asynccontextmanager
-async def gateway() -> AsyncIterator[tuple[Any, Any, Any]]:
-    # time_scale 5: ~300 tokens take about a second, so "early" is measurable.
-    server, gw, replica = await in_process_gateway(
-        GatewayConfig(), response_length=300, time_scale=5.0, mean_response_tokens=50
-    )
-    try:
-        yield server, gw, replica
-    finally:
-        await server.stop()
-        await replica.shutdown()
+gateway = slow_gateway
 
 
 async def sse(http: httpx.AsyncClient, route: str, body: dict[str, Any]) -> tuple[list[dict], list[float], float]:
