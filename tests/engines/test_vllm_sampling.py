@@ -50,3 +50,28 @@ def test_vllm_names_pass_as_they_are():
         "structured_outputs": {"regex": "a+"},
         "top_k": 5,
     }
+
+
+@pytest.mark.parametrize("build", ["generate", "completion"])
+def test_a_structural_tag_constrains_through_structured_outputs(build):
+    """vLLM's SamplingParams has no structural_tag of its own: sent as it was, it was dropped."""
+    params = {"max_tokens": 4, "structural_tag": '{"type": "structural_tag"}'}
+    if build == "generate":
+        sent = generate_body([1, 2, 3], params, 64)[0]["sampling_params"]
+    else:
+        sent = completion_body("tiny", [1, 2, 3], params, 64)[0]
+    assert sent["structured_outputs"] == {"structural_tag": '{"type": "structural_tag"}'}
+    assert "structural_tag" not in sent
+
+
+def test_prompt_truncation_is_refused_on_the_generate_route_which_would_ignore_it():
+    with pytest.raises(InvalidRequest) as err:
+        generate_body([1, 2, 3], {"max_tokens": 4, "truncate_prompt_tokens": 2}, 64)
+    assert err.value.field == "sampling_params.truncate_prompt_tokens"
+    # /v1/completions takes it as a request field
+    assert (
+        completion_body("tiny", [1, 2, 3], {"max_tokens": 4, "truncate_prompt_tokens": 2}, 64)[0][
+            "truncate_prompt_tokens"
+        ]
+        == 2
+    )

@@ -17,8 +17,9 @@ from rollfleet.types import SamplingParams
 
 #: SGLang's name -> vLLM's.
 RENAMED = {"min_new_tokens": "min_tokens", "sampling_seed": "seed"}
-#: SGLang's constraint keys -> the key of vLLM's ``structured_outputs``.
-CONSTRAINTS = {"json_schema": "json", "regex": "regex", "ebnf": "grammar"}
+#: Constraint keys -> the key of vLLM's ``structured_outputs`` (its ``SamplingParams`` has no
+#: ``structural_tag`` of its own: sent as it was, the samples came back unconstrained).
+CONSTRAINTS = {"json_schema": "json", "regex": "regex", "ebnf": "grammar", "structural_tag": "structural_tag"}
 #: SGLang keys with no vLLM counterpart.
 UNSUPPORTED = frozenset({"stop_regex", "no_stop_trim", "custom_params"})
 

@@ -114,6 +114,13 @@ def generate_body(
 
     ``priority`` and ``cache_salt`` among the sampling parameters go to the request, as
     ``/v1/completions`` took them; the body is sent :func:`salted`."""
+    truncate = sampling_params.get("truncate_prompt_tokens")
+    if truncate is not None:  # a request field of /v1/completions; this route's SamplingParams drops it
+        raise InvalidRequest(
+            "sampling_params.truncate_prompt_tokens",
+            f"unset on vLLM's {GENERATE_ROUTE} route (it has no such field: the whole prompt would be used)",
+            truncate,
+        )
     max_tokens = budget_of(sampling_params)
     if max_tokens is None:
         max_tokens = max_model_len - len(prompt_ids)
