@@ -10,7 +10,7 @@ number of replicas.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional, Sequence
 
 from rollfleet.config import PlacementConfig
@@ -144,15 +144,15 @@ def one_replica_short(
 
 
 def without_held(nodes: Sequence[NodeInfo], held: Mapping[str, Sequence[Mapping[str, float]]]) -> list[NodeInfo]:
-    """``nodes`` with the bundles in ``held`` (per node id) taken off their totals: what is left
-    there for others, whatever happens to be free now."""
+    """``nodes`` as they would be with only the bundles in ``held`` (per node id) taken: their
+    totals less those, free and total alike (whatever other jobs hold now, given back)."""
     out = []
     for n in nodes:
         total = dict(n.total)
         for bundle in held.get(n.node_id, ()):
             for res, amount in bundle.items():
                 total[res] = max(0.0, total.get(res, 0.0) - amount)
-        out.append(NodeInfo(n.node_id, n.ip, n.alive, total, n.free, n.labels))
+        out.append(replace(n, total=total, free=total))
     return out
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from dataclasses import replace
 from typing import Any, Mapping, Optional, Sequence
 
 from rollfleet.config import PlacementConfig
@@ -243,18 +242,15 @@ class Placer:
         waiting used to run out ``timeout_s`` and then blame other jobs."""
         labels = self.config.node_labels
         cluster = describe_cluster(nodes, labels, list(bundle))
-        # the totals stand in for the free resources: what the node holds when others give it back
-        left = [replace(n, free=n.total) for n in nodes]
         colocate = f"share a replica's device with rollout.placement.colocate (the {name} then needs none of its own)"
-        if choose_node(left, bundle, 1, "PACK", labels, {}) is None:
+        if choose_node(without_held(nodes, {}), bundle, 1, "PACK", labels, {}) is None:  # even were all given back
             raise InsufficientResources(
                 "rollout.placement.colocate",
                 f"1 x {dict(bundle)} on one node for the {name}",
                 cluster,
                 f"no live node of the fleet's pool could hold it: {colocate}",
             )
-        beside = without_held(left, self._held(replicas=True))
-        node = choose_node([replace(n, free=n.total) for n in beside], bundle, 1, "PACK", labels, {})
+        node = choose_node(without_held(nodes, self._held(replicas=True)), bundle, 1, "PACK", labels, {})
         if node is not None:
             return next(n for n in nodes if n.node_id == node.node_id)
         tp = self.devices_per_replica
