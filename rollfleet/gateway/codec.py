@@ -190,8 +190,6 @@ class IncrementalDecoder:
         self._prefix = 0  # where the window starts
         self._read = 0  # ids before this are in the text sent
         self._sent: list[str] = []
-        #: Characters sent so far (logprob text offsets count from here).
-        self.sent_chars = 0
 
     def push(self, ids: Sequence[int]) -> str:
         """Add ids; return the text they complete ("" while a character is incomplete)."""
@@ -236,7 +234,6 @@ class IncrementalDecoder:
     def _emit(self, text: str) -> str:
         if text:
             self._sent.append(text)
-            self.sent_chars += len(text)
         return text
 
 
