@@ -26,6 +26,7 @@ from typing import Any, Optional
 
 from rollfleet.client.budget import StallCount, resumed_params, room_after, token_budget
 from rollfleet.client.llm_client import LLMServerClient
+from rollfleet.client.prompt import checked_prompt
 from rollfleet.types import SamplingParams, StopReason, TokenOutput
 
 
@@ -50,7 +51,7 @@ class FullyAsyncLLMServerClient(LLMServerClient):
         **kwargs: Any,
     ) -> TokenOutput:
         params: SamplingParams = dict(sampling_params or {})
-        prompt = list(prompt_ids)
+        prompt = checked_prompt(prompt_ids)
         key, budget = token_budget(params, self.config.response_length, room_after(self.config.max_model_len, prompt))
 
         token_ids: list[int] = []
@@ -67,9 +68,7 @@ class FullyAsyncLLMServerClient(LLMServerClient):
         while True:
             attempt += 1
             attempt_params = resumed_params(params, key, budget, len(token_ids))
-            out = await super().generate(
-                request_id, prompt_ids=prompt + token_ids, sampling_params=attempt_params, **kwargs
-            )
+            out = await self._generate(request_id, prompt + token_ids, attempt_params, kwargs)
             new = out.token_ids[: budget - len(token_ids)]  # defensive: an engine never gets more
             token_ids.extend(new)
             if log_probs is not None and out.log_probs is not None:

@@ -22,6 +22,7 @@ from typing import Any, AsyncIterator, Optional, Union
 
 from rollfleet.client.dispatch import DISPATCH_ORDERS, DispatchGate
 from rollfleet.client.fleet_view import FleetView
+from rollfleet.client.prompt import checked_prompt
 from rollfleet.client.retry import RetryPolicy, is_replica_failure, is_retryable, unwrap
 from rollfleet.client.streaming import stream_generate
 from rollfleet.config import RollfleetConfig, RolloutConfig
@@ -160,6 +161,12 @@ class LLMServerClient:
         **kwargs: Any,
     ) -> TokenOutput:
         """One attempt's worth of generation (re-routed on replica failure, never on bad input)."""
+        return await self._generate(request_id, checked_prompt(prompt_ids), sampling_params, kwargs)
+
+    async def _generate(
+        self, request_id: str, prompt_ids: list[int], sampling_params: Optional[SamplingParams], kwargs: dict[str, Any]
+    ) -> TokenOutput:
+        """:meth:`generate` of a checked prompt (the resuming client sends its attempts here)."""
         await self.fleet.ensure_started()
         prompt_len = len(prompt_ids)
         attempt = 0
@@ -222,7 +229,7 @@ class LLMServerClient:
         """:meth:`generate`, streamed: token deltas as they are sampled, then the whole output; a
         replica failure (or, resuming, an abort) mid-stream goes on elsewhere from the tokens
         received. See :mod:`rollfleet.client.streaming`."""
-        return stream_generate(self, request_id, prompt_ids, sampling_params, **kwargs)
+        return stream_generate(self, request_id, checked_prompt(prompt_ids), sampling_params, **kwargs)
 
     async def _generate_once(
         self,
@@ -233,6 +240,7 @@ class LLMServerClient:
         kwargs: dict[str, Any],
     ) -> ReplicaResponse:
         server_id: Optional[str] = None
+        handle: Any = None
         ended = False
         try:
             server_id, handle = await self._acquire(request_id, prompt_len, prompt_ids)
@@ -252,7 +260,7 @@ class LLMServerClient:
             ended = response.output.stop_reason != "aborted"
             return response
         finally:
-            await self._release(server_id, prompt_len, request_id, ended)
+            await self._release(server_id, prompt_len, request_id, ended, handle)
 
     async def _acquire(self, request_id: str, prompt_len: int, prompt_ids: list[int]) -> tuple[str, Any]:
         if self._remote_balancer is not None:
@@ -304,17 +312,20 @@ class LLMServerClient:
         except Exception as exc:
             logger.warning("release of %s on the shared load balancer failed: %r", server_id, exc)
 
-    async def _release(self, server_id: Optional[str], prompt_len: int, request_id: str, ended: bool) -> None:
+    async def _release(
+        self, server_id: Optional[str], prompt_len: int, request_id: str, ended: bool, handle: Any = None
+    ) -> None:
         """Uncount an attempt (``server_id`` None: it never got a replica; only the gate hears;
-        ``ended``: it returned an output that was not aborted)."""
+        ``ended``: it returned an output that was not aborted; ``handle``: the one its acquire
+        returned, which tells the replica it went to from one re-added under its id since)."""
         if self._gate is not None:
             self._gate.finished(request_id, ended)
         if server_id is None:
             return
         if self._remote_balancer is not None:
-            await self._release_remote(server_id)
+            await self._release_remote(server_id)  # verl's signature: the id only
             return
-        self.balancer.release_server(server_id, prompt_len)
+        self.balancer.release_server(server_id, prompt_len, handle)
 
     def finish_session(self, request_id: str) -> None:
         """Call when a trajectory is done: frees its sticky entry (the prefix cache stays warm)."""

@@ -227,6 +227,8 @@ async def _attempt(
         raise
     kwargs = {**kwargs, "client_id": client.balancer.client_id}
     ended = False  # an output came back that was not aborted (the gate times probes by it)
+    observed = False  # the balancer saw the attempt's output (its versions with it)
+    newest: Optional[int] = None  # the newest weight version the attempt's deltas carried
     # generate()'s limit on one attempt: a replica that hangs without dying fails the attempt (it
     # is quarantined, the stream goes on elsewhere), not the stream. Only the time spent waiting
     # for the replica counts, not the caller's between two deltas: a slow reader is no failure.
@@ -240,6 +242,7 @@ async def _attempt(
                 response = await within(ref, timeout)  # gone or out of time: the replica's request stops too
                 client.balancer.report_load(response.load)
                 client.balancer.observe_output(server_id, request_id, response.output)
+                observed = True
                 ended = response.output.stop_reason != "aborted"
                 yield response.output
                 return
@@ -258,9 +261,13 @@ async def _attempt(
                     if isinstance(item, ReplicaResponse):
                         client.balancer.report_load(item.load)
                         client.balancer.observe_output(server_id, request_id, item.output)
+                        observed = True
                         ended = item.output.stop_reason != "aborted"
                         yield item.output
                     else:
+                        for v in item.token_versions:
+                            if v is not None and (newest is None or v > newest):
+                                newest = v
                         yield item
             finally:
                 await stream.aclose()
@@ -271,7 +278,9 @@ async def _attempt(
                 client.balancer.unstick(request_id)  # the session moves on to another replica
             raise
     finally:
-        await client._release(server_id, len(prompt), request_id, ended)
+        if not observed:  # cut short: what it delivered still binds the session (no step back)
+            client.balancer.observe_version(server_id, request_id, newest)
+        await client._release(server_id, len(prompt), request_id, ended, handle)
 
 
 def _whole(sofar: _Sofar, last: Optional[TokenOutput], stop_reason: str, budget: int, exhausted: bool) -> TokenOutput:

@@ -37,7 +37,7 @@ from cachetools import LRUCache
 from rollfleet.errors import NoServerAvailable
 from rollfleet.routing.policies import ReplicaView, RoutingPolicy, get_policy
 from rollfleet.routing.policies.prefix_affinity import prefix_key
-from rollfleet.routing.server_state import ServerState
+from rollfleet.routing.server_state import Departed, ServerState
 from rollfleet.routing.version_floor import VersionFloors, at_or_above
 from rollfleet.types import LoadReport, TokenOutput
 
@@ -107,7 +107,7 @@ class GlobalRequestLoadBalancer:
         self.on_room: Optional[Callable[[bool], None]] = None
         self._servers: dict[str, ServerState] = {}
         #: Removed replicas whose requests from here are still in flight (until they are released).
-        self._departed: dict[str, ServerState] = {}
+        self._departed = Departed()
         self._views: Optional[list[ReplicaView]] = None  # of the routable replicas (None: to rebuild)
         self._request_id_to_server: LRUCache[str, str] = LRUCache(maxsize=max_cache_size)
         self._preferred: Optional[frozenset[str]] = None  # see set_preferred
@@ -148,8 +148,8 @@ class GlobalRequestLoadBalancer:
             hold = False  # a session going on: never held, wherever its turn goes
             state = servers.get(sticky_id)
             if state is None or not state.routable:
-                # still a session (never held), should no replica be left to place it on now
-                self._request_id_to_server[request_id] = _REPLACE
+                # the entry stays until a new replica is chosen: with none routable at all (the
+                # whole fleet syncing or restarting) the retry finds its own replica again
                 reason = "sticky_invalidated"
             elif self._spill_allowed and self._overloaded(sticky_id):
                 reason = "spill_over"
@@ -210,15 +210,12 @@ class GlobalRequestLoadBalancer:
             return None
         return {v.replica_id: max(0, math.ceil(limit - v.inflight)) for v in views}
 
-    def release_server(self, server_id: str, prompt_len: int = 0) -> None:
-        """Uncount one request; unknown ids and extra releases are ignored (counts floor at 0)."""
-        departed = self._departed.get(server_id)
-        if departed is not None:  # sent before its replica was removed: uncounted there, never on
-            departed.local -= 1  # a replica re-added under the same id since
-            if departed.local <= 0:
-                del self._departed[server_id]
+    def release_server(self, server_id: str, prompt_len: int = 0, handle: Any = None) -> None:
+        """Uncount one request; unknown ids and extra releases are ignored (counts floor at 0).
+        ``handle``, the one its acquire returned, tells a request sent before its replica was
+        removed (uncounted there) from one sent to a replica re-added under the same id since."""
         state = self._servers.get(server_id)
-        if state is None or departed is not None:  # a held request may go now all the same
+        if self._departed.release(server_id, handle) or state is None:  # a held request may go now
             if self.on_room is not None:
                 self.on_room(False)
             return
@@ -235,7 +232,12 @@ class GlobalRequestLoadBalancer:
         its last token was sampled with: fresher than a snapshot taken before a commit) and raise
         the session's version floor to it."""
         extra = output.extra_fields
-        version = extra.get("max_global_steps", extra.get("global_steps"))
+        self.observe_version(server_id, request_id, extra.get("max_global_steps", extra.get("global_steps")))
+
+    def observe_version(self, server_id: str, request_id: str, version: Optional[int]) -> None:
+        """A version ``server_id`` sampled ``request_id``'s tokens with (an output's newest, or the
+        newest a stream cut short delivered): the replica serves at least that one, and the
+        session's next turn or resume goes to no replica known to be older."""
         if version is None:
             return
         self.set_version(server_id, version)
@@ -340,15 +342,21 @@ class GlobalRequestLoadBalancer:
 
     def is_placed(self, request_id: str) -> bool:
         """Whether ``request_id`` is a session already placed (its turns are never held back),
-        even where its replica has left or failed it since."""
-        return request_id in self._request_id_to_server
+        even where its replica has left or failed it since, or where stickiness is off and only
+        its version floor says it is one."""
+        return request_id in self._request_id_to_server or self._floors.get(request_id) is not None
 
     # ------------------------------------------------------------------ verl-compatible membership API
     def add_servers(self, servers: dict[str, Any]) -> None:
-        """Add (or re-add, with counts reset) replicas. Requests sent to a replica before it was
-        removed stay counted apart (``_departed``): their release never uncounts the new one's."""
+        """Add (or re-add) replicas. Requests sent to a replica before it was removed stay counted
+        apart (``_departed``): their release never uncounts the new one's; re-added as the very
+        same actor, they are its load again."""
         for server_id, handle in servers.items():
-            self._servers[server_id] = ServerState(server_id, handle)
+            state = self._servers[server_id] = ServerState(server_id, handle)
+            earlier = self._departed.take_back(server_id, handle)
+            if earlier is not None:
+                state.local, state.local_tokens = earlier.local, earlier.local_tokens
+                state.sync()
         self._views = None
         self._policy.on_servers_changed(list(self._servers))
         if servers and self.on_room is not None:
@@ -361,10 +369,7 @@ class GlobalRequestLoadBalancer:
             state = self._servers.pop(server_id, None)
             if state is not None:
                 removed.append(server_id)
-                if state.local > 0:  # removed twice before those ended: one count for both
-                    earlier = self._departed.get(server_id)
-                    state.local += earlier.local if earlier is not None else 0
-                    self._departed[server_id] = state
+                self._departed.add(server_id, state)
         self._views = None
         self._policy.on_servers_changed(list(self._servers))
         if removed and self.on_room is not None:

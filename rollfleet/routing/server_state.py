@@ -1,5 +1,6 @@
 """What one client's balancer knows of one replica: its own requests there, others' as last
-reported, health, weight version, and the live view its policy reads."""
+reported, health, weight version, and the live view its policy reads; and of replicas since
+removed, the requests still in flight there."""
 
 from __future__ import annotations
 
@@ -38,4 +39,51 @@ class ServerState:
         view.kv_usage = self.kv_usage
 
 
-__all__ = ["ServerState"]
+class Departed:
+    """This client's requests still in flight on replicas removed from the fleet, per incarnation
+    (a replica's handle): a replica re-added under the same id starts from its own count, and a
+    release naming the handle its acquire returned uncounts the incarnation it was counted on."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[str, list[ServerState]] = {}
+
+    def add(self, server_id: str, state: ServerState) -> None:
+        if state.local > 0:
+            self._by_id.setdefault(server_id, []).append(state)
+
+    def take_back(self, server_id: str, handle: Any) -> Optional[ServerState]:
+        """The removed incarnation that is ``handle``, no longer departed: re-added as the very
+        same actor, its requests there are its load again."""
+        state = self._find(server_id, handle)
+        if state is not None:
+            self._drop(server_id, state)
+        return state
+
+    def release(self, server_id: str, handle: Any) -> bool:
+        """Uncount one request on a removed incarnation of ``server_id``: the one that is
+        ``handle`` or, without a handle, the oldest (over for a while, never under). False: the
+        request was not sent to a removed one."""
+        state = self._find(server_id, handle)
+        if state is None:
+            return False
+        state.local -= 1
+        if state.local <= 0:
+            self._drop(server_id, state)
+        return True
+
+    def _find(self, server_id: str, handle: Any) -> Optional[ServerState]:
+        states = self._by_id.get(server_id)
+        if not states:
+            return None
+        if handle is None:
+            return states[0]
+        return next((s for s in states if s.handle is handle or s.handle == handle), None)
+
+    def _drop(self, server_id: str, state: ServerState) -> None:
+        states = self._by_id[server_id]
+        states.remove(state)
+        if not states:
+            del self._by_id[server_id]
+
+
+__all__ = ["Departed", "ServerState"]

@@ -408,3 +408,63 @@ async def test_a_prompt_that_leaves_less_room_than_response_length_is_served_on_
     assert [(len(o.token_ids), o.stop_reason) for o in outs] == [(324, "length")] * 4
     for r in replicas:
         await r.shutdown()
+
+
+class _OnVersion:
+    """A streaming handle on weights ``version``: with ``cut_after``, it sends that many tokens and
+    then its replica fails; otherwise it ends."""
+
+    def __init__(self, name: str, version: int, cut_after: Any = None) -> None:
+        self.name, self.version, self.cut_after = name, version, cut_after
+        self.calls = 0
+
+    async def stream_generate(self, request_id: str, prompt_ids: list[int], params: Any, **kwargs: Any):
+        self.calls += 1
+        n = params["max_tokens"]
+        for i in range(n):
+            if i == self.cut_after:
+                raise ReplicaUnavailable(self.name, "the connection dropped mid-stream")
+            yield TokenDelta([100 + i], [-0.1], [self.version])
+        versions = [self.version] * n
+        final = _output([-0.1] * n, versions, first=self.version, last=self.version, stop="length")
+        final.token_ids = [100 + i for i in range(n)]
+        yield ReplicaResponse(final, LoadReport(replica_id=self.name))
+
+
+async def test_a_stream_cut_short_resumes_on_weights_no_older_than_the_tokens_it_delivered():
+    """A rolling update: ``new`` is on weights 2 and fails after three tokens sampled there; of the
+    two left, ``old`` is still on 1 and the least loaded. The floor used to come only from a whole
+    output, so the resumed attempt went to ``old`` and the trajectory stepped back a version."""
+    handles = {"new": _OnVersion("new", 2, cut_after=3), "old": _OnVersion("old", 1), "new2": _OnVersion("new2", 2)}
+    config = RolloutConfig(routing={"policy": "least_inflight"}, retry={"initial_backoff_s": 0.0, "jitter": 0.0})
+    client = LLMServerClient(config, servers=handles)
+    for name, version in (("new", 2), ("old", 1), ("new2", 2)):
+        client.balancer.set_version(name, version)
+    client.balancer.report_load(LoadReport(replica_id="new2", inflight=3, inflight_tokens=30, timestamp=1.0))
+    client.balancer.report_load(LoadReport(replica_id="old", inflight=1, inflight_tokens=10, timestamp=1.0))
+    _, final, _ = await collect(client.generate_stream("s", prompt_ids=[1, 2], sampling_params={"max_tokens": 6}))
+    assert (handles["new"].calls, handles["old"].calls, handles["new2"].calls) == (1, 0, 1)
+    assert final.token_versions == [2] * 6
+    assert client.balancer.decisions["version_regressed"] == 0
+    assert client.balancer.get_total_inflight() == 0
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+@pytest.mark.parametrize("client_cls", [LLMServerClient, FullyAsyncLLMServerClient])
+@pytest.mark.parametrize("policy", ["least_tokens", "prefix_affinity"])
+async def test_a_prompt_routing_cannot_read_is_refused_naming_the_field(streamed, client_cls, policy):
+    """None, a number or nested lists used to fail in routing with a bare TypeError (a length, or
+    a digest of the ids), before the replica's check that names the field; nothing is counted."""
+    config = RolloutConfig(response_length=8, routing={"policy": policy})
+    client = client_cls(config, servers={"a": _OnVersion("a", 0)})
+    for bad, field in ((None, "prompt_ids"), (7, "prompt_ids"), ([1, [2, 3]], "prompt_ids[1]")):
+        with pytest.raises(InvalidRequest) as caught:
+            if streamed:
+                await collect(client.generate_stream("s", prompt_ids=bad, sampling_params={"max_tokens": 2}))
+            else:
+                await client.generate("s", prompt_ids=bad, sampling_params={"max_tokens": 2})
+        assert caught.value.field == field
+    assert client.balancer.get_total_inflight() == 0
+    # a sequence that is not a list is one still
+    _, final, _ = await collect(client.generate_stream("s", prompt_ids=(1, 2), sampling_params={"max_tokens": 2}))
+    assert final.token_ids == [100, 101]

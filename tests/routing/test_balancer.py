@@ -402,3 +402,89 @@ def test_a_session_stays_placed_when_no_replica_is_left_to_place_its_turn_on():
     lb.report_load(LoadReport(replica_id=sid, inflight=1, inflight_tokens=10, timestamp=1.0))  # at the limit
     assert lb.try_acquire_server("new", 10, [9]) is None
     assert lb.try_acquire_server("sess", 10, [1, 2, 3, 4]) is not None
+
+
+def test_a_session_keeps_its_replica_through_a_moment_with_none_routable():
+    """The whole fleet unroutable for a moment (a weight sync, a restart): the turn tried then
+    fails, and its retry used to be placed afresh, away from the replica holding its prefix."""
+    lb = make(2, policy="least_inflight", sticky_overload_factor=100, sticky_overload_slack=100)
+    sid, _ = lb.acquire_server("sess")
+    lb.release_server(sid)
+    lb.report_load(LoadReport(replica_id=sid, inflight=5, inflight_tokens=50, timestamp=1.0))
+    assert lb.acquire_server("probe")[0] != sid  # a fresh placement goes to the other one
+    for s in ("s0", "s1"):
+        lb.set_routable(s, False)
+    with pytest.raises(NoServerAvailable):
+        lb.acquire_server("sess")
+    for s in ("s0", "s1"):
+        lb.set_routable(s, True)
+    assert lb.sticky_server("sess") == sid
+    assert lb.acquire_server("sess")[0] == sid
+    assert lb.decisions["sticky"] == 1
+
+
+def test_a_release_naming_its_handle_uncounts_the_incarnation_it_was_counted_on():
+    """A replica removed and re-added under its id: the new one's requests, released first, used
+    to uncount the removed one's, leaving the new one counted busy (held back at the limit) until
+    the old request ended."""
+    lb = make(1, max_inflight_per_replica=1)
+    sid, old_handle = lb.acquire_server("A")
+    lb.remove_servers([sid])
+    lb.add_servers({sid: "h0-new"})
+    assert lb.acquire_server("B") == (sid, "h0-new")
+    lb.release_server(sid, 0, "h0-new")  # B ends
+    assert lb.get_inflight_count(sid) == 0
+    assert lb.try_acquire_server("C") is not None  # the new replica is free
+    lb.release_server(sid, 0, old_handle)  # A ends on the removed one: C stays counted
+    assert lb.get_inflight_count(sid) == 1
+    lb.release_server(sid, 0, "h0-new")
+    assert lb.get_inflight_count(sid) == 0
+    # re-added as the very same actor, the requests there are its load again
+    lb.acquire_server("D")
+    lb.remove_servers([sid])
+    lb.add_servers({sid: "h0-new"})
+    assert lb.get_inflight_count(sid) == 1
+    lb.release_server(sid, 0, "h0-new")
+    assert lb.get_inflight_count(sid) == 0
+
+
+def test_a_turn_with_a_version_floor_is_a_session_even_with_stickiness_off():
+    """``sticky: false``: the balancer lets a floored turn through the dispatch limit, but the
+    client's gate asked only the sticky table whether it was a session, and held it."""
+    lb = make(1, sticky=False, max_inflight_per_replica=1)
+    sid, _ = lb.acquire_server("sess")
+    lb.observe_output(sid, "sess", _output(3))
+    lb.release_server(sid)
+    assert lb.is_placed("sess") and not lb.is_placed("new")
+    lb.finish_session("sess")
+    assert not lb.is_placed("sess")
+
+
+async def test_the_client_releases_on_the_incarnation_its_request_went_to():
+    import asyncio
+
+    from rollfleet.client import LLMServerClient
+    from rollfleet.config import RolloutConfig
+    from rollfleet.server.local import LocalHandle
+    from rollfleet.types import ReplicaResponse
+
+    class Replica:
+        def __init__(self, gate: asyncio.Event) -> None:
+            self.gate = gate
+
+        async def generate_with_load(self, request_id, prompt_ids, params=None, **kwargs):
+            await self.gate.wait()
+            return ReplicaResponse(_output(0), LoadReport(replica_id="s0"))
+
+    old_gate, new_gate = asyncio.Event(), asyncio.Event()
+    new_gate.set()
+    client = LLMServerClient(RolloutConfig(response_length=4), servers={"s0": LocalHandle(Replica(old_gate))})
+    old = asyncio.ensure_future(client.generate("A", prompt_ids=[1, 2]))
+    await asyncio.sleep(0)
+    client.balancer.remove_servers(["s0"])
+    client.balancer.add_servers({"s0": LocalHandle(Replica(new_gate))})
+    await client.generate("B", prompt_ids=[1, 2])
+    assert client.balancer.get_inflight_count("s0") == 0
+    old_gate.set()
+    await old
+    assert client.balancer.get_inflight_count("s0") == 0
