@@ -191,13 +191,13 @@ class Trainer(abc.ABC):
                 t1 = self.runtime.clock()
                 self.tracker.span_event("trainer", "wait", t0, t1, step=self.step)
                 await self.on_sample_end()
-                metrics = await self._train_on(groups)
+                metrics, trained = await self._train_on(groups)
                 synced = False
                 if self.step % self.train.parameter_sync_step == 0:
                     await self.sync_weights()
                     synced = True
                 await self.on_step_end()
-                self._log_step(groups, info, metrics, wait_s=t1 - t0, synced=synced)
+                self._log_step(groups, info, metrics, trained, wait_s=t1 - t0, synced=synced)
                 if self.train.save_freq and self.step % self.train.save_freq == 0:
                     await self.save_checkpoint()
         finally:
@@ -206,7 +206,9 @@ class Trainer(abc.ABC):
         await self.save_checkpoint()
         return self.summary()
 
-    async def _train_on(self, groups: list[Group]) -> dict[str, Any]:
+    async def _train_on(self, groups: list[Group]) -> tuple[dict[str, Any], int]:
+        """Train on ``groups``; returns the learner's metrics and the response tokens in the loss
+        (what was left out of it, and masked off-policy tokens, are not counted as trained)."""
         assert self.agent_manager is not None and self.tracker is not None and self.learner is not None
         outputs = [o for g in groups for o in g.outputs]
         errors = [o.extra_fields["reward_error"] for o in outputs if o.extra_fields.get("reward_error")]
@@ -231,7 +233,8 @@ class Trainer(abc.ABC):
         metrics["reward/mean"] = statistics.fmean(kept) if kept else 0.0
         metrics["reward/max"] = max(kept, default=0.0)
         metrics["response_length/mean"] = float(batch.response_lengths.float().mean())
-        return metrics
+        in_loss = sum(int(sum(o.response_mask)) for o, out in zip(outputs, left_out) if not out)
+        return metrics, in_loss - int(masked.get("staleness/masked_tokens", 0))
 
     def _mask_off_policy(self, batch: Any) -> dict[str, float]:
         """Take out of the loss what must not be trained on: partial responses whose resumption
@@ -289,13 +292,19 @@ class Trainer(abc.ABC):
         await self.on_sync_end()
 
     def _log_step(
-        self, groups: list[Group], info: dict[str, Any], metrics: dict[str, Any], *, wait_s: float, synced: bool
+        self,
+        groups: list[Group],
+        info: dict[str, Any],
+        metrics: dict[str, Any],
+        tokens: int,
+        *,
+        wait_s: float,
+        synced: bool,
     ) -> None:
         assert self.tracker is not None
         now = self.runtime.clock()
         step_s = now - self._last_step_end
         self._last_step_end = now
-        tokens = sum(int(sum(o.response_mask)) for g in groups for o in g.outputs)
         self.trained_tokens += tokens
         stale = [self.version_at_train(g) for g in groups]
         self.trained_log.append(

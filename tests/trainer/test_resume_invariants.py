@@ -239,8 +239,9 @@ async def test_a_step_where_every_reward_failed_stops_the_run_and_one_failure_do
     with pytest.raises(RuntimeError, match="every sample's reward failed at step 1.*ZeroDivisionError"):
         await trainer._train_on(broken)
     one = [Group("g", [_output(1.0), _output(None, reward_error="ZeroDivisionError('x')")], 0, 0, 0)]
-    metrics = await trainer._train_on(one)
+    metrics, trained = await trainer._train_on(one)
     assert metrics["reward/errors"] == 1.0 and trainer.learner.masked_rows == [3, 0]
+    assert trained == 3  # the tokens the loss sees
 
 
 @pytest.mark.parametrize("left_out", ["resume_exhausted", "unscored"])
@@ -254,8 +255,9 @@ async def test_a_sample_left_out_of_the_loss_is_left_out_of_its_groups_baseline(
     trainer = _trainer_over(learner := _AdvantageLearner())
     groups = [Group("g", [_output(1.0), _output(1.0), _output(1.0), odd], 0, 0, 0)]
     groups.append(Group("h", [_output(1.0), _output(0.0)], 0, 0, 0))  # a group of two, untouched
-    metrics = await trainer._train_on(groups)
+    metrics, trained = await trainer._train_on(groups)
     assert learner.masked_rows == [3, 3, 3, 0, 3, 3]
+    assert trained == 15
     assert learner.advantages[:4] == [0.0, 0.0, 0.0, 0.0]
     assert learner.advantages[4] > 0 > learner.advantages[5]
     assert metrics["rollout/left_out_of_baseline"] == 1.0

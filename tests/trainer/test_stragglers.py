@@ -78,3 +78,34 @@ def test_mask_trains_every_group_and_masks_stale_tokens(tmp_path):
     assert sum(r["staleness/dropped"] for r in history) == 0
     assert sum(r["staleness/masked_tokens"] for r in history) > 0, "a straggler's old tokens are masked"
     assert all(len(e["staleness"]) == 4 for e in trainer.trained_log)
+
+
+def test_trained_tokens_count_only_what_the_loss_sees(tmp_path):
+    """Masked stale tokens used to be counted as trained (in ``trained_tokens``, each step's
+    ``perf/tokens_per_s`` and its plot): here about half of them."""
+    cfg = stragglers(tmp_path, total_steps=12, max_off_policy_steps=1, max_off_policy_strategy="mask")
+    in_loss: list[int] = []
+
+    async def go() -> Trainer:
+        trainer = get_trainer_cls(cfg.trainer.trainer_mode)(cfg, runtime=VirtualRuntime())
+        try:
+            await trainer.init()
+            learner = trainer.learner
+            update = learner.update
+
+            async def counting(batch):
+                in_loss.append(int(batch.response_mask.sum()))
+                return await update(batch)
+
+            learner.update = counting
+            await trainer.fit()
+        finally:
+            await trainer.close()
+        return trainer
+
+    trainer = virtual_time.run(go())
+    history = trainer.tracker.history
+    assert sum(r["staleness/masked_tokens"] for r in history) > 0
+    assert trainer.trained_tokens == sum(in_loss)
+    per_step = [round(r["perf/tokens_per_s"] * r["step_s"]) for r in history]
+    assert per_step == in_loss
