@@ -141,3 +141,41 @@ def test_min_tokens_holds_back_the_eos_and_the_stop_ids(spw):
         await engine.shutdown()
 
     virtual_time.run(run())
+
+
+@pytest.mark.parametrize("spw", [1, 1000])
+@pytest.mark.parametrize("cache_on_prefill", [False, True])
+@pytest.mark.parametrize("resume_after_s", [1.0, 0.1])
+def test_a_prefill_is_cached_only_if_its_step_ran(resume_after_s, cache_on_prefill, spw):
+    """A pause half-way through a request's first step aborts it. Resumed after that step's end,
+    the step is thrown away (never billed), but the request's prompt blocks were cached all the
+    same: the next request with that prompt hit 992 of 1,000 tokens nobody computed, a second of
+    prefill gone from the plan. Resumed before, the step runs on (billed, as in vLLM, where a
+    step in progress ends), and what it computed is cached."""
+
+    async def run() -> None:
+        engine = await started(
+            step_base_ms=10.0,
+            step_per_seq_ms=0.0,
+            prefill_per_token_ms=1.0,
+            cache_on_prefill=cache_on_prefill,
+            max_steps_per_wake=spw,
+        )
+        prompt = [5] * 1000
+        first = asyncio.ensure_future(engine.generate("a", prompt, {"max_tokens": 10, "ignore_eos": True}))
+        await asyncio.sleep(0.5)  # half-way through its 1.01 s prefill step
+        await engine.pause()
+        assert (await first).token_ids == []
+        await asyncio.sleep(resume_after_s)
+        await engine.resume()
+        ran = resume_after_s < 0.5
+        await engine.generate("b", prompt, {"max_tokens": 10, "ignore_eos": True})
+        # b: its prefill (all of it, or the 8 tokens past the cached blocks), then nine decodes
+        assert hits(engine) == (992 if ran else 0)
+        busy = (1.01 + 0.018 + 0.09) if ran else (1.01 + 0.09)
+        assert engine.stats()["sim_busy_s"] == pytest.approx(busy)
+        await engine.generate("c", prompt, {"max_tokens": 10, "ignore_eos": True})
+        assert hits(engine) == (992 if ran else 0) + 992  # what b computed is cached
+        await engine.shutdown()
+
+    virtual_time.run(run())

@@ -49,6 +49,7 @@ class _Request:
         "cache_hold",
         "cache_salt",
         "cache_epoch",
+        "hit_blocks",
     )
 
     def __init__(self, request_id: str, prompt_ids: list[int], max_tokens: int) -> None:
@@ -79,6 +80,7 @@ class _Request:
         self.cache_hold = (0, 0)  # what the prefix cache holds for it while it runs (PrefixCache.hold)
         self.cache_salt = 0  # the weights it arrived under (0: the boot weights): its hashes' seed
         self.cache_epoch = 0  # the prefix cache's epoch when it was admitted (its KV computed since)
+        self.hit_blocks = 0  # of its blocks, those the cache served when it was admitted
 
     @property
     def context_len(self) -> int:
@@ -106,6 +108,7 @@ class BatchModel:
     _prefix_cache: PrefixCache
     _admit_counter: int
     _unpaid: dict["_Request", int]
+    _left_in_prefill: list["_Request"]
     _stats: dict[str, Any]
     _version_label: Optional[int]
     _rng: random.Random
@@ -158,19 +161,24 @@ class BatchModel:
         self._running.clear()
 
     def _release(self, req: _Request) -> None:
-        self._unpaid.pop(req, None)  # it left the batch: re-admitted, it pays again
+        unpaid = self._unpaid.pop(req, None)  # it left the batch: re-admitted, it pays again
         self._kv_blocks_free += req.blocks
         req.blocks = 0
         if req.cache_hold[0]:
-            self._prefix_cache.release(req.hashes, req.cache_hold, self._kv_blocks_free)
+            # Its prefill not done (the step doing it has not ended), only the blocks the cache
+            # served it hold KV yet; the rest are cached if that step ends (see _leave).
+            computed = req.hit_blocks if unpaid else None
+            self._prefix_cache.release(req.hashes, req.cache_hold, self._kv_blocks_free, computed)
             req.cache_hold = (0, 0)
 
-    def _finish(self, req: _Request, reason: StopReason) -> None:
-        if self._requests.pop(req.request_id, None) is None:
-            return
-        self._materialize(req)
-        computed = req in self._running  # its blocks hold KV; a waiting request's never did, or
-        if computed:  # were freed when it was preempted: caching them would serve hits nobody computed
+    def _leave(self, req: _Request) -> None:
+        """Take ``req`` out of the batch, free its KV blocks and cache what they computed: at once
+        if a step that ended did its prefill, or when the step doing it ends (a step a pause or a
+        weight load throws away computed nothing). A waiting request's blocks were never computed,
+        or were freed when it was preempted: caching them would serve hits nobody computed."""
+        running = req in self._running
+        in_prefill = running and bool(self._unpaid.get(req))
+        if running:
             self._running.remove(req)
         else:
             try:
@@ -178,8 +186,16 @@ class BatchModel:
             except ValueError:
                 pass
         self._release(req)
-        if computed:
+        if in_prefill:
+            self._left_in_prefill.append(req)
+        elif running:
             self._cache_computed(req)
+
+    def _finish(self, req: _Request, reason: StopReason) -> None:
+        if self._requests.pop(req.request_id, None) is None:
+            return
+        self._materialize(req)
+        self._leave(req)
         if reason == "aborted":
             self._remember_continuation(req)
         self._stats["num_aborted" if reason == "aborted" else "num_finished"] += 1
@@ -256,7 +272,8 @@ class BatchModel:
             self._kv_blocks_free -= need
             context = req.prompt_ids + req.generated
             hashes = self._hashes_of(req)
-            cached = self._prefix_cache.hit_blocks(hashes) * self.config.block_size
+            req.hit_blocks = self._prefix_cache.hit_blocks(hashes)
+            cached = req.hit_blocks * self.config.block_size
             self._stats["prefix_cache_query_tokens"] += len(context)
             self._stats["prefix_cache_hit_tokens"] += cached
             if not req.prefilled:
@@ -283,9 +300,7 @@ class BatchModel:
             return False
         victim = max(self._running, key=lambda r: r.admitted_seq)
         self._materialize(victim)
-        self._running.remove(victim)
-        self._release(victim)
-        self._cache_computed(victim)  # its recompute hits what is left of them, as in vLLM
+        self._leave(victim)  # its recompute hits what is left of its blocks in the cache, as in vLLM
         victim.num_preempted += 1
         self._stats["num_preemptions"] += 1
         self._waiting.appendleft(victim)

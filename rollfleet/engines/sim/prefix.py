@@ -70,21 +70,24 @@ class PrefixCache:
             self._free.pop(h, None)
         return (len(hashes), self._epoch)
 
-    def release(self, hashes: list[int], handle: tuple[int, int], kv_free: int) -> None:
+    def release(self, hashes: list[int], handle: tuple[int, int], kv_free: int, computed: Optional[int] = None) -> None:
         """The request that :meth:`hold` returned ``handle`` to stopped running: the blocks no other
-        request holds become free."""
+        request holds become free, cached if they hold KV (``computed``: how many of them, from the
+        first, do; None: all), dropped if not."""
         count, epoch = handle
         if not count or epoch != self._epoch:
             return
         held = self._held
+        limit = count if computed is None else computed
         freed = []
-        for h in hashes[:count]:
+        for i, h in enumerate(hashes[:count]):
             left = held[h] - 1
             if left:
                 held[h] = left
             else:
                 del held[h]
-                freed.append(h)
+                if i < limit:
+                    freed.append(h)
         self.insert(freed, kv_free)
 
     def insert(self, hashes: list[int], kv_free: int) -> None:

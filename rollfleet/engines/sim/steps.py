@@ -116,8 +116,9 @@ class StepLoop(BatchModel):
                     await self._sleep_until(run.ends[-1])
             finally:  # cancelled (a shutdown), it must not be settled by a restarted engine
                 self._run_now = None
-            if self._stopped():
-                continue  # the step in progress was interrupted; its tokens are not emitted
+            if self._stopped():  # the step in progress was interrupted: its tokens are not emitted,
+                self._left_in_prefill.clear()  # and the prefills it was doing are not cached
+                continue
             if self._slow_factor != 1.0:
                 anchor = None
             self._settle(run, run.planned)
@@ -186,7 +187,10 @@ class StepLoop(BatchModel):
         if steps <= 0:
             return
         if run.done == 0:
-            self._unpaid.clear()  # the first step ended: it did every admitted request's prefill
+            self._unpaid.clear()  # the first step ended: it did every admitted request's prefill,
+            for req in self._left_in_prefill:  # those that left the batch meanwhile too
+                self._cache_computed(req)
+            self._left_in_prefill.clear()
         if run.counted:
             self._advance(steps)
         else:
