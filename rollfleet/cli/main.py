@@ -26,7 +26,11 @@ def _load(path: Optional[str], overrides: dict, warn: bool = True) -> RollfleetC
     try:
         config = load_config(path, overrides)
     except (ValidationError, RollfleetError) as exc:
-        print(f"rollfleet: invalid config{f' {path}' if path else ''}:\n{exc}", file=sys.stderr)
+        # a field the command line set is its fault, not the file's
+        locs = [".".join(map(str, e["loc"])) for e in exc.errors()] if isinstance(exc, ValidationError) else []
+        flagged = sorted({loc for loc in locs if loc in overrides})
+        given = f" with the command line's {', '.join(flagged)}" if flagged else ""
+        print(f"rollfleet: invalid config{f' {path}' if path else ''}{given}:\n{exc}", file=sys.stderr)
         raise _ConfigRejected() from exc
     except (OSError, ValueError) as exc:  # not there, unreadable, not YAML, not a mapping
         print(f"rollfleet: cannot read config: {exc}", file=sys.stderr)
@@ -93,12 +97,16 @@ def _plan(args: argparse.Namespace) -> int:
     try:
         writable_dir(args.out, "--out")
         variants = variants_from_args(args)
-        specs = [
-            cli.spec_from_args(
-                args, fit_sim_to_model(_load(args.config, {**cli.overrides_from_args(args, v.tp), **v.overrides})), v
-            )
-            for v in variants
-        ]
+        specs = []
+        for v in variants:
+            flags = cli.overrides_from_args(args, v.tp)
+            both = sorted(set(flags) & set(v.overrides))
+            if both:  # --vary would win without a word
+                raise ValueError(
+                    f"--vary {both[0]}: a flag given sets it too (--steps, --profile, --model-params-b or "
+                    "--response-lengths); set it one way"
+                )
+            specs.append(cli.spec_from_args(args, fit_sim_to_model(_load(args.config, {**flags, **v.overrides})), v))
     except ValueError as exc:  # a bad flag or plan; a bad config is reported by _load
         print(f"rollfleet plan: {exc}", file=sys.stderr)
         return 2

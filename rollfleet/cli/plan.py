@@ -75,22 +75,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="with --model-hidden: attention's cost in training, and TP's all-reduces (else estimated from the size)",
     )
     p.add_argument("--model-hidden", type=int, default=None, help="hidden size (e.g. 3584 for Qwen2.5-7B)")
-    p.add_argument("--accelerator", default="h100", help=f"with --model-params-b: one of {', '.join(ACCELERATORS)}")
+    p.add_argument(
+        "--accelerator", default=None, help=f"with --model-params-b: one of {', '.join(ACCELERATORS)} (default h100)"
+    )
     p.add_argument(
         "--kv-bytes-per-token",
         type=int,
-        default=131_072,
-        help="with --model-params-b: 2 x layers x KV heads x head dim x 2 bytes (131072: Llama-3-8B; Qwen2.5-7B 57344)",
+        default=None,
+        help="with --model-params-b: 2 x layers x KV heads x head dim x 2 bytes (default 131072: Llama-3-8B; "
+        "Qwen2.5-7B 57344)",
     )
     p.add_argument(
         "--tflops-per-gpu",
         type=float,
         default=None,
-        help="peak dense TFLOPS per accelerator (default: --accelerator's)",
+        help="with --model-params-b: peak dense TFLOPS per accelerator (default: --accelerator's)",
     )
-    p.add_argument("--mfu", type=float, default=0.35, help="model FLOPs utilisation of the learner, in (0, 1]")
     p.add_argument(
-        "--flops-per-param-token", type=float, default=6.0, help="6: forward + backward; +2 per extra forward pass"
+        "--mfu",
+        type=float,
+        default=None,
+        help="with --model-params-b: the learner's model FLOPs utilisation, in (0, 1]",
+    )
+    p.add_argument(
+        "--flops-per-param-token",
+        type=float,
+        default=None,
+        help="with --model-params-b: 6 (the default): forward + backward; +2 per extra forward pass",
     )
     p.add_argument(
         "--response-lengths",
@@ -131,6 +142,18 @@ def read_lengths(path: str) -> list[int]:
     return lengths
 
 
+#: The flags that describe the model --model-params-b names (read only with it), and their defaults.
+_MODEL_FLAGS: dict[str, Any] = {
+    "model_layers": None,
+    "model_hidden": None,
+    "accelerator": "h100",
+    "kv_bytes_per_token": 131_072,
+    "tflops_per_gpu": None,
+    "mfu": 0.35,
+    "flops_per_param_token": 6.0,
+}
+
+
 def overrides_from_args(args: argparse.Namespace, tp: Optional[int] = None) -> dict[str, Any]:
     """Config overrides (dotted keys) the command line sets for a plan at ``tp`` (default: the one
     ``--tp`` gives): applied to the YAML before it is validated, so what the config leaves unset
@@ -143,26 +166,34 @@ def overrides_from_args(args: argparse.Namespace, tp: Optional[int] = None) -> d
         from rollfleet.plan.profiles import load_profile
 
         out.update({f"rollout.sim.{k}": v for k, v in load_profile(args.profile).items()})
-    if not 0 < args.mfu <= 1:
-        raise ValueError(f"--mfu must be in (0, 1] (a fraction, not a percentage), got {args.mfu:g}")
+    model = {k: getattr(args, k) for k in _MODEL_FLAGS}
+    given = [f"--{k.replace('_', '-')}" for k, v in model.items() if v is not None]
+    if args.model_params_b is None and given:  # nothing would read them: the config's costs price the plan
+        raise ValueError(
+            f"{', '.join(given)}: read only with --model-params-b (the model they describe); give its size too"
+        )
+    model = {k: _MODEL_FLAGS[k] if v is None else v for k, v in model.items()}
+    if not 0 < model["mfu"] <= 1:
+        raise ValueError(f"--mfu must be in (0, 1] (a fraction, not a percentage), got {model['mfu']:g}")
     if (args.model_layers is None) != (args.model_hidden is None):
         raise ValueError("--model-layers and --model-hidden go together (attention's cost needs both)")
     if args.model_params_b is not None:
-        device = accelerator(args.accelerator)
+        device = accelerator(model["accelerator"])
         tflops = args.tflops_per_gpu if args.tflops_per_gpu is not None else device.tflops
+        flops = model["flops_per_param_token"]
         out["trainer.sim_learner.seconds_per_token"] = learner_seconds_per_token(
-            args.model_params_b, args.gpus, tflops, args.mfu, args.flops_per_param_token
+            args.model_params_b, args.gpus, tflops, model["mfu"], flops
         )
         if args.model_layers is not None and args.model_hidden is not None:
             out["trainer.sim_learner.seconds_per_token_squared"] = learner_seconds_per_token_squared(
-                args.model_layers, args.model_hidden, args.gpus, tflops, args.mfu, args.flops_per_param_token
+                args.model_layers, args.model_hidden, args.gpus, tflops, model["mfu"], flops
             )
         # the roofline checks that the model fits a replica, whoever prices the engine
         costs = engine_costs(
             args.model_params_b,
             device,
             tp=tp,
-            kv_bytes_per_token=args.kv_bytes_per_token,
+            kv_bytes_per_token=model["kv_bytes_per_token"],
             layers=args.model_layers,
             hidden=args.model_hidden,
         )

@@ -16,6 +16,7 @@ from rich.table import Table
 from rollfleet.config import RollfleetConfig
 from rollfleet.plan.report import compare
 from rollfleet.plan.result import PlanResult
+from rollfleet.plan.spec import PLAN_OWNED
 
 #: What a folder name made from a ``--vary`` value may not hold.
 _FOLDER_UNSAFE = re.compile(r"[^\w.=+,-]")
@@ -74,6 +75,9 @@ def variants_from_args(args: argparse.Namespace) -> list[Variant]:
         )
     if len(set(texts)) < len(texts):
         raise ValueError(f"--vary {key}: values must not repeat, got {texts}")
+    if key in PLAN_OWNED:  # overwritten in every run: plans that differ in nothing
+        flag = PLAN_OWNED[key]
+        raise ValueError(f"--vary {key}: every plan sets it itself" + (f" (from {flag})" if flag else ""))
     section = key.split(".")[0]
     if section not in RollfleetConfig.model_fields:  # kept unread by the config: plans that differ in nothing
         raise ValueError(

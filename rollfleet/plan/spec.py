@@ -132,6 +132,8 @@ class PlanSpec:
         return f"{mode}-seed{seed}"
 
     def config_for(self, mode: str, seed: int, share: Optional[float] = None) -> RollfleetConfig:
+        """The config one run of ``mode`` on ``seed`` runs: the plan's, with the keys in
+        :data:`PLAN_OWNED` set by the plan."""
         replicas, learner_share = self.share_of(mode, share)
         doc = self.config.model_dump()
         trainer = doc["trainer"]
@@ -158,4 +160,22 @@ class PlanSpec:
         return RollfleetConfig.model_validate(doc)
 
 
-__all__ = ["MODES", "PlanSpec", "generating_gpus"]
+#: The config keys every plan sets itself (:meth:`PlanSpec.config_for`) and the flag that sets
+#: each, if one does: a value the config or ``--vary`` gives them is not what runs.
+PLAN_OWNED: dict[str, Optional[str]] = {
+    "trainer.trainer_mode": "--modes",
+    "trainer.seed": "--seeds",
+    "trainer.output_dir": "--out",
+    "trainer.run_name": "--out",
+    "trainer.resume": None,
+    "trainer.sim_learner.enabled": None,
+    "trainer.sim_learner.resource_share": "--rollout-share",
+    "rollout.name": None,
+    "rollout.num_replicas": "--gpus and --tp",
+    "rollout.routing.seed": "--seeds",
+    "rollout.sim.seed": "--seeds",
+    "rollout.sim.time_scale": None,
+    "rollout.sim.tensor_parallel_size": "--tp",
+}
+
+__all__ = ["MODES", "PLAN_OWNED", "PlanSpec", "generating_gpus"]

@@ -565,7 +565,7 @@ def test_the_command_refuses_flags_that_would_plan_something_else(capsys):
     a seed that is no number and a lengths file that is not there (both were tracebacks)."""
     base = ["plan", "--gpus", "4", "--seeds", "0", "--modes", "sync"]
     cases = [
-        (["--mfu", "35"], "--mfu must be in (0, 1] (a fraction, not a percentage), got 35"),
+        (["--model-params-b", "7", "--mfu", "35"], "--mfu must be in (0, 1] (a fraction, not a percentage), got 35"),
         (["--profile", "h100-7b", "--tp", "4"], "tp (4) differs from rollout.sim.tensor_parallel_size (1)"),
         (["--profile", "h100-7b", "--model-params-b", "70", "--gpus", "1"], "leave no room for a KV cache"),
         (["--model-params-b", "7", "--model-layers", "28"], "--model-layers and --model-hidden go together"),
@@ -574,6 +574,32 @@ def test_the_command_refuses_flags_that_would_plan_something_else(capsys):
             ["--response-lengths", "/nonexistent/lengths.txt"],
             "--response-lengths /nonexistent/lengths.txt: cannot be read",
         ),
+    ]
+    for extra, message in cases:
+        assert main([*base, *extra]) == 2, extra
+        assert message in capsys.readouterr().err, extra
+
+
+def test_the_command_refuses_what_it_would_ignore_and_blames_the_right_source(tmp_path, capsys):
+    """Model flags without a model priced nothing (the config's costs ran, without a word); a
+    varied key the plan sets itself made identical plans and named one the fastest; a varied key
+    a flag also set overrode the flag silently; a bad profile or flag was reported as a bad config
+    file."""
+    base = ["plan", "--gpus", "4", "--seeds", "0", "--modes", "sync", "--out", str(tmp_path / "out")]
+    profile = tmp_path / "bad.yaml"
+    profile.write_text("rollout: {sim: {step_base_ms: -3, tensor_parallel_size: 1}}\n")
+    cases = [
+        (
+            ["--accelerator", "nosuch", "--tflops-per-gpu", "1", "--kv-bytes-per-token", "1"],
+            "--accelerator, --kv-bytes-per-token, --tflops-per-gpu: read only with --model-params-b",
+        ),
+        (["--mfu", "0.5"], "--mfu: read only with --model-params-b"),
+        (["--vary", "rollout.num_replicas=1,8"], "--vary rollout.num_replicas: every plan sets it itself (from --gpus"),
+        (["--vary", "trainer.seed=1,2"], "--vary trainer.seed: every plan sets it itself (from --seeds)"),
+        (["--vary", "rollout.sim.time_scale=1,2"], "--vary rollout.sim.time_scale: every plan sets it itself"),
+        (["--steps", "2", "--vary", "trainer.total_steps=3,4"], "--vary trainer.total_steps: a flag given sets it too"),
+        (["--profile", str(profile)], f"profile {profile}: 1 validation error for SimEngineConfig\nstep_base_ms"),
+        (["--steps", "0"], "invalid config with the command line's trainer.total_steps:"),
     ]
     for extra, message in cases:
         assert main([*base, *extra]) == 2, extra
@@ -648,12 +674,13 @@ def test_the_command_refuses_an_out_it_cannot_write_and_keeps_varied_values_in_t
         assert main([*args, "--out", str(out)]) == 2
         assert f"rollfleet plan: --out: {tmp_path / 'afile'} is a file, not a folder" in capsys.readouterr().err
     out = tmp_path / "v" / "a"
-    assert main([*args, "--vary", "trainer.run_name=../../esc,x/y", "--out", str(out)]) == 0
+    key = "trainer.learner.attn_implementation"  # a free string (the simulated learner reads none)
+    assert main([*args, "--vary", f"{key}=../../esc,x/y", "--out", str(out)]) == 0
     folders = sorted(p.name for p in out.iterdir() if p.is_dir())
-    assert folders == ["trainer.run_name=.._.._esc", "trainer.run_name=x_y"], folders
+    assert folders == [f"{key}=.._.._esc", f"{key}=x_y"], folders
     assert not (tmp_path / "esc").exists() and not (tmp_path / "v" / "esc").exists()
     capsys.readouterr()
-    assert main([*args, "--vary", "trainer.run_name=x/y,x_y", "--out", str(out)]) == 2
+    assert main([*args, "--vary", f"{key}=x/y,x_y", "--out", str(out)]) == 2
     assert "name the same folder once made safe" in capsys.readouterr().err
     assert main([*args, "--vary", "trainr.total_steps=2,3", "--out", str(out)]) == 2  # two identical plans
     assert "--vary trainr.total_steps: 'trainr' is not a config section" in capsys.readouterr().err

@@ -8,6 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import ValidationError
+
+from rollfleet.config import SimEngineConfig
 
 HERE = Path(__file__).parent
 
@@ -36,6 +39,10 @@ def load_profile(name_or_path: str) -> dict[str, Any]:
     others = [key for key in doc if key != "rollout"] + [f"rollout.{key}" for key in rollout if key != "sim"]
     if others:
         raise ValueError(f"profile {path}: only rollout.sim may be set, not {', '.join(others)}")
+    try:  # here, to name the profile: checked with the config, a bad cost was the config file's
+        SimEngineConfig.model_validate(sim)
+    except ValidationError as exc:
+        raise ValueError(f"profile {path}: {exc}") from None
     return sim
 
 
