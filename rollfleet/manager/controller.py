@@ -88,6 +88,8 @@ class FleetController(HealthSupervisor, ReplicaStarter, ControlFanOut):
         :class:`InsufficientResources` naming ``field_name``; nothing is started then.
         """
         self._check_open()
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:  # -1 reused the last replica's id
+            raise InvalidRequest(field_name, "an integer >= 0", n)
         indices = range(self._next_index, self._next_index + n)
         self._next_index += n
         ids = [f"replica-{i}" for i in indices]

@@ -35,6 +35,16 @@ from rollfleet.utils.refs import awaited
 CALLER_ERRORS = (NotSupported, InvalidRequest, ValueError, TypeError)
 
 
+def caller_mistake(results: list[Any]) -> Optional[BaseException]:
+    """The caller's mistake a fan-out's ``results`` show, to raise as is: a replica refused with
+    one of :data:`CALLER_ERRORS` and none did the operation (every replica would say the same).
+    Where another replica did it, the one that refused has a fault of its own (a stage folder it
+    cannot write): it is fenced like any failure, and one replica cannot stop the fleet's work."""
+    if any(not isinstance(res, BaseException) for res in results):
+        return None
+    return next((res for res in results if isinstance(res, CALLER_ERRORS)), None)
+
+
 class ControlTimeout(asyncio.TimeoutError):
     """A replica did not finish a control call in time (it is fenced)."""
 
@@ -120,14 +130,14 @@ class ControlFanOut:
         return {r.replica_id: res for r, res in zip(records, results)}
 
     def _settle(self, results: dict[str, Any], op: str) -> dict[str, Any]:
-        """Decide a fan-out: a caller's mistake (``NotSupported``, a bad argument) is raised as is,
-        since every replica would say the same; any other failure or timeout fences that replica
-        (dead, restarted on the current weights) and the operation stands on the others. Raises
+        """Decide a fan-out: a caller's mistake (``NotSupported``, a bad argument) is raised as is
+        (:func:`caller_mistake`); any other failure or timeout fences that replica (dead,
+        restarted on the current weights) and the operation stands on the others. Raises
         :class:`FleetOperationFailed` only when no replica could do it."""
+        mistake = caller_mistake(list(results.values()))
+        if mistake is not None:
+            raise mistake
         errors = {rid: res for rid, res in results.items() if isinstance(res, BaseException)}
-        for exc in errors.values():
-            if isinstance(exc, CALLER_ERRORS):
-                raise exc
         fenced = {rid: repr(exc) for rid, exc in errors.items()}
         for rid, reason in fenced.items():
             record = self._records.get(rid)
@@ -226,6 +236,14 @@ class ControlFanOut:
             lambda r: f"published version {r['version']}",
         )
 
+    def _wave_size(self, ready: int) -> int:
+        """Replicas a rolling wave commits at once: ``max_unavailable`` of the fleet (draining
+        replicas aside), less those out of service already (dead, restarting, fenced while
+        staging: ``ready`` excludes them), at least one."""
+        members = [r for r in self._records.values() if r.state != HealthState.DRAINING]
+        allowance = math.floor(self.config.weight_sync.max_unavailable * len(members))
+        return max(1, allowance - (len(members) - ready))
+
     async def _update_weights(self, weights: Any, version: int, mode: Optional[str]) -> dict[str, Any]:
         if isinstance(weights, WeightsRef):
             weights = weights.ref
@@ -233,6 +251,8 @@ class ControlFanOut:
         mode = mode or sync.mode
         if mode not in ("abort", "keep", "rolling"):
             raise ValueError(f"weight_sync.mode must be abort, keep or rolling, got {mode!r}")
+        if isinstance(version, bool) or not isinstance(version, int):  # stamped on every token
+            raise InvalidRequest("version", "an integer", version)
         async with self._update_lock:
             if self.current_version is not None and version <= self.current_version:
                 raise ValueError(f"weight version must increase: {version} <= current {self.current_version}")
@@ -241,11 +261,11 @@ class ControlFanOut:
             fenced: dict[str, str] = {}
             handles = {r.replica_id: r.handle for r in records}  # the actors this update talks to
             staged = await self._gather(records, "stage_weights", weights, version, timeout_s=sync.stage_timeout_s)
-            for res in staged:
-                # Weights every replica would refuse alike (a bad state dict, a version the engine
-                # rejects) are the caller's to fix: nothing is committed, nothing is fenced.
-                if isinstance(res, CALLER_ERRORS):
-                    raise res
+            # Weights every replica refuses alike (a bad state dict, a version the engine rejects)
+            # are the caller's to fix: nothing is committed, nothing is fenced.
+            mistake = caller_mistake(staged)
+            if mistake is not None:
+                raise mistake
             ready = []
             for r, res in zip(records, staged):
                 if isinstance(res, BaseException):
@@ -253,7 +273,7 @@ class ControlFanOut:
                 else:
                     ready.append(r)
             stage_done = time.monotonic()
-            wave_size = max(1, len(ready) if mode != "rolling" else math.floor(sync.max_unavailable * len(ready)))
+            wave_size = len(ready) if mode != "rolling" else self._wave_size(len(ready))
             commit_mode = "abort" if mode == "abort" else "keep"
             paused: list[list[float]] = []
             modes: dict[str, str] = {}

@@ -15,7 +15,8 @@ import pytest
 
 from rollfleet.config import HealthConfig, RolloutConfig, SimEngineConfig, WeightSyncConfig
 from rollfleet.engines import build_engine
-from rollfleet.errors import FleetOperationFailed, ReplicaUnavailable
+from rollfleet.errors import FleetOperationFailed, InvalidRequest, ReplicaUnavailable
+from rollfleet.health import HealthState
 from rollfleet.manager.controller import FleetController
 from rollfleet.server.local import LocalHandle
 from rollfleet.server.replica import Replica
@@ -192,6 +193,82 @@ async def test_an_update_no_replica_could_take_raises_and_keeps_the_old_version(
         await controller.update_weights({"step": 1}, 1)
     assert set(err.value.failures) == {"replica-0", "replica-1"}
     assert controller.current_version == 0
+    await controller.shutdown()
+
+
+async def test_one_replica_refusing_the_weights_is_fenced_and_the_update_goes_on_without_it():
+    """A ValueError from one replica's staging (a stage folder it cannot write) was taken for the
+    caller's mistake: the update raised, nothing was fenced, and every update after it failed alike.
+    Refused by every replica, the weights are the caller's to fix: raised, nothing fenced."""
+    controller, replicas = fleet(config(), Faults())
+    await controller.launch(3)
+
+    async def refuse(weights: Any, version: int) -> None:
+        raise ValueError("stage folder not writable on this node")
+
+    replicas["replica-1"].engine.stage_weights = refuse  # type: ignore[method-assign]
+    result = await controller.update_weights({"step": 1}, 1)
+    assert result["failed"] == ["replica-1"] and "not writable" in result["fenced"]["replica-1"]
+    assert controller.current_version == 1
+    await wait_until(lambda: serving_on(controller, "replica-1", 1), "replica-1 back on version 1")
+    for replica in replicas.values():
+        replica.engine.stage_weights = refuse  # type: ignore[method-assign]
+    with pytest.raises(ValueError, match="not writable"):
+        await controller.update_weights({"step": 2}, 2)
+    assert controller.current_version == 1
+    assert all(r.state == HealthState.HEALTHY for r in controller._records.values())
+    await controller.shutdown()
+
+
+async def test_a_negative_replica_count_and_a_version_that_is_no_integer_are_refused_naming_the_field():
+    """``add_replicas(-1)`` was accepted and stepped the next id back: the next add started a second
+    actor as ``replica-1``, leaving the first running unowned. A version of 1.5 or True was
+    published and stamped on every token; "2" or None failed on a bare comparison."""
+    controller, replicas = fleet(config(), Faults())
+    await controller.launch(2)
+    with pytest.raises(InvalidRequest) as err:
+        await controller.add_replicas(-1)
+    assert err.value.field == "add_replicas(n)"
+    assert [info.replica_id for info in await controller.add_replicas(1)] == ["replica-2"]
+    for bad in ("2", 1.5, True, None):
+        with pytest.raises(InvalidRequest) as err:
+            await controller.update_weights({"step": 1}, bad)  # type: ignore[arg-type]
+        assert err.value.field == "version", bad
+    assert controller.current_version == 0
+    await controller.shutdown()
+
+
+async def test_a_rolling_wave_counts_replicas_already_down_against_max_unavailable():
+    """Six replicas, half may be unavailable at once, two died just before the update: a wave was
+    half of the four left (two), so four were out of service at once."""
+    cfg = config().model_copy(
+        update={
+            "weight_sync": WeightSyncConfig(mode="rolling", max_unavailable=0.5, commit_timeout_s=2.0),
+            "sim": SimEngineConfig(vocab_size=300, eos_token_id=299, time_scale=50.0, weight_load_ms=500.0),
+        }
+    )
+    faults = Faults()
+    controller, replicas = fleet(cfg, faults)
+    await controller.launch(6)
+    faults.dead_actors += [replicas["replica-4"], replicas["replica-5"]]  # no probe has noticed yet
+    committing: set[str] = set()
+    worst: list[int] = [0]
+    for rid, replica in list(replicas.items()):
+        commit = replica.commit_weights
+
+        async def counted(*args: Any, _commit: Any = commit, _rid: str = rid, **kwargs: Any) -> Any:
+            committing.add(_rid)
+            down = {r for r, rec in controller._records.items() if rec.state not in ("healthy", "suspect")}
+            worst[0] = max(worst[0], len(committing | down))
+            try:
+                return await _commit(*args, **kwargs)
+            finally:
+                committing.discard(_rid)
+
+        replica.commit_weights = counted  # type: ignore[method-assign]
+    result = await controller.update_weights({"step": 1}, 1)
+    assert result["failed"] == ["replica-4", "replica-5"]
+    assert worst[0] == 3
     await controller.shutdown()
 
 
