@@ -7,7 +7,9 @@ modelling choice the user should write and register by name.
 
 from __future__ import annotations
 
+import math
 import re
+from fractions import Fraction
 from typing import Any, Optional
 
 from rollfleet.reward.answers import extract_answer, extract_boxed, extract_gsm8k, parse_number
@@ -24,7 +26,8 @@ def exact_match(solution_str: str, ground_truth: Any, *, extract: bool = False, 
     if candidate is None:
         return 0.0
     truths = ground_truth if isinstance(ground_truth, (list, tuple)) else [ground_truth]
-    return float(any(_normalise(candidate) == _normalise(t) for t in truths))
+    # no ground truth matches nothing (read as text, None would reward the answer "None")
+    return float(any(t is not None and _normalise(candidate) == _normalise(t) for t in truths))
 
 
 def numeric_match(solution_str: str, ground_truth: Any, **_: Any) -> dict[str, Any]:
@@ -32,10 +35,22 @@ def numeric_match(solution_str: str, ground_truth: Any, **_: Any) -> dict[str, A
     truth as a number (each read by :func:`~rollfleet.reward.answers.parse_number`: one number,
     LaTeX fractions included). The extracted answer is reported for debugging reward hacking."""
     answer = extract_answer(solution_str)
-    truth = parse_number(str(ground_truth))
+    truth = _truth_number(ground_truth)
     got = parse_number(answer) if answer is not None else None
     score = float(got is not None and truth is not None and got == truth)
     return {"score": score, "extracted_answer": answer}
+
+
+def _truth_number(ground_truth: Any) -> Optional[Fraction]:
+    """A ground truth as an exact number: a float by its shortest decimal (``str(1e-05)`` reads as
+    two numbers, and ``Fraction(0.1)`` is not 1/10), an int as itself, text as an answer is read."""
+    if isinstance(ground_truth, bool):
+        return None
+    if isinstance(ground_truth, int):
+        return Fraction(ground_truth)
+    if isinstance(ground_truth, float):
+        return Fraction(repr(ground_truth)) if math.isfinite(ground_truth) else None
+    return parse_number(str(ground_truth))
 
 
 def answer_format(

@@ -48,6 +48,12 @@ def test_extract_answer(text, answer):
         ("\\boxed{-\\tfrac{14}{3}}", "\\frac{-14}{3}", 1.0),
         ("\\boxed{1\\frac{1}{2}}", "11/2", 0.0),  # a mixed number is no number we read
         ("\\boxed{5\\text{ cm}}", "$5", 1.0),
+        # a ground truth stored as a number: str(1e-05) read as two numbers, and matched nothing
+        ("\\boxed{0.00001}", 1e-5, 1.0),
+        ("\\boxed{10000000000000000}", 1e16, 1.0),
+        ("\\boxed{0.1}", 0.1, 1.0),
+        ("\\boxed{12}", 12, 1.0),
+        ("\\boxed{1}", True, 0.0),
     ],
 )
 def test_numeric_match(text, truth, score):
@@ -58,6 +64,7 @@ def test_builtins_and_spec():
     assert {"exact_match", "numeric_match", "math", "format"} <= set(list_rewards())
     assert compute_reward("  Paris. ", {"name": "exact_match", "ground_truth": "paris"}).score == 1.0
     assert compute_reward("The capital is Paris", {"name": "exact_match", "ground_truth": "paris"}).score == 0.0
+    assert compute_reward("None", {"name": "exact_match"}).score == 0.0  # no ground truth: no match
     assert compute_reward("x \\boxed{3}", {"name": "format"}).score == 1.0
     assert compute_reward("x 3", {"name": "format"}).score == 0.0
     assert compute_reward("ANSWER: yes", {"name": "format", "pattern": r"ANSWER: \w+", "reward": 0.5}).score == 0.5
