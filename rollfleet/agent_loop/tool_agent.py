@@ -153,6 +153,11 @@ class ToolAgentLoop(AgentLoopBase):
                 delta = self.chat.delta_ids(
                     [o.message() for o in outcomes], schemas, last_token_id=new[-1] if new else None
                 )
+                # What the context still holds of the results (the budget aside, the model's turns
+                # are the only ones room_for caps): past it, the trajectory outgrew max_model_len.
+                room = self.room_for(len(prompt_ids) + len(response), budget - len(response))
+                cut = len(delta) > room
+                delta = delta[:room]
                 user_turns += 1
                 response += delta
                 mask += [0] * len(delta)
@@ -162,6 +167,9 @@ class ToolAgentLoop(AgentLoopBase):
                     logprobs += [0.0] * len(delta)
                 if len(response) >= budget:
                     termination = "budget"
+                    break
+                if cut:
+                    termination = "context_full"
                     break
         finally:
             self.client.finish_session(request_id)

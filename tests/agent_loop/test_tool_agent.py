@@ -89,6 +89,30 @@ async def test_budget_bounds_every_turn_and_the_response(tokenizer):
     await fleet.shutdown()
 
 
+def big(key: str) -> str:
+    """Return a long text."""
+    return "x " * 500
+
+
+async def test_a_tool_result_never_takes_the_trajectory_past_max_model_len(tokenizer):
+    """``max_model_len`` under prompt + response lengths: only the model's turns were held to it,
+    and a 500-token tool result made a 792-token trajectory of a 400-token context, trained on."""
+    call = '<tool_call>\n{"name": "big", "arguments": {"key": "k"}}\n</tool_call>'
+    fleet, rec, worker = await make(
+        tokenizer,
+        [call, "done"],
+        rollout={"prompt_length": 256, "response_length": 2048, "max_model_len": 400},
+        agent={"multi_turn": {"max_tool_response_length": 2000}},
+        tools=[big],
+    )
+    out = await worker.run_sample({"raw_prompt": QUESTION, "agent_name": "tool_agent"})
+    assert len(out.prompt_ids) + len(out.response_ids) == 400
+    assert len(out.response_ids) == len(out.response_mask) == len(out.response_logprobs)
+    assert out.extra_fields["termination"] == "context_full"
+    assert len(rec.calls) == 1  # no turn after the cut
+    await fleet.shutdown()
+
+
 async def test_a_tool_call_the_model_never_closed_is_answered_as_a_bad_call(tokenizer):
     """The model stopped (EOS) inside its call: the trajectory used to end as if it had not tried."""
     unclosed = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 1}}'
