@@ -126,9 +126,12 @@ class _Connection(asyncio.Protocol):
         self, call_id: int, request_id: str, prompt_ids: list[int], sampling_params: Optional[dict], kwargs: dict
     ) -> None:
         """A STREAM call: a PART frame per batch of new tokens, then the whole output (or an error)."""
-        stream = cast(AsyncGenerator, self._target.generate_stream(request_id, prompt_ids, sampling_params, **kwargs))
         frame = b""
-        try:
+        stream: Optional[AsyncGenerator] = None
+        try:  # arguments the call does not take fail here, answered as an error like the rest
+            stream = cast(
+                AsyncGenerator, self._target.generate_stream(request_id, prompt_ids, sampling_params, **kwargs)
+            )
             async for item in stream:
                 transport = self._transport
                 if transport is None or transport.is_closing():
@@ -142,7 +145,8 @@ class _Connection(asyncio.Protocol):
         except Exception as exc:
             frame = wire.error_frame(call_id, exc)
         finally:
-            await stream.aclose()
+            if stream is not None:
+                await stream.aclose()
             self._tasks.pop(call_id, None)
         transport = self._transport
         if frame and transport is not None and not transport.is_closing():

@@ -33,6 +33,8 @@ _WARNED: set[str] = set()
 
 #: How long opening a connection to a replica may take before the replica counts as unavailable.
 CONNECT_TIMEOUT_S = 5.0
+#: How long an address that could not be reached is not tried again (its callers take Ray).
+UNREACHABLE_RETRY_S = 30.0
 
 
 class DirectConnection(asyncio.Protocol):
@@ -180,16 +182,33 @@ async def get_connection(
         if entry.is_open:
             return entry
         entry = None
+    elif isinstance(entry, _Unreachable):
+        if loop.time() < entry.until:  # each caller paid the connect timeout again
+            raise ReplicaUnavailable(replica_id or address, entry.reason)
+        entry = None
     if entry is None:
         entry = pool[address] = loop.create_task(_open(address, replica_id, token, allow_pickle))
     try:
         conn = await asyncio.shield(entry)
-    except Exception:
+    except Exception as exc:
         if pool.get(address) is entry:
             del pool[address]
+            if isinstance(exc, ReplicaUnavailable):
+                pool[address] = _Unreachable(f"{exc.reason} (within the last {UNREACHABLE_RETRY_S:g}s)", loop)
         raise
     pool[address] = conn
     return conn
+
+
+class _Unreachable:
+    """A pool entry: the address could not be reached; until ``until`` (the loop's clock) callers
+    are told so at once rather than each waiting out another connect timeout."""
+
+    __slots__ = ("reason", "until")
+
+    def __init__(self, reason: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.reason = reason
+        self.until = loop.time() + UNREACHABLE_RETRY_S
 
 
 async def _open(address: str, replica_id: str, token: str, allow_pickle: bool) -> DirectConnection:
@@ -229,7 +248,7 @@ def close_connections() -> None:
     for entry in (_POOLS.pop(loop, None) or {}).values():
         if isinstance(entry, DirectConnection):
             entry.close()
-        else:
+        elif isinstance(entry, asyncio.Task):
             entry.cancel()
 
 
@@ -267,10 +286,11 @@ class _DirectCall:
             return await self._through_ray(request_id, prompt_ids, sampling_params, kwargs)
         try:
             response = await conn.generate_with_load(request_id, prompt_ids, sampling_params, **kwargs)
-        except wire.NeedsPickle:
+        except wire.CannotCarry:
             if handle.actor is None:
                 raise
-            # Values JSON cannot carry, and pickle is off on the data plane: Ray carries them.
+            # Values JSON cannot carry (pickle off on the data plane), or a request over its frame
+            # limit: Ray carries them.
             return await self._through_ray(request_id, prompt_ids, sampling_params, kwargs)
         return response.output if self._output_only else response
 
@@ -334,10 +354,10 @@ class DirectHandle:
             stream = conn.generate_stream(request_id, prompt_ids, sampling_params, **kwargs)
             try:
                 first = await stream.__anext__()
-            except wire.NeedsPickle:
+            except wire.CannotCarry:
                 if self.actor is None:
                     raise
-                conn = None  # values JSON cannot carry, and pickle is off on the data plane
+                conn = None  # values JSON cannot carry (pickle off on the data plane), or too large
         if conn is None:
             ref = self.actor.generate_with_load.remote(request_id, prompt_ids, sampling_params, **kwargs)
             yield await _cancelled_with_caller(ref)

@@ -147,7 +147,8 @@ def validate_sampling_params(
         sampling_params = {}
     if not isinstance(sampling_params, dict):
         raise InvalidRequest("sampling_params", "a dict", sampling_params)
-    params = _check_keys(dict(sampling_params))
+    # A key given as None is one not given (as JSON's null at the gateway): engines read values.
+    params = _check_keys({k: v for k, v in sampling_params.items() if v is not None})
     room = max_model_len - prompt_len
     given = {k: params.pop(k) for k in ("max_tokens", "max_new_tokens") if params.get(k) is not None}
     for key, value in given.items():
@@ -177,7 +178,12 @@ def validate_sampling_params(
     _check_range(params, "repetition_penalty", 0.0, None, lo_open=True)
     _check_range(params, "presence_penalty", -2.0, 2.0)
     _check_range(params, "frequency_penalty", -2.0, 2.0)
-    _check_range(params, "min_tokens", 0, params["max_tokens"], integer=True)
+    for key in ("min_tokens", "min_new_tokens"):  # the sim engine reads either, vLLM the first
+        _check_range(params, key, 0, params["max_tokens"], integer=True)
+    if params.get("min_tokens") is not None and params.get("min_new_tokens") not in (None, params["min_tokens"]):
+        raise InvalidRequest(
+            "sampling_params.min_new_tokens", "equal to min_tokens when both are given", params["min_new_tokens"]
+        )
     _check_range(params, "seed", None, None, integer=True)
     if params.get("top_k") is not None:
         top_k = params["top_k"]

@@ -80,8 +80,18 @@ class FrameError(ValueError):
     """The peer sent bytes that are not a frame of this protocol."""
 
 
-class NeedsPickle(TypeError):
+class CannotCarry(Exception):
+    """A message the data plane cannot carry: raised before anything is sent, so the connection
+    and the other calls on it go on (a caller with the actor sends it through Ray instead)."""
+
+
+class NeedsPickle(CannotCarry, TypeError):
     """A message JSON cannot carry, while pickle is off (``rollout.data_plane_pickle``)."""
+
+
+class FrameTooLarge(CannotCarry, ValueError):
+    """A message longer than :data:`MAX_FRAME_BYTES`: sent, the peer would close the connection,
+    failing every call on it."""
 
 
 def pack(message: Any, allow_pickle: bool = True) -> bytes:
@@ -94,6 +104,8 @@ def pack(message: Any, allow_pickle: bool = True) -> bytes:
             raise NeedsPickle(f"not JSON-encodable ({exc}); rollout.data_plane_pickle is off") from None
         payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         kind = PICKLE
+    if len(payload) + 1 > MAX_FRAME_BYTES:
+        raise FrameTooLarge(f"a frame of {len(payload) + 1} bytes is over the data plane's {MAX_FRAME_BYTES}")
     return _HEADER.pack(len(payload) + 1, kind) + payload
 
 
@@ -155,7 +167,12 @@ def generate_frame(
     *,
     stream: bool = False,
 ) -> bytes:
-    """A GENERATE call, or with ``stream`` a STREAM call (its tokens come back in PART frames)."""
+    """A GENERATE call, or with ``stream`` a STREAM call (its tokens come back in PART frames).
+    A sampling parameter that is no finite number is refused here: JSON has no NaN or infinity,
+    and orjson would send it as null, which the replica reads as "not given"."""
+    for key, value in (sampling_params or {}).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise _errors_module.InvalidRequest(f"sampling_params.{key}", "a finite number", value)
     op = STREAM if stream else GENERATE
     return pack([op, call_id, request_id, prompt_ids, sampling_params, kwargs], allow_pickle)
 
@@ -266,6 +283,8 @@ __all__ = [
     "response_frame",
     "error_frame",
     "decode_error",
+    "CannotCarry",
+    "FrameTooLarge",
     "NeedsPickle",
     "HELLO_MAX_FRAME_BYTES",
     "decode_response",

@@ -363,3 +363,77 @@ async def test_a_stream_over_the_socket_sends_tokens_as_sampled_and_a_caller_tha
         await stream.aclose()  # type: ignore[attr-defined]
         assert await until(lambda: replica._book.requests == 0)
         assert replica.engine.stats()["num_aborted"] == 1
+
+
+async def test_a_request_over_the_frame_limit_takes_the_ray_path_and_its_connection_keeps_serving(monkeypatch):
+    """Sent, a frame over the limit made the replica close the connection: every call on it failed
+    as ReplicaUnavailable, its replica was quarantined, and the retry did the same elsewhere."""
+    monkeypatch.setattr(wire, "MAX_FRAME_BYTES", 8 * 1024)
+    long_prompt = list(range(100, 400)) * 9  # 2,700 ids: about 13 KB of JSON
+    async with served_replica(time_scale=20.0) as (r, handle):
+        others = [handle.generate.remote(f"o{i}", [1, 2], {"max_tokens": 40, "ignore_eos": True}) for i in range(4)]
+        assert await until(lambda: r._book.requests == 4)
+        big = await handle.generate.remote("big", long_prompt, {"max_tokens": 3})
+        assert len(big.token_ids) >= 1  # through the actor
+        assert all(len(out.token_ids) == 40 for out in await asyncio.gather(*others))
+        assert r._data_plane.num_connections == 1
+        no_actor = DirectHandle(None, handle.address, "r0", handle.token)
+        with pytest.raises(wire.FrameTooLarge, match="over the data plane's 8192"):
+            await no_actor.generate.remote("big", long_prompt, {"max_tokens": 3})
+        monkeypatch.setattr(wire, "MAX_FRAME_BYTES", 600)  # a reply over the limit fails its call only
+        with pytest.raises(RuntimeError, match="FrameTooLarge"):
+            await handle.generate.remote("long", [1, 2], {"max_tokens": 200, "ignore_eos": True})
+        monkeypatch.setattr(wire, "MAX_FRAME_BYTES", 8 * 1024)
+        assert len((await handle.generate.remote("after", [1, 2], {"max_tokens": 3})).token_ids) >= 1
+        assert r._data_plane.num_connections == 1
+
+
+async def test_a_sampling_parameter_json_cannot_carry_is_refused_naming_it_not_sent_as_null():
+    """JSON has no NaN: orjson sent null, which reads as "not given", so NaN or infinity passed the
+    replica's check on the data plane (the Ray path refused them) and ran as the default."""
+    async with served_replica() as (r, handle):
+        for key, value in (("temperature", math.nan), ("top_p", math.inf), ("repetition_penalty", -math.inf)):
+            with pytest.raises(InvalidRequest) as err:
+                await handle.generate.remote("n", [1, 2], {"max_tokens": 3, key: value})
+            assert err.value.field == f"sampling_params.{key}"
+        assert r._counters["requests"] == 0
+
+
+async def test_a_stream_call_with_arguments_it_cannot_take_is_answered_with_an_error():
+    """A STREAM frame whose kwargs were not a dict failed before the call's error handling: no
+    answer ever came (the caller would hang) and the call stayed listed on the connection."""
+    async with served_replica() as (r, handle):
+        host, _, port = handle.address.rpartition(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(wire.hello_frame(r._data_plane.token))
+        writer.write(wire.pack([wire.STREAM, 1, "x", [1, 2], {"max_tokens": 4}, [1]]))
+        frames = wire.FrameReader()
+        answer = None
+        while answer is None:
+            got = list(frames.feed(await asyncio.wait_for(reader.read(65536), 5)))
+            answer = got[0] if got else None
+        assert answer[:2] == [1, wire.ERROR] and answer[2][0] == "TypeError"
+        connection = next(iter(r._data_plane._connections))
+        assert await until(lambda: not connection._tasks)
+        writer.close()
+
+
+async def test_an_address_that_cannot_be_reached_is_not_tried_again_for_a_while(monkeypatch):
+    """Each request paid the connect timeout again (5 s) before taking the Ray path."""
+    import rollfleet.server.direct as direct
+
+    async with served_replica() as (r, handle):
+        opened: list[str] = []
+
+        async def unreachable(address, replica_id, token, allow_pickle):
+            opened.append(address)
+            raise ReplicaUnavailable(replica_id, f"cannot reach its data plane at {address}: TimeoutError()")
+
+        monkeypatch.setattr(direct, "_open", unreachable)
+        for i in range(3):
+            assert len((await handle.generate.remote(f"u{i}", [1, 2], {"max_tokens": 3})).token_ids) >= 1
+        assert opened == [handle.address]  # once; the others went straight to the actor
+        entry = direct._POOLS[asyncio.get_running_loop()][handle.address]
+        entry.until = 0.0  # the retry interval is over: tried again
+        await handle.generate.remote("later", [1, 2], {"max_tokens": 3})
+        assert opened == [handle.address] * 2

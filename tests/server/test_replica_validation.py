@@ -52,7 +52,20 @@ BAD = [
     ([1], {"temprature": 0.5}, "sampling_params.temprature", "did you mean 'temperature'"),
     ([1], {"passthrough": ["x"]}, "sampling_params.passthrough", "dict"),
     ([1], {"seed": 1, "passthrough": {"seed": 2}}, "sampling_params.passthrough.seed", "not also given"),
+    # min_new_tokens (the sim engine reads it, vLLM maps it to min_tokens) was never checked
+    ([1], {"min_new_tokens": "x"}, "sampling_params.min_new_tokens", "integer"),
+    ([1], {"max_tokens": 8, "min_new_tokens": 10**6}, "sampling_params.min_new_tokens", "min_new_tokens <= 8"),
+    ([1], {"min_tokens": 2, "min_new_tokens": 3}, "sampling_params.min_new_tokens", "equal to min_tokens"),
 ]
+
+
+async def test_a_parameter_given_as_none_is_one_not_given():
+    """As JSON's null at the gateway: the sim engine read ``temperature: None`` and failed on it
+    with a TypeError naming nothing."""
+    r = await replica()
+    out = await r.generate("n", [1, 2], {"max_tokens": 4, "ignore_eos": True, "temperature": None, "top_p": None})
+    assert len(out.token_ids) == 4
+    await r.shutdown()
 
 
 async def test_engine_specific_keys_travel_under_passthrough():
