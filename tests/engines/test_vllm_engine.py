@@ -124,6 +124,11 @@ def test_generate_body_salt_and_error_fields():
                                        "logprobs": 0, "detokenize": False}  # fmt: skip
     assert salted(body, "7")["cache_salt"] == "mine.7" and body["cache_salt"] == "mine"  # not changed in place
     assert salted(generate_body([1], {}, 64)[0], "default")["cache_salt"] == "default"
+    # vLLM refuses a salt over 128 characters: one the label would take past it goes as a digest
+    long_a, long_b = {"cache_salt": "a" * 125}, {"cache_salt": "a" * 124 + "b"}
+    assert len(salted(long_a, "default")["cache_salt"]) <= 128
+    assert salted(long_a, "default") == salted(dict(long_a), "default") != salted(long_b, "default")
+    assert salted(long_a, "7")["cache_salt"].endswith(".7")
     assert generate_body([1, 2, 3], {}, 64)[1] == 61  # no budget: the rest of the context
     assert "detokenize" not in generate_body([1], {"stop": ["x"]}, 64)[0]["sampling_params"]
     prompt = [1, 2]
@@ -174,6 +179,7 @@ def test_launch_adds_the_rl_flags_and_keeps_our_plugin_allowed(monkeypatch):
     eng.model_path, eng.port = "/m", 1
     cmd = eng._command()
     assert "--enable-scale-out" in cmd
+    assert "--enable-prompt-tokens-details" in cmd  # else no usage says what the prefix cache served
     assert json.loads(cmd[cmd.index("--weight-transfer-config") + 1]) == {"backend": "rollfleet_tmpfs"}
     assert cmd[cmd.index("--middleware") + 1] == "rollfleet.vllm_plugin.commit.commit_route"
     assert eng.rl_routes and eng.update_modes == {"abort", "keep"}
@@ -738,9 +744,12 @@ async def test_clear_kv_cache_and_prefix_metrics(engine: VLLMEngine):
     prompt = list(range(20, 20 + 300))
     await engine.generate("p", prompt, _greedy(2))
     before = await engine.metrics()
-    await engine.generate("p", prompt, _greedy(2))
+    again = await engine.generate("p", prompt, _greedy(2))
     after = await engine.metrics()
-    assert after["vllm:prefix_cache_hits_total"] > before["vllm:prefix_cache_hits_total"]
+    hits = after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"]
+    assert hits > 0 and again.extra_fields["cached_tokens"] == hits  # the output says so too
+    streamed = [item async for item in engine.generate_stream("p", prompt, _greedy(2))]
+    assert streamed[-1].extra_fields["cached_tokens"] == hits  # usage asked for, and read, in a stream
     await engine.clear_kv_cache()
     m1 = await engine.metrics()
     await engine.generate("p", prompt, _greedy(2))

@@ -327,6 +327,11 @@ async def test_a_prefix_cache_reset_vllm_refuses_is_tried_again_then_fails_the_r
     fake.refuse_resets = 10**6
     with pytest.raises(ReplicaUnavailable, match="kept its prefix cache"):
         await engine.clear_kv_cache()  # attached, no RL routes: its requests are not salted
+    # the reset after a weight load: refused there, it was dropped unread and the load reported done
+    import torch
+
+    with pytest.raises(ReplicaUnavailable, match="kept its prefix cache"):
+        await engine.update_weights({"lm_head.weight": torch.ones(2, 2)})
     salted = attached(fake.url, rl_routes=True)
     await salted.start()
     try:

@@ -56,6 +56,10 @@ class StreamingServer:
             last = {"index": 0, "token_ids": [6], "logprobs": {"content": [{"logprob": -0.1}]},
                     "finish_reason": "length", "weight_versions": [{"version": "default", "start": 0, "end": count}]}  # fmt: skip
             await resp.write(b"data: " + json.dumps({"choices": [last]}).encode() + b"\n\n")
+            if (body.get("stream_options") or {}).get("include_usage"):  # as vLLM: the usage alone, last
+                usage = {"prompt_tokens": len(body["token_ids"]), "completion_tokens": count,
+                         "prompt_tokens_details": {"cached_tokens": 7}}  # fmt: skip
+                await resp.write(b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
@@ -140,3 +144,12 @@ async def test_a_streamed_delta_leaves_its_versions_unknown_and_a_replica_does_n
             items.append(item)
     assert [i.token_versions for i in items] == [[]]  # unknown stays unknown
     await replica.shutdown()
+
+
+async def test_a_stream_asks_for_its_usage_and_reports_the_prompt_tokens_the_cache_served(engine):
+    """vLLM sends the usage of a stream only when asked (``stream_options.include_usage``), in a
+    last chunk without choices: a streamed output never said what its prefix cache served."""
+    eng, _ = engine
+    items = await _drain(eng.generate_stream("u", [3, 4, 5], {"max_tokens": 3}))
+    out = items[-1]
+    assert out.token_ids == [5, 5, 6] and out.extra_fields["cached_tokens"] == 7

@@ -35,6 +35,10 @@ else:
 class StreamReader(Protocol):
     """Reads one streamed answer: a delta per SSE line with tokens, then the whole answer's body."""
 
+    def request_fields(self) -> dict[str, Any]:
+        """What the request adds to stream this way (beside ``"stream": true``)."""
+        ...
+
     def feed(self, line: bytes) -> Optional[TokenDelta]: ...
 
     def body(self) -> bytes: ...
@@ -56,6 +60,7 @@ class StreamingGenerate(_Base):
             return
         async with self._admitted(request_id, prompt_ids, sampling_params, kwargs) as (call, body, budget):
             body["stream"] = True
+            body.update(reader.request_fields())
             done = False
             try:
                 if call.aborted.is_set():

@@ -166,6 +166,8 @@ class VLLMLaunch:
             cmd.append("--enforce-eager")
         if self.device == "cuda":
             cmd += ["--gpu-memory-utilization", str(self.gpu_memory_utilization), "--enable-sleep-mode"]
+        if not _has_flag(self.extra_args, "--enable-prompt-tokens-details", "--no-enable-prompt-tokens-details"):
+            cmd.append("--enable-prompt-tokens-details")  # usage says the prompt tokens its cache served
         if not _has_flag(self.extra_args, "--enable-scale-out", "--tokens-only"):
             cmd.append("--enable-scale-out")
         if not _has_flag(self.extra_args, "--weight-transfer-config"):

@@ -94,6 +94,8 @@ class VLLMWeights:
 
         async def _control(self, method: str, path: str, *, op: str, ok: bool = True, **kw: Any) -> httpx.Response: ...
 
+        async def clear_kv_cache(self) -> None: ...
+
     # ------------------------------------------------------------------ the two phases
     async def stage_weights(self, weights: Any, version: int) -> None:
         """Phase 1, while generating: a state dict (name -> tensor, or an iterable of pairs; Hugging
@@ -282,7 +284,13 @@ class VLLMWeights:
             pass
 
     async def _reset_prefix_cache(self) -> None:
-        # Cached KV was computed with the old weights. Best effort: a busy engine may refuse.
+        """Cached KV was computed with the old weights. Requests salted with the weights' label
+        (the RL routes) never reach it: best effort, a busy engine may refuse. Unsalted ones (an
+        attached server) would: there a refusal, after retries, fails the commit (the replica is
+        fenced and restarted), where it used to be dropped unread."""
+        if not self.rl_routes:
+            await self.clear_kv_cache()
+            return
         try:
             await self._control("POST", "/reset_prefix_cache", op="clear_kv_cache", ok=False)
         except ReplicaUnavailable:

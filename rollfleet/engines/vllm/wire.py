@@ -42,6 +42,7 @@ HTTP details this relies on (verified against vLLM 0.32.0, CPU build; see also
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping
 from typing import Any, Optional
@@ -143,9 +144,20 @@ def salted(body: dict[str, Any], label: str) -> dict[str, Any]:
     vLLM hashes prefix-cache blocks with the salt, so a request never reuses KV computed under
     another one. Salted with the label of the weights it will run on, a request sent after an
     update that kept the cache (``keep``) cannot hit blocks the old weights computed, while the
-    requests of one version still share their prefixes."""
+    requests of one version still share their prefixes. A salt vLLM would find too long (over
+    :data:`MAX_CACHE_SALT` characters once the label is added) goes as a digest of the caller's:
+    equal salts stay equal, and a valid request is not refused for what rollfleet added."""
     own = body.get("cache_salt")
-    return {**body, "cache_salt": f"{own}.{label}" if own else label}
+    if not own:
+        return {**body, "cache_salt": label}
+    salt = f"{own}.{label}"
+    if len(salt) > MAX_CACHE_SALT:
+        salt = f"{hashlib.sha256(str(own).encode()).hexdigest()}.{label}"
+    return {**body, "cache_salt": salt}
+
+
+#: The longest ``cache_salt`` vLLM takes (``generate/base/protocol.py``).
+MAX_CACHE_SALT = 128
 
 
 def completion_body(
@@ -294,6 +306,11 @@ class GenerateStream:
         self.top: dict[str, Any] = {}
         self.ending: dict[str, Any] = {}
 
+    def request_fields(self) -> dict[str, Any]:
+        # The usage (with the prompt tokens the prefix cache served) comes only when asked for,
+        # in a last chunk without choices.
+        return {"stream_options": {"include_usage": True}}
+
     def feed(self, line: bytes) -> Optional[TokenDelta]:
         line = line.strip()
         if not line.startswith(b"data:"):
@@ -306,6 +323,10 @@ class GenerateStream:
             raise ValueError(f"the stream ended with an error: {data['error']}")
         if not self.top:
             self.top = {k: v for k, v in data.items() if k != "choices"}
+        if data.get("usage") is not None:
+            self.top["usage"] = data["usage"]
+        if not data.get("choices"):
+            return None
         choice = data["choices"][0]
         for key in ("finish_reason", "stop_reason", "weight_versions"):
             if choice.get(key) is not None:
