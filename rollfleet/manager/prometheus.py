@@ -116,17 +116,16 @@ def build_jobs(
             job["scheme"] = scheme
         jobs.append(job)
     if gateway_address:
-        gateway_by_scheme = scrape_targets([gateway_address])
-        gateway_targets = gateway_by_scheme.get("http") or gateway_by_scheme.get("https")
-        if gateway_targets:
-            jobs.append(
-                {
-                    "job_name": GATEWAY_JOB,
-                    "scrape_interval": scrape_interval,
-                    "metrics_path": "/metrics",
-                    "static_configs": [{"targets": gateway_targets}],
-                }
-            )
+        for scheme, gateway_targets in sorted(scrape_targets([gateway_address]).items()):
+            gateway_job: dict[str, Any] = {
+                "job_name": GATEWAY_JOB,
+                "scrape_interval": scrape_interval,
+                "metrics_path": "/metrics",
+                "static_configs": [{"targets": gateway_targets}],
+            }
+            if scheme != "http":  # scraped over plain http, a TLS port answers nothing
+                gateway_job["scheme"] = scheme
+            jobs.append(gateway_job)
     return jobs
 
 

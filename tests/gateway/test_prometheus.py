@@ -51,6 +51,9 @@ def test_only_http_addresses_become_targets():
     jobs = build_jobs(["http://127.0.0.1:8001"], "vllm", gateway_address="127.0.0.1:8000", scrape_interval="3s")
     assert jobs[0]["job_name"] == "rollfleet-vllm" and jobs[0]["static_configs"][0]["targets"] == ["127.0.0.1:8001"]
     assert all(j["scrape_interval"] == "3s" for j in jobs)
+    (gateway,) = build_jobs([], gateway_address="https://gw:8443")  # scraped over TLS, as replicas are
+    assert gateway["scheme"] == "https" and gateway["static_configs"] == [{"targets": ["gw:8443"]}]
+    assert "scheme" not in build_jobs([], gateway_address="127.0.0.1:8000")[0]
 
 
 @pytest.mark.unit
