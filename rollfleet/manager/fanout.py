@@ -273,7 +273,7 @@ class ControlFanOut:
                 else:
                     ready.append(r)
             stage_done = time.monotonic()
-            wave_size = len(ready) if mode != "rolling" else self._wave_size(len(ready))
+            wave_size = max(1, len(ready)) if mode != "rolling" else self._wave_size(len(ready))
             commit_mode = "abort" if mode == "abort" else "keep"
             paused: list[list[float]] = []
             modes: dict[str, str] = {}
