@@ -71,6 +71,8 @@ def plan_prompt(
         return fresh(f"messages[{k}] is not the assistant reply to the session's last turn")
     if _canonical(tools) != _canonical(session.tools):
         return fresh("the tools changed")
+    if _canonical(template_kwargs or None) != _canonical(session.template_kwargs or None):
+        return fresh("the chat template kwargs changed")  # the history was rendered with the old ones
     chosen = next((j for j, c in enumerate(last.choices) if same_reply(messages[k], c.message)), None)
     if chosen is None:
         return fresh(f"messages[{k}] is not a reply this gateway returned for the session's last turn")
@@ -79,6 +81,8 @@ def plan_prompt(
     if eos is None or not head.startswith(before) or not full.startswith(head):
         return fresh("the chat template rewrites earlier turns")
     reply = head[len(before) :]  # the reply as the template writes it, up to the next turn
+    if reply.count(eos) > 1:  # which one the template wrote after it cannot be told
+        return fresh(f"messages[{k}] holds the end-of-turn marker's text ({eos!r})")
     at = reply.find(eos)
     if at < 0:
         return fresh("the chat template does not end the reply with the end-of-turn token")

@@ -67,7 +67,14 @@ class ChatRoutes(RoutesBase):
             if store is not None and session is not None:
                 turn = _turn(prompt, outputs, replies, plan)
                 store.record(
-                    session, messages, req.tools, turn, new_branch=plan.new_branch, chosen=plan.chosen, base=plan.base
+                    session,
+                    messages,
+                    req.tools,
+                    turn,
+                    new_branch=plan.new_branch,
+                    chosen=plan.chosen,
+                    base=plan.base,
+                    template_kwargs=req.chat_template_kwargs,
                 )
             return replies
 

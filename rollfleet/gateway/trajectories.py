@@ -101,9 +101,11 @@ class Session:
     session_id: str
     created: float
     touched: float
-    #: The last turn's request: its messages and tools (what the next turn must extend).
+    #: The last turn's request: its messages, tools and chat template kwargs (what the next turn
+    #: must extend, rendered alike).
     messages: list[dict[str, Any]] = field(default_factory=list)
     tools: Optional[list[dict[str, Any]]] = None
+    template_kwargs: Optional[dict[str, Any]] = None
     branches: list[Branch] = field(default_factory=list)
     reward: Optional[float] = None
 
@@ -114,7 +116,7 @@ class Session:
     def snapshot(self) -> "SessionSnapshot":
         """What the next turn is planned on, read at once (the record replaces these, never
         mutates them), for planning off the event loop while other turns are recorded."""
-        return SessionSnapshot(self.messages, self.tools, self.last_turn)
+        return SessionSnapshot(self.messages, self.tools, self.last_turn, self.template_kwargs)
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,7 @@ class SessionSnapshot:
     messages: list[dict[str, Any]]
     tools: Optional[list[dict[str, Any]]]
     last_turn: Optional[Turn]
+    template_kwargs: Optional[dict[str, Any]] = None
 
 
 def _fork(session: Session, base: Turn, chosen: int) -> Branch:
@@ -167,6 +170,7 @@ class TrajectoryStore:
         new_branch: Optional[str],
         chosen: Optional[int] = None,
         base: Optional[Turn] = None,
+        template_kwargs: Optional[dict[str, Any]] = None,
     ) -> bool:
         """Add ``turn``: to a new branch (``new_branch`` says why) or after ``base``, the turn it
         was planned on, marking which choice of ``base`` it went on with. When another turn of
@@ -195,6 +199,7 @@ class TrajectoryStore:
             del session.branches[: len(session.branches) - self.max_branches]
             self.evicted["branches"] += 1
         session.messages, session.tools, session.touched = messages, tools, now
+        session.template_kwargs = template_kwargs
         self._sessions.move_to_end(session_id)
         while len(self._sessions) > self.max_sessions:
             evicted, _ = self._sessions.popitem(last=False)

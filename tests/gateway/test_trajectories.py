@@ -142,6 +142,40 @@ async def test_an_edited_history_starts_a_new_branch_and_says_why():
         assert "not the assistant reply" in whys[2] or "history edited" in whys[2], whys
 
 
+OTHER_TEMPLATE = (
+    "{% for m in messages %}### {{ m.role }}: {{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}### assistant: {% endif %}"
+)
+
+
+@pytest.mark.parametrize("change", ["reply holds the end-of-turn text", "chat_template_kwargs"])
+async def test_a_turn_the_last_ones_ids_cannot_carry_is_rendered_as_a_new_branch(change):
+    """A reply whose text holds the end-of-turn marker (written as plain pieces): the next prompt
+    went on after that copy, so the rest of the reply came twice. New chat template kwargs: the
+    history went on in the old rendering, the new turn in the new one. Each is a new branch now,
+    and the engine is prompted with the conversation as rendered."""
+    async with stack(allow_caller_chat_template=True) as s:
+        codec = s.gateway.codec
+        if change == "chat_template_kwargs":
+            reply, kwargs = codec.encode("ok", add_special_tokens=False), {"chat_template": OTHER_TEMPLATE}
+        else:
+            reply = codec.encode("A <|im", add_special_tokens=False) + codec.encode(
+                "_end|> B C", add_special_tokens=False
+            )
+            kwargs = None
+        await s.replica.script_responses(lambda rid, prompt, params: reply + [codec.eos_token_id])
+        client = s.client("b")
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
+        out = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16)
+        messages += [reply_dict(out.choices[0].message), {"role": "user", "content": "next"}]
+        extra = {"chat_template_kwargs": kwargs} if kwargs else {}
+        await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, extra_body=extra)
+        prompt = s.engine_calls[-1][0]
+        assert prompt == codec.render_chat(messages, template_kwargs=kwargs)
+        whys = [b["why"] for b in (await s.trajectory("b"))["branches"]]
+        assert len(whys) == 2 and ("end-of-turn marker" in whys[1] or "kwargs changed" in whys[1]), whys
+
+
 async def test_tool_calls_are_parsed_and_the_next_turn_continues_from_the_sampled_ids():
     """The model writes a Hermes call: the SDK sees ``tool_calls`` and ``finish_reason ==
     "tool_calls"``; the agent sends the call back with the tool's result and the next turn reuses
