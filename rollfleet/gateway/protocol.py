@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 #: Bounds on what a request may ask the gateway to stop on. A stop string must be one token of the
 #: vocabulary (:meth:`~rollfleet.gateway.codec.TextCodec.stop_token_ids`), and each is tokenised
@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 MAX_STOPS = 32
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # OpenAI's cap is 300 entries; vLLM's none
 
 _Stop = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
@@ -84,6 +85,8 @@ class _GenerationRequest(_Body):
     return_token_ids: bool = False
     structured_outputs: Optional[dict[str, Any]] = None
     response_format: Optional[ResponseFormat] = None
+    #: Token id (as a string, OpenAI's JSON) -> a bias in [-100, 100] added to its logit.
+    logit_bias: Optional[dict[str, Union[int, float]]] = Field(None, max_length=MAX_LOGIT_BIAS)
 
 
 class CompletionRequest(_GenerationRequest):
@@ -93,6 +96,17 @@ class CompletionRequest(_GenerationRequest):
     logprobs: Optional[int] = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: Optional[str] = None
+    best_of: Optional[int] = Field(None, ge=1)
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, best_of: Optional[int], info: ValidationInfo) -> Optional[int]:
+        """OpenAI samples ``best_of`` and returns the best ``n``; a fleet that trains on what it
+        sampled returns every sample, so only ``best_of == n`` means what the caller asked."""
+        n = info.data.get("n", 1)
+        if best_of is not None and best_of != n:
+            raise ValueError(f"best_of ({best_of}) other than n ({n}) is not supported: ask for n samples")
+        return best_of
 
 
 class ContentPart(_Body):
@@ -124,6 +138,13 @@ class ChatCompletionRequest(_GenerationRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_needs_logprobs(cls, top: Optional[int], info: ValidationInfo) -> Optional[int]:
+        if top is not None and not info.data.get("logprobs"):  # OpenAI's 400 too
+            raise ValueError("top_logprobs is given only with logprobs: true")
+        return top
 
 
 class TokenCompletionRequest(_GenerationRequest):

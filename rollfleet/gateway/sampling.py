@@ -73,7 +73,10 @@ def choice_params(params: SamplingParams, index: int) -> SamplingParams:
     vLLM seeds the children of an ``n`` request. The same seed for all would make every choice
     the same sample (a GRPO group of one answer, every advantage zero)."""
     seed = params.get("seed")
-    return params if seed is None or index == 0 else {**params, "seed": seed + index}
+    if seed is None or index == 0:
+        return params
+    seed += index
+    return {**params, "seed": seed - 2**64 if seed >= 2**64 else seed}  # wrapped into torch's range
 
 
 def sampling_params(req: _GenerationRequest, max_tokens: int, codec: Optional[TextCodec]) -> SamplingParams:
@@ -96,7 +99,26 @@ def sampling_params(req: _GenerationRequest, max_tokens: int, codec: Optional[Te
     constraint = structured_outputs(req)
     if constraint is not None:
         params["structured_outputs"] = constraint
+    if req.logit_bias:
+        params["logit_bias"] = logit_bias(req.logit_bias, codec.vocab_size if codec is not None else None)
     return params
+
+
+def logit_bias(given: dict[str, Any], vocab_size: Optional[int]) -> dict[str, float]:
+    """OpenAI's ``logit_bias`` checked: each key a token id of the vocabulary, each bias in
+    [-100, 100]. Passed on as given (token ids as strings: JSON's keys, what vLLM reads)."""
+    out: dict[str, float] = {}
+    for key, bias in given.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad_request(f"logit_bias.{key}", "a token id (an integer, as a string)") from None
+        if token < 0 or (vocab_size is not None and token >= vocab_size):
+            raise bad_request(f"logit_bias.{key}", f"a token id in [0, {vocab_size})")
+        if not -100 <= bias <= 100:
+            raise bad_request(f"logit_bias.{key}", f"a bias in [-100, 100], got {bias}")
+        out[str(token)] = float(bias)
+    return out
 
 
 #: The constraints of vLLM's ``structured_outputs`` (exactly one), and the options beside them.
@@ -146,4 +168,4 @@ def field_mapper(prompt_param: str, budget_param: str = "max_tokens", keep_promp
     return mapped
 
 
-__all__ = ["token_budget", "sampling_params", "structured_outputs", "field_mapper"]
+__all__ = ["token_budget", "sampling_params", "structured_outputs", "logit_bias", "field_mapper"]

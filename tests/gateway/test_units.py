@@ -13,7 +13,7 @@ from rollfleet.gateway import TextCodec, fit_sim_to_tokenizer
 from rollfleet.gateway.codec import IncrementalDecoder
 from rollfleet.gateway.errors import GatewayError, from_exception
 from rollfleet.gateway.protocol import ChatCompletionRequest, CompletionRequest
-from rollfleet.gateway.sampling import field_mapper, sampling_params, token_budget
+from rollfleet.gateway.sampling import choice_params, field_mapper, sampling_params, token_budget
 
 pytestmark = pytest.mark.unit
 
@@ -170,6 +170,29 @@ def test_budget_and_sampling_params(codec):
         "seed": 3,
         "stop_token_ids": [codec.eos_token_id],
     }
+
+
+def test_fields_that_change_sampling_are_taken_or_refused_never_dropped(codec):
+    """``logit_bias`` was dropped without a word (a ban of -100 sampled unbiased); ``best_of`` other
+    than ``n``, and ``top_logprobs`` without ``logprobs``, were taken as if not given."""
+
+    def params(**fields: Any) -> dict[str, Any]:
+        return sampling_params(CompletionRequest.model_validate({"model": "m", "prompt": "x", **fields}), 7, codec)
+
+    assert params(logit_bias={"5": -100, "7": 2.5})["logit_bias"] == {"5": -100.0, "7": 2.5}
+    for bias, param in (({"x": 1}, "logit_bias.x"), ({"5": 101}, "logit_bias.5"), ({"999999": 1}, "logit_bias.999999")):
+        with pytest.raises(GatewayError) as err:
+            params(logit_bias=bias)
+        assert err.value.param == param, bias
+    assert CompletionRequest.model_validate({"model": "m", "prompt": "x", "best_of": 2, "n": 2}).best_of == 2
+    with pytest.raises(ValueError, match="best_of"):
+        CompletionRequest.model_validate({"model": "m", "prompt": "x", "best_of": 5})
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}
+    with pytest.raises(ValueError, match="top_logprobs"):
+        ChatCompletionRequest.model_validate(chat)
+    assert ChatCompletionRequest.model_validate({**chat, "logprobs": True}).top_logprobs == 2
+    # the seed of choice i is seed + i, inside what torch.Generator.manual_seed takes
+    assert choice_params({"seed": 2**64 - 1}, 1)["seed"] == 0 and choice_params({"seed": 5}, 2)["seed"] == 7
 
 
 def test_output_constraints_become_structured_outputs_and_bad_ones_name_the_field(codec):
