@@ -28,7 +28,8 @@ def _load(path: Optional[str], overrides: dict, warn: bool = True) -> RollfleetC
     except (ValidationError, RollfleetError) as exc:
         # a field the command line set is its fault, not the file's
         locs = [".".join(map(str, e["loc"])) for e in exc.errors()] if isinstance(exc, ValidationError) else []
-        flagged = sorted({loc for loc in locs if loc in overrides})
+        # the field itself, or a section whose own check read it (rollout's, of rollout.name)
+        flagged = sorted({key for loc in locs for key in overrides if key == loc or key.startswith(loc + ".")})
         given = f" with the command line's {', '.join(flagged)}" if flagged else ""
         print(f"rollfleet: invalid config{f' {path}' if path else ''}{given}:\n{exc}", file=sys.stderr)
         raise _ConfigRejected() from exc
@@ -46,6 +47,7 @@ def _load(path: Optional[str], overrides: dict, warn: bool = True) -> RollfleetC
 
 
 def _simulate(args: argparse.Namespace) -> int:
+    from rollfleet.cli.preflight import check_engine
     from rollfleet.cli.simulate import SimulateOptions, render, run_simulation
 
     overrides = {}
@@ -63,6 +65,7 @@ def _simulate(args: argparse.Namespace) -> int:
         opts = SimulateOptions(sessions=args.sessions, turns=args.turns, weight_updates=args.weight_updates)
         if config.rollout.num_replicas < 1:  # a fleet may start empty and grow; a simulation cannot
             raise ValueError(f"rollout.num_replicas must be >= 1, got {config.rollout.num_replicas}")
+        check_engine(config)
     except ValueError as exc:
         print(f"rollfleet simulate: {exc}", file=sys.stderr)
         return 2
@@ -154,6 +157,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     """Ray + fleet + OpenAI-compatible gateway until Ctrl-C / SIGTERM (see rollfleet.gateway)."""
+    from rollfleet.cli.preflight import check_serve
     from rollfleet.gateway.launch import serve
 
     overrides: dict = {}
@@ -162,12 +166,17 @@ def _serve(args: argparse.Namespace) -> int:
         ("gateway.port", args.port),
         ("rollout.num_replicas", args.replicas),
         ("gateway.prometheus_file", args.prometheus_file),
-        ("gateway.admin_token", os.environ.get("ROLLFLEET_ADMIN_TOKEN")),
+        ("gateway.admin_token", os.environ.get("ROLLFLEET_ADMIN_TOKEN") or None),  # set but empty: not given
     ):
         if value is not None:
             overrides[key] = value
     config = _load(args.config, overrides)
-    if config.gateway.admin_token is None:
+    try:
+        check_serve(config)
+    except ValueError as exc:
+        print(f"rollfleet serve: {exc}", file=sys.stderr)
+        return 2
+    if not config.gateway.admin_token:
         print("admin routes off (set gateway.admin_token or ROLLFLEET_ADMIN_TOKEN to enable /admin)", file=sys.stderr)
 
     def announce(url: str) -> None:
@@ -195,6 +204,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     """RL training on the fleet (see rollfleet.trainer); outputs under runs/<run_name>/."""
     from rollfleet.cli.paths import writable_dir
+    from rollfleet.cli.preflight import check_train
     from rollfleet.cli.train import render_summary, run_training
     from rollfleet.trainer.config import TrainConfig
 
@@ -211,6 +221,7 @@ def _train(args: argparse.Namespace) -> int:
     config = _load(args.config, overrides)  # the trainer section too: a typo fails before Ray starts
     try:
         train = TrainConfig.model_validate(config.trainer.model_dump())  # validated by _load already
+        check_train(config, train.task)
         writable_dir(os.path.join(train.output_dir, train.run_name), "trainer.output_dir")
         if config.rollout.name == "sim":
             from rollfleet.models.vocab import fit_sim_to_model

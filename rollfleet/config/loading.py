@@ -100,6 +100,9 @@ def load_config(path: str | Path | None = None, overrides: Optional[dict[str, An
                 raise ValueError(f"{path} is not YAML: {exc}") from None
         if not isinstance(data, dict):
             raise ValueError(f"{path}: the top level must map section names to settings, got a {type(data).__name__}")
+        # A section left empty (``gateway:`` with its lines commented out) is one with no settings,
+        # as an override into it already read it.
+        data = {key: {} if value is None else value for key, value in data.items()}
     for key, value in (overrides or {}).items():
         node = data
         parts = key.split(".")

@@ -85,11 +85,18 @@ class FleetController(HealthSupervisor, ReplicaStarter, ControlFanOut):
         """Start ``n`` more replicas; each serves only once it has the current weights.
 
         Asking for more devices than the cluster has fails at once with
-        :class:`InsufficientResources` naming ``field_name``; nothing is started then.
+        :class:`InsufficientResources` naming ``field_name``; nothing is started then. A caller that
+        gives up does not stop the starts: they run to their end (bounded by
+        ``health.start_timeout_s``), rather than leave replicas syncing for good, their actors up.
         """
         self._check_open()
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:  # -1 reused the last replica's id
             raise InvalidRequest(field_name, "an integer >= 0", n)
+        return await run_to_end(
+            self._add(n, field_name), "adding replicas", lambda infos: f"started {[i.replica_id for i in infos]}"
+        )
+
+    async def _add(self, n: int, field_name: str) -> list[ReplicaInfo]:
         indices = range(self._next_index, self._next_index + n)
         self._next_index += n
         ids = [f"replica-{i}" for i in indices]

@@ -511,3 +511,70 @@ def test_an_assignment_a_validator_refuses_leaves_the_section_as_it_was():
     assert (other.name, other.max_model_len) == ("vllm", 300)
     other.prompt_length = 100  # a good assignment still lands
     assert other.prompt_length == 100
+
+
+def test_a_run_refuses_before_ray_starts_what_it_would_find_wrong_once_running(tmp_path, monkeypatch, capsys):
+    """Each of these ran Ray and the fleet up first: a typo in the agent loop, the http_agent with
+    nothing to run or the task was a traceback 14-16 s later, a KV cache that holds no sequence one
+    once the replicas started; a max_model_len no longer than prompt_length trained on empty
+    responses without a word, and an empty section was refused only when no flag touched it."""
+    import ray
+
+    import rollfleet.cli.train as train_cli
+    from rollfleet.cli.main import main
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("training or Ray started")
+
+    monkeypatch.setattr(train_cli, "run_training", must_not_run)
+    monkeypatch.setattr(ray, "init", must_not_run)
+    cases = [
+        ("agent: {default_agent_loop: singel_turn_agent}", "agent.default_agent_loop: unknown agent loop"),
+        ("agent: {default_agent_loop: http_agent}", "agent.http_agent: give agent (a callable) or command"),
+        ("agent: {http_agent: {agent: 'a:b', command: [x]}}", "give agent (a callable) or command (a program), not both"),
+        ("trainer: {task: cnt}", "trainer.task: unknown task 'cnt'"),
+        ("rollout: {name: sim, prompt_length: 64, max_model_len: 64}", "must be > rollout.prompt_length (64) to train"),
+        ("rollout: {name: sim, sim: {kv_capacity_tokens: 512}}", "holds less than one sequence"),
+    ]  # fmt: skip
+    for text, message in cases:
+        path = tmp_path / "c.yaml"
+        path.write_text(text + "\n")
+        assert main(["train", "--config", str(path), "--steps", "1"]) == 2, text
+        assert message in capsys.readouterr().err, text
+    path.write_text("rollout: {name: sim, num_replicas: 1, sim: {kv_capacity_tokens: 512}}\n")
+    assert main(["simulate", "--virtual", "--config", str(path)]) == 2  # a traceback once it ran
+    assert "holds less than one sequence" in capsys.readouterr().err
+    path.write_text("rollout: {name: sim}\ngateway:\n  # port: 9001\n")
+    from rollfleet.config import load_config
+
+    assert load_config(str(path)).gateway.port == load_config(str(path), {"gateway.port": 8000}).gateway.port
+    path.write_text("rollout: {name: vllm, max_model_len: 256, sim: {max_model_len: 100}}\n")
+    assert main(["train", "--config", str(path), "--engine", "sim"]) == 2
+    assert "with the command line's rollout.name" in capsys.readouterr().err  # the flag made it wrong
+
+
+def test_serve_refuses_an_unknown_tool_call_parser_and_an_empty_admin_token_env_is_not_one(
+    tmp_path, monkeypatch, capsys
+):
+    import rollfleet.gateway.launch as launch
+    from rollfleet.cli.main import main
+
+    async def must_not_run(*args, **kwargs):
+        raise AssertionError("the fleet started")
+
+    monkeypatch.setattr(launch, "serve", must_not_run)
+    path = tmp_path / "c.yaml"
+    path.write_text("rollout: {name: sim}\ngateway: {tool_call_parser: hermez, admin_token: s3cret}\n")
+    assert main(["serve", "--config", str(path)]) == 2
+    assert "gateway.tool_call_parser: unknown" in capsys.readouterr().err
+    path.write_text("rollout: {name: sim}\ngateway: {admin_token: s3cret}\n")
+    monkeypatch.setenv("ROLLFLEET_ADMIN_TOKEN", "")  # set but empty: the config's token stands
+    seen = {}
+
+    async def record(config, announce=None):
+        seen["token"] = config.gateway.admin_token
+        return 0
+
+    monkeypatch.setattr(launch, "serve", record)
+    assert main(["serve", "--config", str(path)]) == 0
+    assert seen["token"] == "s3cret"

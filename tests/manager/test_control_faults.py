@@ -387,3 +387,21 @@ async def test_a_replica_restarted_while_the_fleet_resumes_comes_back_serving():
     out = await asyncio.wait_for(replicas["replica-1"].generate("x", [1, 2, 3], {"max_tokens": 4}), 5)
     assert len(out.token_ids) == 4
     await controller.shutdown()
+
+
+async def test_a_caller_that_gives_up_on_adding_replicas_does_not_leave_them_half_started():
+    """Cancelled, the starts stopped half-way: the new replica stayed ``syncing`` for good, its actor
+    up, holding its devices, and no probe or restart ever looked at it again."""
+    controller, replicas = fleet(config(), Faults())
+    await controller.launch(1)
+    catch_up = controller._catch_up
+
+    async def slow(*args: Any, **kwargs: Any) -> Any:
+        await asyncio.sleep(0.3)
+        return await catch_up(*args, **kwargs)
+
+    controller._catch_up = slow  # type: ignore[method-assign]
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(controller.add_replicas(1), 0.1)
+    await wait_until(lambda: serving_on(controller, "replica-1", 0), "replica-1 serving")
+    await controller.shutdown()

@@ -1,0 +1,66 @@
+"""Names a command looks up only once it runs (Ray up, the fleet launched), looked up first.
+
+An agent loop, a task or a tool-call parser is named in the config and resolved by the process
+that uses it: a typo there surfaced as a traceback after Ray and the fleet had started (13-16 s
+here, minutes on a cluster), where every other bad setting is one line and exit status 2 before
+anything starts. Each check raises ``ValueError`` naming the setting.
+"""
+
+from __future__ import annotations
+
+from rollfleet.config import RollfleetConfig
+from rollfleet.errors import UnknownName
+
+
+def check_engine(config: RollfleetConfig) -> None:
+    """A sim replica's KV cache holds one whole sequence (checked by each replica as it starts)."""
+    rollout = config.rollout
+    if rollout.name == "sim" and rollout.max_model_len is not None:
+        rollout.sim.check_holds_a_sequence(rollout.max_model_len)
+
+
+def check_train(config: RollfleetConfig, task: str) -> None:
+    """The engine, the agent loop samples run by default (registered, with what it needs), the task,
+    and room for responses after prompts of ``rollout.prompt_length``."""
+    from rollfleet.agent_loop.registry import get_agent_loop, load_agent_loop_config
+    from rollfleet.trainer.tasks import make_task
+
+    check_engine(config)
+    rollout = config.rollout
+    if rollout.max_model_len is not None and rollout.max_model_len <= rollout.prompt_length:
+        raise ValueError(  # every response would end context_full, empty, and be trained on as such
+            f"rollout.max_model_len ({rollout.max_model_len}) must be > rollout.prompt_length "
+            f"({rollout.prompt_length}) to train: a prompt of that length leaves no room for a response"
+        )
+    agent = config.agent
+    try:
+        load_agent_loop_config(agent.agent_loop_config_path)
+    except (OSError, ValueError, TypeError) as exc:
+        raise ValueError(f"agent.agent_loop_config_path: {exc}") from None
+    try:
+        spec = get_agent_loop(agent.default_agent_loop)
+    except UnknownName as exc:
+        raise ValueError(f"agent.default_agent_loop: {exc}") from None
+    http = agent.http_agent
+    if spec.name == "http_agent" and not {"agent", "command"} & set(spec.kwargs) and not (http.agent or http.command):
+        raise ValueError(
+            "agent.http_agent: give agent (a callable) or command (a program): agent.default_agent_loop is http_agent"
+        )
+    try:
+        make_task(task)
+    except ValueError as exc:
+        raise ValueError(f"trainer.task: {exc}") from None
+
+
+def check_serve(config: RollfleetConfig) -> None:
+    """The engine and the gateway's tool-call parser."""
+    from rollfleet.tool_parser import get_tool_parser
+
+    check_engine(config)
+    try:
+        get_tool_parser(config.gateway.tool_call_parser)
+    except UnknownName as exc:
+        raise ValueError(f"gateway.tool_call_parser: {exc}") from None
+
+
+__all__ = ["check_engine", "check_train", "check_serve"]
