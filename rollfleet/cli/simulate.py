@@ -117,6 +117,9 @@ async def run_simulation(
     if cfg.max_model_len < needed:
         cfg = cfg.model_copy(update={"max_model_len": needed})
         config = config.model_copy(update={"rollout": cfg})
+    if virtual and cfg.routing.seed is None:  # a virtual rollout repeats exactly: policies' ties too
+        cfg = cfg.model_copy(update={"routing": cfg.routing.model_copy(update={"seed": opts.seed})})
+        config = config.model_copy(update={"rollout": cfg})
     manager: Any = await (VirtualFleet.create(config) if virtual else LLMServerManager.create(config))
     clock = asyncio.get_running_loop().time  # virtual on a virtual-time loop, monotonic otherwise
     try:

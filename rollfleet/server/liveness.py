@@ -13,10 +13,11 @@ stops answering and is reported unhealthy after that silence.
 from __future__ import annotations
 
 import asyncio
-import time
+from typing import Optional
 
 from rollfleet.engines.base import Engine, EngineLoad
 from rollfleet.errors import ReplicaUnavailable
+from rollfleet.utils.virtual_time import now
 
 #: Most a load poll may take before the health check runs instead (capped by the budget).
 ENGINE_LOAD_TIMEOUT_S = 1.5
@@ -33,24 +34,28 @@ class EngineLiveness:
         self.budget_s = PROBE_BUDGET_SHARE * probe_timeout_s
         self.busy_grace_s = busy_grace_s
         self.load = EngineLoad()
-        self.answered_at = time.monotonic()
+        self.answered_at: Optional[float] = None  # set by the first poll, on the loop's clock
 
     async def poll(self) -> EngineLoad:
         """The engine's load now, or the last one while it is busy; raises
         :class:`ReplicaUnavailable` when it is unhealthy or has been silent too long."""
-        started = time.monotonic()
+        # The loop's clock: virtual on a simulated fleet, where a hung engine must be found out too
+        # (the host's clock hardly moves there, and no silence ever reached busy_grace_s).
+        started = now()
+        if self.answered_at is None:
+            self.answered_at = started
         load_wait = min(ENGINE_LOAD_TIMEOUT_S, self.budget_s / 2)
         try:
             self.load = await asyncio.wait_for(self.engine.load(), load_wait)
-            self.answered_at = time.monotonic()
+            self.answered_at = now()
             return self.load
         except asyncio.TimeoutError:
             pass
-        remaining = max(0.1, self.budget_s - (time.monotonic() - started))
+        remaining = max(0.1, self.budget_s - (now() - started))
         try:
             health = await asyncio.wait_for(self.engine.health(), remaining)
         except asyncio.TimeoutError:
-            silent = time.monotonic() - self.answered_at
+            silent = now() - self.answered_at
             if silent > self.busy_grace_s:
                 raise ReplicaUnavailable(
                     self.replica_id, f"engine silent for {silent:.0f}s (no load, no health)"
@@ -58,7 +63,7 @@ class EngineLiveness:
             return self.load  # starved, not dead: it answered within busy_grace_s
         if not health.healthy:
             raise ReplicaUnavailable(self.replica_id, f"engine unhealthy: {health.detail}")
-        self.answered_at = time.monotonic()
+        self.answered_at = now()
         return self.load
 
 

@@ -60,6 +60,9 @@ class ReplicaTurns:
         if self._state == ReplicaState.SLEEPING:
             await self.engine.wake_up()
         await self.engine.resume()
+        if self._owner_hold:  # the owner paused it while the engine resumed (a network call): it stays so
+            await self.engine.pause()
+            return
         if self._state in HOLDING_STATES:
             self._set_state(ReplicaState.SERVING)
 

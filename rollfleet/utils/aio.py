@@ -39,8 +39,10 @@ async def gather_or_cancel(calls: Iterable[Awaitable[T]]) -> list[T]:
     cancelled and waited for before the error goes on. ``asyncio.gather`` leaves them running: the
     rest of a failed GRPO group or ``n``-choice request would go on generating on the fleet, unseen,
     while the caller retries or has given up."""
-    tasks = [asyncio.ensure_future(c) for c in calls]
+    tasks: list[asyncio.Future[T]] = []
     try:
+        for call in calls:  # one at a time: calls the iterable raised after are cancelled too
+            tasks.append(asyncio.ensure_future(call))
         return list(await asyncio.gather(*tasks))
     except BaseException:
         for task in tasks:

@@ -75,7 +75,7 @@ class _JumpingSelector(selectors.DefaultSelector):
             events = super().select(self.idle_timeout_s)
             if events:
                 return events
-            self.loop.threads_running = 0  # hung, or left running: the clock goes on without them
+            self.loop.give_up_on_threads()  # hung, or left running: the clock goes on without them
         self.loop.advance(timeout)
         return events
 
@@ -86,22 +86,28 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
     def __init__(self, idle_timeout_s: float = 30.0) -> None:
         selector = _JumpingSelector(idle_timeout_s)
         self._virtual_now = 0.0
-        #: Executor calls not yet done: the clock waits for them (see the module docstring).
-        self.threads_running = 0
+        #: Executor calls not yet done that the clock waits for (see the module docstring). A set,
+        #: not a count: a call given up on that ends later must not uncount one started since.
+        self._threads: set[asyncio.Future[Any]] = set()
         super().__init__(selector)
         selector.loop = self
 
     def time(self) -> float:
         return self._virtual_now
 
+    @property
+    def threads_running(self) -> int:
+        return len(self._threads)
+
     def run_in_executor(self, executor: Any, func: Callable[..., T], *args: Any) -> "asyncio.Future[T]":  # type: ignore[override]
         future: "asyncio.Future[T]" = super().run_in_executor(executor, func, *args)
-        self.threads_running += 1
-        future.add_done_callback(self._thread_done)
+        self._threads.add(future)
+        future.add_done_callback(self._threads.discard)
         return future
 
-    def _thread_done(self, _: "asyncio.Future[Any]") -> None:
-        self.threads_running = max(0, self.threads_running - 1)  # 0 already if it was given up on
+    def give_up_on_threads(self) -> None:
+        """Stop waiting for the executor calls running now (hung, or left running on purpose)."""
+        self._threads.clear()
 
     def advance(self, seconds: float) -> None:
         self._virtual_now += max(0.0, seconds)

@@ -45,3 +45,22 @@ async def test_cancelling_the_caller_cancels_every_call():
     with pytest.raises(asyncio.CancelledError):
         await outer
     assert not running
+
+
+async def test_calls_already_started_are_cancelled_when_building_the_next_one_fails():
+    ran: list[int] = []
+
+    async def work(i: int) -> None:
+        await asyncio.sleep(0.05)
+        ran.append(i)
+
+    def calls():
+        for i in range(3):
+            if i == 2:
+                raise ValueError("building call 2 failed")
+            yield work(i)
+
+    with pytest.raises(ValueError, match="call 2"):
+        await gather_or_cancel(calls())
+    await asyncio.sleep(0.1)
+    assert ran == []  # the two started before it ran on, unseen

@@ -254,3 +254,19 @@ def test_an_update_reports_how_long_it_paused_the_fleet_as_the_managers_does():
     ((start, end),) = result["paused"]
     assert result["pause_s"] == pytest.approx(end - start) == pytest.approx(0.05)
     assert result["total_s"] >= result["pause_s"]
+
+
+def test_a_thread_given_up_on_that_ends_later_does_not_uncount_one_started_since():
+    """A's thread outlived idle_timeout_s and was given up on; when it ended, it took B's count
+    away, and the clock jumped past B's 5 s timeout while B (0.4 s of real work) still ran."""
+
+    async def main() -> tuple[str, float]:
+        loop = asyncio.get_running_loop()
+        a = loop.run_in_executor(None, time.sleep, 0.6)  # given up on after 0.3 s, ends 0.3 s later
+        await asyncio.sleep(1.0)
+        b = await asyncio.wait_for(loop.run_in_executor(None, lambda: time.sleep(0.4) or "B done"), 5)
+        await a
+        return b, loop.time()
+
+    result, clock = virtual_time.run(main(), idle_timeout_s=0.3)
+    assert result == "B done" and clock == pytest.approx(1.0)

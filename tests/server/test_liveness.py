@@ -81,3 +81,33 @@ async def test_an_engine_that_answers_unhealthy_fails_at_once_and_a_hung_one_aft
     await asyncio.sleep(1.0)
     err, took = await timed_poll(probe)
     assert isinstance(err, ReplicaUnavailable) and "silent" in err.reason and took < PROBE_TIMEOUT_S
+
+
+def test_a_hung_engine_of_a_simulated_fleet_is_found_out_in_virtual_time():
+    """The probe measured silence on the host's clock, which hardly moves while a virtual fleet
+    runs: a hung sim replica was reported alive at 580 simulated seconds (busy_grace_s 30)."""
+    from rollfleet.config import RolloutConfig, SimEngineConfig
+    from rollfleet.server.replica import Replica
+    from rollfleet.utils import virtual_time
+
+    async def main() -> float:
+        cfg = RolloutConfig(
+            name="sim", prompt_length=64, response_length=32, sim=SimEngineConfig(vocab_size=500, time_scale=1.0)
+        )
+        replica = Replica("r0", cfg, 0)
+        await replica.start(version=0)
+        await replica.inject_fault("hang")
+        loop = asyncio.get_running_loop()
+        try:
+            for _ in range(60):
+                try:
+                    await replica.load()
+                except ReplicaUnavailable:
+                    return loop.time()
+                await asyncio.sleep(10)
+            return -1.0
+        finally:
+            await replica.shutdown()
+
+    found = virtual_time.run(main())
+    assert 30 <= found <= 60, found

@@ -192,3 +192,28 @@ def test_token_output_stop_reason_is_closed_set():
     TokenOutput(token_ids=[1], stop_reason="length")
     with pytest.raises(ValueError):
         TokenOutput(token_ids=[1], stop_reason="completed")
+
+
+async def test_the_owners_pause_while_the_engine_resumes_holds():
+    """An HTTP engine's resume is a network call: a pause that landed during it was lost, and the
+    replica served on devices its owner (a colocated learner) had taken back."""
+    r = await replica()
+    resume = r.engine.resume
+
+    async def slow_resume() -> None:
+        await asyncio.sleep(0.05)
+        await resume()
+
+    r.engine.resume = slow_resume  # type: ignore[method-assign]
+    await r.pause()
+    resuming = asyncio.ensure_future(r.resume())
+    await asyncio.sleep(0.01)
+    await r.pause()
+    await resuming
+    assert r._state.value == "paused"
+    held = asyncio.ensure_future(r.generate("held", [1, 2, 3], {"max_tokens": 2}))
+    await asyncio.sleep(0.2)
+    assert not held.done()  # waits at the gate
+    await r.resume()
+    assert len((await held).token_ids) >= 1
+    await r.shutdown()
