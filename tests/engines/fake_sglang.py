@@ -185,6 +185,14 @@ class FakeSGLangServer(FakeServer):
             if last in stop_ids and len(state["tokens"]) >= min_new:
                 return "stop", last
 
+    def request(self, request_id: str) -> Any:
+        """The running state of the caller's ``request_id`` (rollfleet sends ``<id>@<unique>``),
+        or None."""
+        for rid, state in self.running.items():
+            if rid == request_id or rid.rsplit("@", 1)[0] == request_id:
+                return state
+        return None
+
     def idle(self) -> bool:
         """The scheduler's ``is_fully_idle(ignore_waiting=paused)``: no running request (those a
         retract moved back to waiting count only while the loop is paused)."""
@@ -376,8 +384,10 @@ class FakeSGLangServer(FakeServer):
             if body.get("abort_all"):
                 for state in fake.running.values():
                     state["abort"] = True
-            elif body.get("rid") in fake.running:
-                fake.running[body["rid"]]["abort"] = True
+            elif body.get("rid"):  # as SGLang's scheduler: every request whose rid starts with it
+                for rid, state in fake.running.items():
+                    if rid.startswith(body["rid"]):
+                        state["abort"] = True
             return Response(status_code=200)
 
         @app.post("/pause_generation")

@@ -209,6 +209,8 @@ async def test_generate_sends_exact_body_and_parses_tokens_and_logprobs(fake, en
     assert sp == sp_before  # caller's dict untouched
 
     (body,) = fake.bodies("/generate")
+    rid = body.pop("rid")
+    assert rid.startswith("req-1@") and len(rid) == len("req-1@") + 32  # the caller's id, then the call's own
     assert body == {
         "input_ids": PROMPT,
         "sampling_params": {
@@ -222,7 +224,6 @@ async def test_generate_sends_exact_body_and_parses_tokens_and_logprobs(fake, en
             "repetition_penalty": 1.1,
             "min_new_tokens": 2,
         },
-        "rid": "req-1",
         "return_logprob": True,
         "logprob_start_len": -1,
         "stream": False,
@@ -247,7 +248,7 @@ async def test_stop_reasons_stop_length_abort_and_missing(fake, engine):
 
     fake.token_delay_s = 0.01
     task = asyncio.create_task(engine.generate("a", PROMPT, {"max_tokens": 500}))
-    await wait_until(lambda: "a" in fake.running and len(fake.running["a"]["tokens"]) >= 2)
+    await wait_until(lambda: fake.request("a") is not None and len(fake.request("a")["tokens"]) >= 2)
     await engine.abort("a")
     out = await asyncio.wait_for(task, 5)
     assert out.stop_reason == "aborted"
@@ -265,14 +266,14 @@ async def test_abort_one_request_mid_generation_leaves_others(fake, engine):
     fake.token_delay_s = 0.01
     a = asyncio.create_task(engine.generate("A", PROMPT, {"max_tokens": 400}))
     b = asyncio.create_task(engine.generate("B", [5, 6], {"max_tokens": 30}))
-    await wait_until(lambda: "A" in fake.running and len(fake.running["A"]["tokens"]) >= 3)
+    await wait_until(lambda: fake.request("A") is not None and len(fake.request("A")["tokens"]) >= 3)
     await engine.abort("A")
     out_a = await asyncio.wait_for(a, 5)
     assert out_a.stop_reason == "aborted"
     assert 3 <= len(out_a.token_ids) < 400
     assert out_a.token_ids == expected_tokens(PROMPT, len(out_a.token_ids), vocab_size=VOCAB)
     assert len(out_a.log_probs) == len(out_a.token_ids)
-    assert {"rid": "A"} in fake.bodies("/abort_request")
+    assert [b["rid"].split("@")[0] for b in fake.bodies("/abort_request")] == ["A"]
     out_b = await asyncio.wait_for(b, 5)
     assert out_b.stop_reason == "length" and len(out_b.token_ids) == 30
     await engine.abort("unknown-id")  # ignored, no error
@@ -295,7 +296,22 @@ async def test_duplicate_request_ids_in_flight_get_distinct_rids(fake, engine):
     fake.token_delay_s = 0.005
     outs = await asyncio.gather(*(engine.generate("same", PROMPT, {"max_tokens": 5}) for _ in range(2)))
     assert all(o.stop_reason == "length" for o in outs)
-    assert sorted(b["rid"] for b in fake.bodies("/generate")) == ["same", "same#1"]
+    rids = [b["rid"] for b in fake.bodies("/generate")]
+    assert len(set(rids)) == 2 and all(r.startswith("same@") for r in rids)
+
+
+@pytest.mark.asyncio
+async def test_aborting_a_request_leaves_one_whose_id_it_starts(fake, engine):
+    """SGLang aborts every request whose rid starts with the one named: the rid was the caller's
+    id, so aborting GRPO sibling ``row-1`` also ended ``row-10`` (and a request retried at once
+    after a cancel was refused: its rid was still held)."""
+    fake.token_delay_s = 0.01
+    one = asyncio.create_task(engine.generate("row-1", PROMPT, {"max_tokens": 400}))
+    ten = asyncio.create_task(engine.generate("row-10", [5, 6], {"max_tokens": 30}))
+    await wait_until(lambda: fake.request("row-1") is not None and fake.request("row-10") is not None)
+    await engine.abort("row-1")
+    assert (await asyncio.wait_for(one, 5)).stop_reason == "aborted"
+    assert (await asyncio.wait_for(ten, 5)).stop_reason == "length"
 
 
 # ---------------------------------------------------------------------------------------- weights / cache / memory
@@ -341,7 +357,7 @@ async def test_clear_kv_cache_hits_flush_cache(fake, engine):
 async def test_sleep_and_wake_up_hit_memory_routes_and_hold_requests(fake, engine):
     fake.token_delay_s = 0.01
     running = asyncio.create_task(engine.generate("z1", PROMPT, {"max_tokens": 400}))
-    await wait_until(lambda: "z1" in fake.running)
+    await wait_until(lambda: fake.request("z1") is not None)
     await engine.sleep()
     assert (await asyncio.wait_for(running, 5)).stop_reason == "aborted"
     assert fake.bodies("/release_memory_occupation") == [{}] and fake.asleep

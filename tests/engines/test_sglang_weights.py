@@ -163,7 +163,7 @@ async def test_commit_abort_aborts_in_flight_loads_labels_and_flushes(fake, engi
     folder = str(engine.stage.folder(1))
     fake.token_delay_s = 0.01
     task = asyncio.create_task(engine.generate("a", PROMPT, {"max_tokens": 400}))
-    await wait_until(lambda: "a" in fake.running and len(fake.running["a"]["tokens"]) >= 2)
+    await wait_until(lambda: fake.request("a") is not None and len(fake.request("a")["tokens"]) >= 2)
     await engine.pause()
     partial = await asyncio.wait_for(task, 5)
     assert partial.stop_reason == "aborted" and len(partial.token_ids) >= 2
@@ -207,7 +207,7 @@ async def keep_commit_scenario(fake: FakeSGLangServer, engine: SGLangEngine) -> 
 
     fake.token_delay_s = 0.01
     kept = asyncio.create_task(engine.generate("k", PROMPT, {"max_tokens": 40}))
-    await wait_until(lambda: "k" in fake.running and len(fake.running["k"]["tokens"]) >= 3)
+    await wait_until(lambda: fake.request("k") is not None and len(fake.request("k")["tokens"]) >= 3)
     commit = asyncio.create_task(engine.commit_weights(2, "keep"))
     await wait_until(lambda: fake.engine_paused or commit.done())
     held = asyncio.create_task(engine.generate("new", PROMPT, {"max_tokens": 3}))  # during the commit
@@ -222,7 +222,7 @@ async def keep_commit_scenario(fake: FakeSGLangServer, engine: SGLangEngine) -> 
     }  # fmt: skip
     assert out.stop_reason == "length" and len(out.token_ids) == 40  # kept: not aborted, not resubmitted
     assert not fake.bodies("/abort_request") and out.num_preempted == 0  # no retraction: KV kept
-    assert [b["rid"] for b in fake.bodies("/generate")].count("k") == 1
+    assert [b["rid"].split("@")[0] for b in fake.bodies("/generate")].count("k") == 1
     assert out.token_versions is not None
     k = out.token_versions.count(1)
     assert 3 <= k < 40 and out.token_versions == [1] * k + [2] * (40 - k)
@@ -243,7 +243,7 @@ async def test_keep_on_the_overlap_scheduler_leaves_versions_of_straddling_reque
     await engine.stage_weights(state_dict(2), 2)
     fake.token_delay_s = 0.01
     kept = asyncio.create_task(engine.generate("k", PROMPT, {"max_tokens": 30}))
-    await wait_until(lambda: "k" in fake.running and len(fake.running["k"]["tokens"]) >= 3)
+    await wait_until(lambda: fake.request("k") is not None and len(fake.request("k")["tokens"]) >= 3)
     await engine.commit_weights(2, "keep")
     out = await asyncio.wait_for(kept, 5)
     assert out.stop_reason == "length" and len(out.token_ids) == 30
@@ -280,7 +280,7 @@ async def test_a_failing_commit_raises_a_typed_error_and_keep_continues(fake, en
     (engine.stage.folder(1) / WEIGHTS_FILE).unlink()  # gone before the commit: SGLang finds no weights
     fake.token_delay_s = 0.01
     running = asyncio.create_task(engine.generate("r", PROMPT, {"max_tokens": 40}))
-    await wait_until(lambda: "r" in fake.running and len(fake.running["r"]["tokens"]) >= 2)
+    await wait_until(lambda: fake.request("r") is not None and len(fake.request("r")["tokens"]) >= 2)
     with pytest.raises(InvalidRequest) as err:
         await engine.commit_weights(1, "keep")
     assert err.value.field == "weights" and "Cannot find any model weights" in err.value.detail
@@ -365,7 +365,7 @@ async def test_fake_refuses_what_sglang_refuses(fake, tmp_path):
     async with httpx.AsyncClient(base_url=fake.url, timeout=10) as client:
         gen = asyncio.create_task(client.post("/generate", json={"input_ids": PROMPT, "rid": "z",
                                                                  "sampling_params": {"max_new_tokens": 50}}))  # fmt: skip
-        await wait_until(lambda: "z" in fake.running and len(fake.running["z"]["tokens"]) >= 2)
+        await wait_until(lambda: fake.request("z") is not None and len(fake.request("z")["tokens"]) >= 2)
         assert (await client.post("/pause_generation", json={"mode": "sideways"})).status_code == 400
         assert (await client.post("/update_weights_from_disk", json={"flush_cache": False})).status_code == 400
         assert (await client.post("/pause_generation", json={"mode": "in_place"})).status_code == 200
@@ -381,7 +381,7 @@ async def test_fake_refuses_what_sglang_refuses(fake, tmp_path):
         fake.reset(version="0.5.5", token_delay_s=0.01)
         gen = asyncio.create_task(client.post("/generate", json={"input_ids": PROMPT, "rid": "y",
                                                                  "sampling_params": {"max_new_tokens": 50}}))  # fmt: skip
-        await wait_until(lambda: "y" in fake.running)
+        await wait_until(lambda: fake.request("y") is not None)
         await client.post("/pause_generation", json={"mode": "in_place"})  # no mode then: abort
         answer = (await gen).json()
         assert answer["meta_info"]["finish_reason"]["type"] == "abort" and "weight_versions" not in answer["meta_info"]

@@ -259,7 +259,7 @@ class HTTPEngine(Engine):
             self._abort_in_background([call.wire_id])
             if call.aborted.is_set():
                 return TokenOutput(token_ids=[], log_probs=[], stop_reason="aborted")
-            self._table.rename(call, f"{call.wire_id}~r")
+            self._table.rename(call, self._wire_id(call.request_id))  # a fresh one: no prefix of the other
             status, raw = await self._send(call, body, retry_stale=False)
         self._last_progress = time.monotonic()
         if status in (400, 422):

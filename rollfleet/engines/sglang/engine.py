@@ -36,8 +36,11 @@ Decisions:
 * ``sleep`` aborts in-flight requests and holds new ones until ``wake_up``, independently of
   ``pause``'s hold (like the sim engine). It needs the server launched with
   ``--enable-memory-saver``; a server that refuses raises ``NotSupported`` naming the flag.
-* ``rid`` is the caller's ``request_id``; if that id is already in flight on this engine (SGLang
-  rejects duplicate rids) a ``#n`` suffix is added; ``abort(request_id)`` aborts all of them.
+* ``rid`` is the caller's ``request_id`` with ``@`` and an id of its own (32 hex digits, unique
+  across processes) after it: SGLang aborts every request whose rid *starts with* the one named
+  (``abort("row-1")`` also ended ``row-10``... and a stale-connection retry ``x~r``), and refuses a
+  rid it still holds (a request retried at once after a cancel, whose abort was still on its
+  way). ``abort(request_id)`` aborts every call of that request.
 * The vocabulary size is not reported by any SGLang route: it comes from
   ``rollout.sglang.vocab_size``, else the model's ``config.json`` (local folder or HF cache).
 """
@@ -63,6 +66,7 @@ from rollfleet.engines.sglang.staging import Staged, StageFolders, default_root
 from rollfleet.engines.sglang.weights import SGLangWeights
 from rollfleet.errors import EngineDead, InvalidRequest, NotSupported
 from rollfleet.types import SamplingParams, TokenOutput
+from rollfleet.utils.ids import unique_hex
 
 if TYPE_CHECKING:
     from rollfleet.config import RolloutConfig
@@ -190,11 +194,7 @@ class SGLangEngine(SGLangLaunch, SGLangWeights, HTTPEngine):
         return wire.generate_body(prompt_ids, params, rid=""), params.get("max_new_tokens")
 
     def _wire_id(self, request_id: str) -> str:
-        rid, n = request_id, 1
-        while rid in self._table:
-            rid = f"{request_id}#{n}"
-            n += 1
-        return rid
+        return f"{request_id}@{unique_hex()}"  # no rid of this engine's calls starts another's
 
     def _generate_call(self, wire_id: str, body: dict[str, Any]) -> tuple[str, bytes, dict[str, str]]:
         payload = {**body, "rid": wire_id}
