@@ -36,10 +36,8 @@ CALLER_ERRORS = (NotSupported, InvalidRequest, ValueError, TypeError)
 
 
 def caller_mistake(results: list[Any]) -> Optional[BaseException]:
-    """The caller's mistake a fan-out's ``results`` show, to raise as is: a replica refused with
-    one of :data:`CALLER_ERRORS` and none did the operation (every replica would say the same).
-    Where another replica did it, the one that refused has a fault of its own (a stage folder it
-    cannot write): it is fenced like any failure, and one replica cannot stop the fleet's work."""
+    """A refusal of :data:`CALLER_ERRORS` to raise as is, when no replica did the operation; where
+    one did, a replica that refused has a fault of its own (fenced: it cannot stop the fleet)."""
     if any(not isinstance(res, BaseException) for res in results):
         return None
     return next((res for res in results if isinstance(res, CALLER_ERRORS)), None)
@@ -237,9 +235,8 @@ class ControlFanOut:
         )
 
     def _wave_size(self, ready: int) -> int:
-        """Replicas a rolling wave commits at once: ``max_unavailable`` of the fleet (draining
-        replicas aside), less those out of service already (dead, restarting, fenced while
-        staging: ``ready`` excludes them), at least one."""
+        """A rolling wave: ``max_unavailable`` of the fleet (draining aside), less the replicas out
+        of service already (not ``ready``: dead, restarting, fenced while staging), at least one."""
         members = [r for r in self._records.values() if r.state != HealthState.DRAINING]
         allowance = math.floor(self.config.weight_sync.max_unavailable * len(members))
         return max(1, allowance - (len(members) - ready))

@@ -201,8 +201,7 @@ async def get_connection(
 
 
 class _Unreachable:
-    """A pool entry: the address could not be reached; until ``until`` (the loop's clock) callers
-    are told so at once rather than each waiting out another connect timeout."""
+    """A pool entry: the address was unreachable; until ``until`` callers hear so at once."""
 
     __slots__ = ("reason", "until")
 

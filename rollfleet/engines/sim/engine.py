@@ -59,9 +59,7 @@ class SimEngine(StepLoop, Engine):
         self._version_label: Optional[int] = None
         self._admit_counter = 0
         self._unpaid: dict[_Request, int] = {}  # prefill tokens of admitted requests no step has paid yet
-        #: Requests that left the batch during the step doing their prefill: their blocks are cached
-        #: when that step ends (as vLLM's are: the step runs on), dropped if it is thrown away.
-        self._left_in_prefill: list[_Request] = []
+        self._left_in_prefill: list[_Request] = []  # left during their prefill's step: see BatchModel._leave
         self._paused = False
         self._loading = 0  # weight loads in progress (commit_weights)
         self._sleeping = False
