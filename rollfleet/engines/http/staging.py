@@ -16,6 +16,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from rollfleet.errors import InvalidRequest
+
 _DTYPES = {  # torch dtype name -> safetensors dtype
     "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
     "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
@@ -35,6 +37,16 @@ def check_stage_key(key: str) -> str:
     if not key or "/" in key or key in (".", ".."):
         raise ValueError(f"stage_key must be a plain folder name, got {key!r}")
     return key
+
+
+def tensors_of(weights: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """A state dict (or an iterable of pairs) as a list of pairs, taken once (a retry must not
+    write a used-up iterable: an empty file); refused when it holds none (a load of nothing
+    succeeds: vLLM and SGLang keep every layer that received no tensor)."""
+    items = list(weights.items() if isinstance(weights, Mapping) else weights)
+    if not items:
+        raise InvalidRequest("weights", "at least one tensor", "an empty state dict")
+    return items
 
 
 def write_safetensors(weights: Mapping[str, Any] | Iterable[tuple[str, Any]], path: Path) -> int:

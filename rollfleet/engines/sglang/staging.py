@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from rollfleet.engines.http.staging import check_stage_key, default_root, write_safetensors
+from rollfleet.engines.http.staging import check_stage_key, default_root, tensors_of, write_safetensors
 
 #: The one weight file of a staged version's folder.
 WEIGHTS_FILE = "model.safetensors"
@@ -95,6 +95,7 @@ class StageFolders:
     def stage(self, weights: Mapping[str, Any] | Iterable[tuple[str, Any]], version: int) -> Staged:
         """Write ``weights`` (Hugging Face names -> tensors) as version ``version``, unless a replica
         sharing the key already did; link it for this engine; return the folder to load."""
+        items = tensors_of(weights)
         folder = self.folder(version)
         shared, mine = folder / WEIGHTS_FILE, self.link(version)
         for _ in range(3):  # the folder can vanish between our mkdir and our lock: its last user released it
@@ -105,7 +106,7 @@ class StageFolders:
                     if not shared.exists():
                         tmp = folder / f".model.{self.owner}.{uuid.uuid4().hex[:6]}.tmp"
                         try:
-                            written = write_safetensors(weights, tmp)
+                            written = write_safetensors(items, tmp)
                             os.replace(tmp, shared)  # atomic: the final name only ever names a complete file
                         finally:
                             tmp.unlink(missing_ok=True)

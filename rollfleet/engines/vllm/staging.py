@@ -12,8 +12,9 @@ Who removes a shared file: each engine that stages a version holds its own hard 
 ``v<version>.safetensors.<owner>``, and loads from that link. Releasing a version (after a newer
 commit, at shutdown) removes the engine's link, then the shared name once no other engine links
 it (``st_nlink == 1``): one replica restarting mid-update never pulls a file from under the
-others, and the memory is freed when the last replica is done with it. (A replica process killed
-outright leaves its links behind; with the default per-engine key that is one folder of its own.)
+others, and the memory is freed when the last replica is done with it. A replica process killed
+outright leaves its links behind: the links of a version whose owner process is gone are swept
+when that version is staged again or an older one released.
 
 The writer, :func:`write_safetensors`, is shared with SGLang's staging
 (:mod:`rollfleet.engines.http.staging`); it streams a tensor at a time.
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from rollfleet.engines.http.staging import check_stage_key, default_root, write_safetensors
+from rollfleet.engines.http.staging import check_stage_key, default_root, tensors_of, write_safetensors
 
 #: ``v<version>.safetensors`` (a staged version's shared name), or ``...safetensors.<owner>`` (a link).
 _NAME = re.compile(r"^v(\d+)\.safetensors(?:\.(.+))?$")
@@ -79,14 +80,16 @@ class StageDir:
     def stage(self, weights: Mapping[str, Any] | Iterable[tuple[str, Any]], version: int) -> Staged:
         """Write ``weights`` as version ``version`` unless a replica sharing the key already did;
         return this engine's link to it."""
+        items = tensors_of(weights)  # once: a retry below must not write a used-up iterable (nothing)
         self.path.mkdir(parents=True, exist_ok=True)
         shared, mine = self.shared(version), self.link(version)
+        self._sweep_dead(version)  # a file only dead replicas link is not this update's
         written, started = 0, time.monotonic()
         for _ in range(3):  # the shared name can vanish between our check and our link (its last user released it)
             if not shared.exists():
                 tmp = self.path / f".v{int(version)}.{self.owner}.{uuid.uuid4().hex[:6]}.tmp"
                 try:
-                    written = write_safetensors(weights, tmp)
+                    written = write_safetensors(items, tmp)
                     os.replace(tmp, shared)  # atomic: the final name only ever names a complete file
                 finally:
                     tmp.unlink(missing_ok=True)
@@ -108,8 +111,26 @@ class StageDir:
         """After a commit of ``version``: release every older version in the folder (this engine's
         links, and the shared files no other engine still links); return the versions seen."""
         seen = [v for v in self._versions(mine=False) if v < version]
+        for old in seen:
+            self._sweep_dead(old)
         self.release(seen)
         return seen
+
+    def _sweep_dead(self, version: int) -> None:
+        """Remove the links of ``version`` whose owner process is gone (a replica killed before it
+        released them), and the shared file if no one else links it. Kept, a file of a failed
+        update was reused as is when the update was tried again under the same version with other
+        weights, and tmpfs never got its memory back."""
+        prefix = f"v{int(version)}.safetensors."
+        try:
+            names = [n for n in os.listdir(self.path) if n.startswith(prefix)]
+        except FileNotFoundError:
+            return
+        for name in names:
+            pid = name[len(prefix) :].split("-", 1)[0]
+            if pid.isdigit() and not _alive(int(pid)):
+                (self.path / name).unlink(missing_ok=True)
+        self._drop_unused(self.shared(version))
 
     def linked(self) -> list[int]:
         """The versions this engine holds a link to."""
@@ -144,4 +165,15 @@ class StageDir:
             pass
 
 
-__all__ = ["StageDir", "Staged", "default_root", "weight_files", "write_safetensors"]
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this node (a stage folder is node-local)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+__all__ = ["StageDir", "Staged", "default_root", "tensors_of", "weight_files", "write_safetensors"]
