@@ -28,8 +28,7 @@ def _load(path: Optional[str], overrides: dict, warn: bool = True) -> RollfleetC
     except (ValidationError, RollfleetError) as exc:
         # a field the command line set is its fault, not the file's
         locs = [".".join(map(str, e["loc"])) for e in exc.errors()] if isinstance(exc, ValidationError) else []
-        # the field itself, or a section whose own check read it (rollout's, of rollout.name)
-        flagged = sorted({key for loc in locs for key in overrides if key == loc or key.startswith(loc + ".")})
+        flagged = sorted({loc for loc in locs if loc in overrides})
         given = f" with the command line's {', '.join(flagged)}" if flagged else ""
         print(f"rollfleet: invalid config{f' {path}' if path else ''}{given}:\n{exc}", file=sys.stderr)
         raise _ConfigRejected() from exc

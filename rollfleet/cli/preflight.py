@@ -27,10 +27,10 @@ def check_train(config: RollfleetConfig, task: str) -> None:
 
     check_engine(config)
     rollout = config.rollout
-    if rollout.max_model_len is not None and rollout.max_model_len <= rollout.prompt_length:
-        raise ValueError(  # every response would end context_full, empty, and be trained on as such
+    if task == "synthetic" and rollout.max_model_len is not None and rollout.max_model_len <= rollout.prompt_length:
+        raise ValueError(  # its prompts are prompt_length long: every response would be empty, trained on as such
             f"rollout.max_model_len ({rollout.max_model_len}) must be > rollout.prompt_length "
-            f"({rollout.prompt_length}) to train: a prompt of that length leaves no room for a response"
+            f"({rollout.prompt_length}) to train on the synthetic task: its prompts leave no room for a response"
         )
     agent = config.agent
     try:
@@ -42,10 +42,15 @@ def check_train(config: RollfleetConfig, task: str) -> None:
     except UnknownName as exc:
         raise ValueError(f"agent.default_agent_loop: {exc}") from None
     http = agent.http_agent
-    if spec.name == "http_agent" and not {"agent", "command"} & set(spec.kwargs) and not (http.agent or http.command):
-        raise ValueError(
-            "agent.http_agent: give agent (a callable) or command (a program): agent.default_agent_loop is http_agent"
-        )
+    if spec.name == "http_agent" and not {"agent", "command"} & set(spec.kwargs):
+        if (http.agent is None) == (http.command is None):
+            raise ValueError(
+                "agent.http_agent: give agent (a callable) or command (a program), one of them: "
+                "agent.default_agent_loop is http_agent"
+            )
+        _check_parser("gateway.tool_call_parser", config.gateway.tool_call_parser)  # its gateway parses calls
+    if spec.name == "tool_agent":
+        _check_parser("agent.multi_turn.format", agent.multi_turn.format)
     try:
         make_task(task)
     except ValueError as exc:
@@ -54,13 +59,17 @@ def check_train(config: RollfleetConfig, task: str) -> None:
 
 def check_serve(config: RollfleetConfig) -> None:
     """The engine and the gateway's tool-call parser."""
+    check_engine(config)
+    _check_parser("gateway.tool_call_parser", config.gateway.tool_call_parser)
+
+
+def _check_parser(setting: str, name: str) -> None:
     from rollfleet.tool_parser import get_tool_parser
 
-    check_engine(config)
     try:
-        get_tool_parser(config.gateway.tool_call_parser)
+        get_tool_parser(name)
     except UnknownName as exc:
-        raise ValueError(f"gateway.tool_call_parser: {exc}") from None
+        raise ValueError(f"{setting}: {exc}") from None
 
 
 __all__ = ["check_engine", "check_train", "check_serve"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from rollfleet.config.base import _Section
 from rollfleet.config.rollout import RolloutConfig
@@ -68,12 +68,6 @@ class HttpAgentConfig(_Section):
         description="Most one agent run may take; then it is scored 0 with the error. An async agent or a command is "
         "stopped; a synchronous callable runs on a thread, which cannot be: what it sends after is not trained on.",
     )
-
-    @model_validator(mode="after")
-    def _one_agent(self) -> "HttpAgentConfig":
-        if self.agent is not None and self.command is not None:
-            raise ValueError("agent.http_agent: give agent (a callable) or command (a program), not both")
-        return self
 
 
 class AgentConfig(_Section):

@@ -148,7 +148,7 @@ def validate_sampling_params(
     if not isinstance(sampling_params, dict):
         raise InvalidRequest("sampling_params", "a dict", sampling_params)
     # A key given as None is one not given (as JSON's null at the gateway): engines read values.
-    params = _check_keys({k: v for k, v in sampling_params.items() if v is not None})
+    params = {k: v for k, v in _check_keys(dict(sampling_params)).items() if v is not None}
     room = max_model_len - prompt_len
     given = {k: params.pop(k) for k in ("max_tokens", "max_new_tokens") if params.get(k) is not None}
     for key, value in given.items():

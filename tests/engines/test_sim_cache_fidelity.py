@@ -179,3 +179,26 @@ def test_a_prefill_is_cached_only_if_its_step_ran(resume_after_s, cache_on_prefi
         await engine.shutdown()
 
     virtual_time.run(run())
+
+
+@pytest.mark.parametrize("spw", [1, 1000])
+def test_a_request_aborted_while_its_engine_hangs_after_a_thrown_away_step_caches_nothing(spw):
+    """Its prefill's step was thrown away by the hang; aborted while the engine still hung (no step
+    running), it was queued to be cached when the next step ended, which was someone else's."""
+
+    async def run() -> None:
+        engine = await started(step_base_ms=10.0, step_per_seq_ms=0.0, prefill_per_token_ms=1.0, max_steps_per_wake=spw)
+        prompt = [5] * 1000
+        first = asyncio.ensure_future(engine.generate("a", prompt, {"max_tokens": 10, "ignore_eos": True}))
+        await asyncio.sleep(0.5)
+        engine.inject_fault("hang")
+        await asyncio.sleep(1.0)  # past the step's end: thrown away
+        await engine.abort("a")
+        assert (await first).token_ids == []
+        engine.inject_fault("none")
+        await engine.generate("b", [9] * 100, {"max_tokens": 2, "ignore_eos": True})
+        await engine.generate("c", prompt, {"max_tokens": 2, "ignore_eos": True})
+        assert hits(engine) == 0
+        await engine.shutdown()
+
+    virtual_time.run(run())

@@ -439,12 +439,23 @@ def test_a_release_naming_its_handle_uncounts_the_incarnation_it_was_counted_on(
     assert lb.get_inflight_count(sid) == 1
     lb.release_server(sid, 0, "h0-new")
     assert lb.get_inflight_count(sid) == 0
+    # restarted in place (a new handle, same id), then removed and re-added: a request sent before
+    # the restart names a handle neither of them has, and is uncounted where it was sent from
+    lb.acquire_server("E")
+    lb.set_handle(sid, "h0-restarted")
+    lb.remove_servers([sid])
+    lb.add_servers({sid: "h0-third"})
+    lb.acquire_server("F")
+    lb.release_server(sid, 0, "h0-new")  # E, sent to the handle before the restart
+    assert lb.get_inflight_count(sid) == 1
+    lb.release_server(sid, 0, "h0-third")
+    assert lb.get_inflight_count(sid) == 0
     # re-added as the very same actor, the requests there are its load again
     lb.acquire_server("D")
     lb.remove_servers([sid])
-    lb.add_servers({sid: "h0-new"})
+    lb.add_servers({sid: "h0-third"})
     assert lb.get_inflight_count(sid) == 1
-    lb.release_server(sid, 0, "h0-new")
+    lb.release_server(sid, 0, "h0-third")
     assert lb.get_inflight_count(sid) == 0
 
 

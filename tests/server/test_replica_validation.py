@@ -56,6 +56,7 @@ BAD = [
     ([1], {"min_new_tokens": "x"}, "sampling_params.min_new_tokens", "integer"),
     ([1], {"max_tokens": 8, "min_new_tokens": 10**6}, "sampling_params.min_new_tokens", "min_new_tokens <= 8"),
     ([1], {"min_tokens": 2, "min_new_tokens": 3}, "sampling_params.min_new_tokens", "equal to min_tokens"),
+    ([1], {"temprature": None}, "sampling_params.temprature", "did you mean"),  # None is no pass for a typo
 ]
 
 

@@ -285,3 +285,16 @@ async def test_a_task_stream_that_fails_stops_the_run_instead_of_hanging_it():
         await asyncio.wait_for(buffer.take(4), 5)
     assert buffer.started == 3  # the failed start gave its ticket back
     await rollouter.stop()
+
+
+async def test_trained_tokens_are_those_the_batch_kept_of_a_response_longer_than_its_width():
+    """A loop that returned more than response_length tokens: collate cuts it, and the count of
+    trained tokens counted past the cut."""
+    from rollfleet.agent_loop.base import AgentLoopOutput
+    from rollfleet.trainer.staleness import Group
+
+    extra = {"resume_exhausted": False, "min_global_steps": 0, "max_global_steps": 0}
+    long = AgentLoopOutput([1, 2], [5, 6, 7, 8, 9, 10], [1] * 6, reward_score=1.0, extra_fields=dict(extra))
+    trainer = _trainer_over(learner := _AdvantageLearner())
+    _, trained = await trainer._train_on([Group("g", [long, _output(0.0)], 0, 0, 0)])
+    assert learner.masked_rows == [4, 3] and trained == 7  # the width is 4

@@ -104,7 +104,7 @@ class StreamingGenerate(_Base):
                 self._abort_in_background([call.wire_id])
                 if call.aborted.is_set():
                     return  # the body read then is an aborted, empty answer
-                self._table.rename(call, f"{call.wire_id}~r")
+                self._table.rename(call, self._wire_id(call.request_id))
         try:
             async with resp:
                 if resp.status in (400, 422):

@@ -109,6 +109,7 @@ class BatchModel:
     _admit_counter: int
     _unpaid: dict["_Request", int]
     _left_in_prefill: list["_Request"]
+    _run_now: Any  # the steps the loop sleeps through (StepLoop's), None between them
     _stats: dict[str, Any]
     _version_label: Optional[int]
     _rng: random.Random
@@ -187,7 +188,8 @@ class BatchModel:
                 pass
         self._release(req)
         if in_prefill:
-            self._left_in_prefill.append(req)
+            if self._run_now is not None:  # its step may yet end (else it was thrown away: nothing to cache)
+                self._left_in_prefill.append(req)
         elif running:
             self._cache_computed(req)
 

@@ -22,6 +22,7 @@ from typing import Optional, Sequence
 
 from cachetools import LRUCache
 
+from rollfleet.errors import InvalidRequest
 from rollfleet.routing.policies.base import ReplicaView
 from rollfleet.routing.policies.least_tokens import LeastTokensPolicy
 
@@ -88,5 +89,14 @@ class PrefixAffinityPolicy(LeastTokensPolicy):
 
 def prefix_key(prompt_ids: Sequence[int]) -> int:
     """The key siblings share: a digest of the whole prompt (Python hashes int tuples the same in
-    every process; only str and bytes hashing is salted)."""
-    return hash(tuple(prompt_ids))
+    every process; only str and bytes hashing is salted). A prompt holding an id that cannot be
+    hashed (a list) is the caller's mistake: ``InvalidRequest`` naming that element."""
+    try:
+        return hash(tuple(prompt_ids))
+    except TypeError:
+        for i, tok in enumerate(prompt_ids):
+            try:
+                hash(tok)
+            except TypeError:
+                raise InvalidRequest(f"prompt_ids[{i}]", "an integer token id", tok) from None
+        raise
