@@ -194,6 +194,7 @@ class RoutesBase:
 
     async def _live(
         self,
+        request: Request,
         kind: str,
         route: str,
         req: _GenerationRequest,
@@ -206,12 +207,29 @@ class RoutesBase:
         tools: Optional[Callable[[], Optional[ToolCallStream]]] = None,
         on_done: Optional[Callable[[list[TokenOutput], list[Optional[responses.Reply]]], Any]] = None,
     ) -> Response:
-        """``req.n`` streamed choices, sent as the fleet samples them (:mod:`rollfleet.gateway.live`)."""
+        """``req.n`` streamed choices, sent as the fleet samples them (:mod:`rollfleet.gateway.live`).
+        A caller that hangs up before the first token (queued behind others) stops them then, and
+        gets no session key, as :meth:`_generate`'s caller does."""
         streams = [
             self.service.generate_stream(route, prompt, choice_params(params, i), session_id=session)
             for i in range(req.n)
         ]
-        firsts = await asyncio.gather(*(s.__anext__() for s in streams), return_exceptions=True)
+        first = asyncio.ensure_future(asyncio.gather(*(s.__anext__() for s in streams), return_exceptions=True))
+        gone = asyncio.ensure_future(until_disconnected(request))
+        left = True
+        try:
+            await asyncio.wait((first, gone), return_when=asyncio.FIRST_COMPLETED)
+            left = not first.done()
+        finally:  # cancelled from outside too (a shutdown): neither outlives the handler
+            gone.cancel()
+            if not first.done():
+                first.cancel()
+                await asyncio.gather(first, return_exceptions=True)
+        if left:
+            for stream in streams:
+                await cast(AsyncGenerator, stream).aclose()
+            raise client_gone()
+        firsts = first.result()
         failed = next((f for f in firsts if isinstance(f, BaseException)), None)
         if failed is not None:  # before the status line: the caller gets the proper status
             for stream in streams:

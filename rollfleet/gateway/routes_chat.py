@@ -81,7 +81,7 @@ class ChatRoutes(RoutesBase):
         gates = self.tool_calls.stream if parse else None
         if req.stream and (gates is None or self.tool_calls.parser.call_start):  # live, calls parsed at the end
             route = "/v1/chat/completions"
-            return await self._live("chat", route, req, prompt, params, session, fields, logprobs=req.logprobs,
+            return await self._live(request, "chat", route, req, prompt, params, session, fields, logprobs=req.logprobs,
                                     tools=gates, on_done=replied)  # fmt: skip
         outputs = await self._generate(request, "/v1/chat/completions", [prompt], params, req.n, session, fields)
         replies = replied(outputs)

@@ -111,7 +111,9 @@ class OpenAIRoutes(ChatRoutes):
         if req.stream and len(prompts) == 1 and not req.echo:
             route, fields = "/v1/completions", field_mapper("prompt")
             logprobs_on = req.logprobs is not None
-            return await self._live("completion", route, req, prompts[0], params, session, fields, logprobs=logprobs_on)
+            return await self._live(
+                request, "completion", route, req, prompts[0], params, session, fields, logprobs=logprobs_on
+            )
         outputs = await self._generate(
             request, "/v1/completions", prompts, params, req.n, session, field_mapper("prompt")
         )

@@ -55,3 +55,43 @@ async def test_a_caller_that_hangs_up_stops_its_generation_and_a_retry_gets_the_
 async def http_metrics(url: str) -> str:
     async with httpx.AsyncClient(base_url=url, timeout=30) as http:
         return (await http.get("/metrics")).text
+
+
+async def test_a_stream_whose_caller_hangs_up_before_its_first_token_stops_and_keeps_the_session_key():
+    """Queued behind another request, a stream waited for its first token whatever its caller did:
+    generated for nobody once it got one, and handed the session's one-time key to nobody, so the
+    retry could never read, score or end its own session."""
+    from gateway_support import load_codec
+
+    from rollfleet.client import LLMServerClient
+    from rollfleet.config import GatewayConfig, RolloutConfig, SimEngineConfig
+    from rollfleet.gateway import Gateway, GatewayServer
+    from rollfleet.server.local import LocalHandle
+    from rollfleet.server.replica import Replica
+
+    codec = load_codec()
+    sim = SimEngineConfig(vocab_size=codec.vocab_size, time_scale=5.0, mean_response_tokens=50, max_num_seqs=1)
+    rollout = RolloutConfig(name="sim", model=MODEL, prompt_length=256, response_length=300, max_model_len=512, sim=sim)
+    replica = Replica("r0", rollout, 0)
+    await replica.start(version=0)
+    client = LLMServerClient(rollout, servers={"r0": LocalHandle(replica)})
+    server = await GatewayServer(Gateway(client, codec, config=GatewayConfig(), rollout=rollout).app).start()
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+            blocker = asyncio.ensure_future(http.post(ROUTES[0], json=body(ROUTES[0], 300) | {"session_id": "b"}))
+            await asyncio.sleep(0.1)
+            async with httpx.AsyncClient(base_url=server.url, timeout=0.2) as impatient:
+                with pytest.raises(httpx.ReadTimeout):
+                    async with impatient.stream("POST", ROUTES[0], json=body(ROUTES[0], 300) | {"stream": True}):
+                        pass
+            await blocker
+            deadline = time.monotonic() + 5
+            while replica._book.requests and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            stats = replica.engine.stats()
+            assert stats["num_aborted"] == 1 and stats["num_steps"] == 300  # the blocker's steps alone
+            retry = await http.post(ROUTES[0], json=body(ROUTES[0], 4))
+            assert retry.status_code == 200 and retry.headers.get(SESSION_KEY_HEADER)
+    finally:
+        await server.stop()
+        await replica.shutdown()
