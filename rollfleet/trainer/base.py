@@ -233,8 +233,8 @@ class Trainer(abc.ABC):
         metrics["reward/mean"] = statistics.fmean(kept) if kept else 0.0
         metrics["reward/max"] = max(kept, default=0.0)
         metrics["response_length/mean"] = float(batch.response_lengths.float().mean())
-        kept = batch.response_lengths.tolist()  # what collate kept of each response
-        in_loss = sum(int(sum(o.response_mask[:n])) for o, n, out in zip(outputs, kept, left_out) if not out)
+        widths = batch.response_lengths.tolist()  # what collate kept of each response
+        in_loss = sum(int(sum(o.response_mask[:n])) for o, n, out in zip(outputs, widths, left_out) if not out)
         return metrics, in_loss - int(masked.get("staleness/masked_tokens", 0))
 
     def _mask_off_policy(self, batch: Any) -> dict[str, float]:
