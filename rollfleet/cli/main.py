@@ -54,9 +54,7 @@ def _simulate(args: argparse.Namespace) -> int:
         overrides["rollout.num_replicas"] = args.replicas
     if args.time_scale is not None:  # wall-clock pacing: a virtual fleet runs unscaled whatever it says
         overrides["rollout.sim.time_scale"] = args.time_scale
-    config = _load(args.config, overrides)
-    if args.virtual and config.rollout.routing.seed is None:  # a virtual run repeats exactly: seed the policy
-        config = _load(args.config, {**overrides, "rollout.routing.seed": 0}, warn=False)
+    config = _load(args.config, overrides)  # unseeded, a virtual run's policy is seeded by run_simulation
     if config.rollout.name != "sim":
         print(f"rollfleet simulate runs the sim engine; the config names '{config.rollout.name}'", file=sys.stderr)
         return 2
