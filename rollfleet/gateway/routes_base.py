@@ -100,6 +100,23 @@ class ServedModel:
     created: int
 
 
+async def _unless_gone(request: Request, work: "asyncio.Future[Any]") -> bool:
+    """Wait for ``work`` unless the caller hangs up first, then cancel it (and wait for that);
+    returns whether the caller left. Cancelled from outside too (a shutdown), neither the work
+    nor the watch outlives the handler."""
+    gone = asyncio.ensure_future(until_disconnected(request))
+    left = True
+    try:
+        await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+        left = not work.done()
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+    return left
+
+
 class RoutesBase:
     """State and helpers of the OpenAI-compatible handlers. They get exactly what they use (the
     generation service, the tokenizer, the served model, the gateway's settings, the metrics registry
@@ -164,15 +181,7 @@ class RoutesBase:
         turn and issues no key for an answer nobody received (a client's timeout retry would
         otherwise find its session's key taken by the attempt it gave up on)."""
         generation = asyncio.ensure_future(self.service.generate(route, prompts, params, n=n, session_id=session_id))
-        gone = asyncio.ensure_future(until_disconnected(request))
-        try:
-            await asyncio.wait((generation, gone), return_when=asyncio.FIRST_COMPLETED)
-        finally:  # cancelled from outside too (a shutdown): neither outlives the handler
-            gone.cancel()
-            if not generation.done():
-                generation.cancel()
-                await asyncio.gather(generation, return_exceptions=True)
-        if generation.cancelled():
+        if await _unless_gone(request, generation) or generation.cancelled():
             raise client_gone()
         try:
             return generation.result()
@@ -215,17 +224,7 @@ class RoutesBase:
             for i in range(req.n)
         ]
         first = asyncio.ensure_future(asyncio.gather(*(s.__anext__() for s in streams), return_exceptions=True))
-        gone = asyncio.ensure_future(until_disconnected(request))
-        left = True
-        try:
-            await asyncio.wait((first, gone), return_when=asyncio.FIRST_COMPLETED)
-            left = not first.done()
-        finally:  # cancelled from outside too (a shutdown): neither outlives the handler
-            gone.cancel()
-            if not first.done():
-                first.cancel()
-                await asyncio.gather(first, return_exceptions=True)
-        if left:
+        if await _unless_gone(request, first):
             for stream in streams:
                 await cast(AsyncGenerator, stream).aclose()
             raise client_gone()
