@@ -215,11 +215,7 @@ class GlobalRequestLoadBalancer:
         ``handle``, the one its acquire returned, tells a request sent before its replica was
         removed (uncounted there) from one sent to a replica re-added under the same id since."""
         state = self._servers.get(server_id)
-        # a handle that is neither a removed one's nor the current one's is an earlier handle of a
-        # replica restarted in place (set_handle) and removed since: the oldest removed one
-        stray = handle is not None and (state is None or (handle is not state.handle and handle != state.handle))
-        departed = self._departed.release(server_id, handle) or (stray and self._departed.release(server_id, None))
-        if departed or state is None:  # a held request may go now
+        if self._departed.release(server_id, handle, state.handle if state is not None else None) or state is None:
             if self.on_room is not None:
                 self.on_room(False)
             return

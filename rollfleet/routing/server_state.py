@@ -59,11 +59,15 @@ class Departed:
             self._drop(server_id, state)
         return state
 
-    def release(self, server_id: str, handle: Any) -> bool:
+    def release(self, server_id: str, handle: Any, current: Any = None) -> bool:
         """Uncount one request on a removed incarnation of ``server_id``: the one that is
-        ``handle`` or, without a handle, the oldest (over for a while, never under). False: the
-        request was not sent to a removed one."""
+        ``handle``; without a handle, or with one that is neither a removed one's nor ``current``
+        (the handle of the replica there now): the oldest (over for a while, never under). Such a
+        handle is an earlier one of a replica restarted in place (a new handle, the same id) and
+        removed since. False: the request was not sent to a removed one."""
         state = self._find(server_id, handle)
+        if state is None and handle is not None and handle is not current and handle != current:
+            state = self._find(server_id, None)
         if state is None:
             return False
         state.local -= 1
