@@ -2,7 +2,8 @@
 
 Validation is strict (``"5"`` is not an integer, ``true`` is not a number), as OpenAI's own API
 is, so that a typo in an agent's request fails loudly with the field named instead of being
-coerced. Unknown keys are ignored (clients send newer OpenAI options the fleet has no use for).
+coerced. Unknown keys are ignored (clients send newer OpenAI options the fleet has no use for),
+each logged once by name.
 
 Extensions (vLLM-style names where vLLM has one):
 
@@ -20,6 +21,7 @@ Extensions (vLLM-style names where vLLM has one):
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -34,6 +36,13 @@ MAX_LOGIT_BIAS = 1024  # OpenAI's cap is 300 entries; vLLM's none
 
 _Stop = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
+logger = logging.getLogger(__name__)
+
+#: Ignored body fields already logged, by model: each is logged once, so that a framework sending
+#: its own field on every request does not flood the log (bounded against bodies of random keys).
+_IGNORED_LOGGED: set[tuple[str, str]] = set()
+_MAX_IGNORED_LOGGED = 1024
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
@@ -45,8 +54,21 @@ class _Body(BaseModel):
         ``logprobs``, ``echo``... nullable: the ``openai`` client sends ``null`` for a parameter given
         as ``None``, and frameworks forward unset settings that way (``"n": null`` was a 400)."""
         if isinstance(data, dict):
+            _log_ignored(cls, data)
             return {k: v for k, v in data.items() if v is not None}
         return data
+
+
+def _log_ignored(model: type[BaseModel], data: dict[Any, Any]) -> None:
+    """Say which fields a body had that the gateway ignores, as vLLM's server does: a misspelled
+    ``temprature`` otherwise samples at the default without a word anywhere."""
+    if len(_IGNORED_LOGGED) >= _MAX_IGNORED_LOGGED:
+        return
+    for key in data.keys() - model.model_fields.keys():
+        seen = (model.__name__, str(key)[:64])
+        if seen not in _IGNORED_LOGGED and len(_IGNORED_LOGGED) < _MAX_IGNORED_LOGGED:
+            _IGNORED_LOGGED.add(seen)
+            logger.warning("the gateway ignores the body field %r of %s: it is not one it knows", seen[1], seen[0])
 
 
 class StreamOptions(_Body):

@@ -9,7 +9,7 @@ import pytest
 from gateway_support import load_codec, stack_config
 
 from rollfleet.errors import InvalidRequest, NoServerAvailable, RetriesExhausted
-from rollfleet.gateway import TextCodec, fit_sim_to_tokenizer
+from rollfleet.gateway import TextCodec, fit_sim_to_tokenizer, protocol
 from rollfleet.gateway.codec import IncrementalDecoder
 from rollfleet.gateway.errors import GatewayError, from_exception
 from rollfleet.gateway.protocol import ChatCompletionRequest, CompletionRequest
@@ -146,6 +146,19 @@ def test_json_null_means_the_default_as_openai_marks_those_fields_nullable():
     assert (done.echo, done.return_token_ids, done.n) == (False, False, 1)
     with pytest.raises(ValueError, match="prompt"):  # a required field given null is still missing
         CompletionRequest.model_validate_json('{"model": "m", "prompt": null}')
+
+
+def test_a_body_field_the_gateway_ignores_is_logged_once_by_name(caplog, monkeypatch):
+    # as vLLM's server: unknown fields are ignored (frameworks send their own), but a misspelled
+    # `temprature` must show up somewhere, and once, not on every request
+    monkeypatch.setattr(protocol, "_IGNORED_LOGGED", set())
+    body = '{"model": "m", "prompt": "x", "temprature": 0.5, "echo": false}'
+    with caplog.at_level("WARNING", logger="rollfleet.gateway.protocol"):
+        for _ in range(3):
+            assert CompletionRequest.model_validate_json(body).temperature is None
+    said = [r.getMessage() for r in caplog.records if "temprature" in r.getMessage()]
+    assert len(said) == 1 and "CompletionRequest" in said[0]
+    assert not any("echo" in r.getMessage() for r in caplog.records)
 
 
 def test_budget_and_sampling_params(codec):
