@@ -4,7 +4,7 @@ A loop is built **once per worker** and reused by every trajectory that worker r
 one per trajectory through hydra, which costs an instantiation per sample and invites state
 leaking between trajectories anyway). Per-trajectory state therefore lives in ``run``'s locals. A
 loop that truly needs per-trajectory instance state sets ``per_trajectory = True`` and the worker
-builds a fresh instance for each trajectory.
+builds a fresh instance for each trajectory, and closes it when the trajectory ends.
 
 Everything a loop needs arrives in one :class:`AgentLoopContext`: the client (the only way to the
 fleet), the tokenizer, the rollout and agent config sections, and the tools. Loops never see the
@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Mapping, Optional
 
 from rollfleet.agent_loop.chat import ChatRenderer
 from rollfleet.client.budget import token_budget
-from rollfleet.config import AgentConfig, RolloutConfig
+from rollfleet.config import AgentConfig, GatewayConfig, RolloutConfig
 from rollfleet.errors import InvalidRequest
 from rollfleet.types import BUDGET_KEYS, SamplingParams, TokenOutput
 from rollfleet.utils import lists
@@ -105,6 +105,9 @@ class AgentLoopContext:
     rollout: RolloutConfig
     agent: AgentConfig
     tools: Mapping[str, Any] = field(default_factory=dict)  #: name -> ``BaseTool``
+    #: The config's ``gateway`` section: loops that serve a gateway of their own (``http_agent``)
+    #: take its settings (tool-call parser, model name, session bounds) from it.
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
 
 
 class AgentLoopBase(ABC):
@@ -131,7 +134,7 @@ class AgentLoopBase(ABC):
 
     async def close(self) -> None:
         """Release what the loop holds beyond one trajectory (a server it started); the worker
-        calls it once, when it closes."""
+        calls it once, when it closes (a ``per_trajectory`` loop's: when its trajectory ends)."""
 
     # ------------------------------------------------------------------ helpers for subclasses
     def request_id_for(self, sample: Mapping[str, Any]) -> str:

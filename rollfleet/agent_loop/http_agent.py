@@ -27,7 +27,9 @@ import functools
 import importlib.util
 import inspect
 import json
+import math
 import os
+import re
 import sys
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -36,7 +38,6 @@ from typing import Any, Callable, Optional
 
 from rollfleet.agent_loop.base import AgentLoopBase, AgentLoopContext, AgentLoopOutput
 from rollfleet.agent_loop.registry import register
-from rollfleet.config import GatewayConfig
 from rollfleet.registry import resolve
 from rollfleet.types import SamplingParams
 
@@ -72,7 +73,11 @@ class _WorkerGateway:
             if self.server is None:
                 from rollfleet.gateway import Gateway, GatewayServer, TextCodec
 
-                config = GatewayConfig(host="127.0.0.1", port=0, capture_trajectories=True)
+                # the config's gateway section (tool-call parser, model name, session bounds), served
+                # on loopback, on a free port, recording every turn
+                config = self.context.gateway.model_copy(
+                    update={"host": "127.0.0.1", "port": 0, "capture_trajectories": True}
+                )
                 gateway = Gateway(self.context.client, TextCodec(self.context.tokenizer), config=config,
                                   rollout=self.context.rollout)  # fmt: skip
                 self.server = await GatewayServer(gateway.app, header_timeout_s=config.header_timeout_s).start()
@@ -111,7 +116,7 @@ class HttpAgentLoop(AgentLoopBase):
     async def run(self, sampling_params: SamplingParams, **sample: Any) -> AgentLoopOutput:
         url = await self._gateway.url()
         gateway = self._gateway.gateway
-        session = f"{self.request_id_for(sample)}-{uuid.uuid4().hex[:8]}"
+        session = session_id_for(self.request_id_for(sample))
         key = gateway.session_keys.key(session)
         run = AgentRun(
             base_url=f"{url}/sessions/{session}/v1",
@@ -172,7 +177,7 @@ class HttpAgentLoop(AgentLoopBase):
                 result = await asyncio.get_running_loop().run_in_executor(self._threads, call)
             if inspect.isawaitable(result):
                 result = await result
-            return None if result is None else float(result)
+            return None if result is None else finite_reward(result)
         return await run_command(list(self.command or []), run)
 
     def _output(self, record: dict[str, Any]) -> AgentLoopOutput:
@@ -190,9 +195,11 @@ class HttpAgentLoop(AgentLoopBase):
             response_ids=ids[start:end],
             response_mask=mask[start:end],
             response_logprobs=None if None in logprobs else logprobs,
-            num_turns=len(branch["turns"]),
+            # verl's count, as tool_agent's: the model's turns, the user / tool turns between them, + 1
+            num_turns=2 * len(branch["turns"]),
             response_versions=versions,
         )
+        output.metrics.num_generate_calls = record["num_turns"]  # every chat request, on every branch
         output.extra_fields.update(
             min_global_steps=min(sampled, default=None),
             max_global_steps=max(sampled, default=None),
@@ -252,7 +259,27 @@ async def run_command(argv: list[str], run: AgentRun) -> Optional[float]:
     except json.JSONDecodeError:
         return None
     value = last.get("reward") if isinstance(last, dict) else None
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    return finite_reward(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-__all__ = ["HttpAgentLoop", "AgentRun", "load_agent", "run_command"]
+def finite_reward(value: Any) -> float:
+    """The reward an agent returned, as a float; NaN or an infinity is the agent's error (scored 0
+    with it), never a score: one would make its group's advantages and the step's loss NaN."""
+    reward = float(value)
+    if not math.isfinite(reward):
+        raise ValueError(f"the agent's reward is {reward}: a reward must be a finite number")
+    return reward
+
+
+def session_id_for(request_id: str) -> str:
+    """A gateway session id for a sample: its ``request_id`` with every character a URL path
+    would read otherwise (``/``, ``?``, ``#``, spaces...) made ``_`` (routes match the decoded
+    path, so escaping does not do), cut to 128 characters, plus a random suffix (siblings and
+    ids made equal by the cleaning stay apart)."""
+    return f"{_UNSAFE_IN_PATH.sub('_', request_id)[:128]}-{uuid.uuid4().hex[:8]}"
+
+
+_UNSAFE_IN_PATH = re.compile(r"[^A-Za-z0-9._~-]")
+
+
+__all__ = ["HttpAgentLoop", "AgentRun", "finite_reward", "load_agent", "run_command", "session_id_for"]

@@ -120,6 +120,7 @@ class AgentLoopWorker:
             rollout=config.rollout,
             agent=config.agent,
             tools=load_tools(tools, config.agent.multi_turn.tool_config_path),
+            gateway=config.gateway,
         )
         self.sampling_params = default_sampling_params(config)
         self._loops: dict[str, AgentLoopBase] = {}
@@ -154,7 +155,12 @@ class AgentLoopWorker:
                 sample = dict(sample)
                 name = sample.pop("agent_name", None) or self.config.agent.default_agent_loop
                 params = {**self.sampling_params, **(sample.pop("sampling_params", None) or {})}
-                output = await self.loop_for(name).run(params, **sample)
+                loop = self.loop_for(name)
+                try:
+                    output = await loop.run(params, **sample)
+                finally:
+                    if type(loop).per_trajectory:  # built for this trajectory alone: what it holds goes with it
+                        await loop.close()
                 self.score(output, sample)
                 output.extra_fields.setdefault("agent_name", name)
                 return output

@@ -46,7 +46,7 @@ async def test_the_openai_sdk_example_is_trained_from_the_tokens_the_fleet_saw(t
     agent = {"agent": f"{EXAMPLE}:solve"} if how == "callable" else {"command": ["{python}", str(EXAMPLE)]}
     fleet, rec, worker = await make(tokenizer, TOOL_THEN_ANSWER, agent)
     out = await worker.run_sample(dict(SAMPLE))
-    assert out.num_turns == 2 and len(rec.calls) == 2
+    assert out.num_turns == 4 and len(rec.calls) == 2 and out.metrics.num_generate_calls == 2
     spans = mask_runs(out.response_mask)
     assert len(spans) == 2
     for (start, end), (_, prompt, _, sampled) in zip(spans, rec.calls):
@@ -146,3 +146,49 @@ async def test_synchronous_agents_run_at_once_each_within_its_own_timeout(tokeni
     assert all(o.reward_score == 1.0 for o in outs)
     await worker.close()
     await fleet.shutdown()
+
+
+async def test_request_ids_a_url_path_misreads_rewards_that_are_not_finite_and_the_gateway_section(tokenizer, tmp_path):
+    """A dataset id like ``gsm8k/train/17`` went into the session's URL as it was: no route
+    matched, the agent got 404s and its whole batch failed. A NaN or infinite reward, returned or
+    printed (JSON's ``NaN``), became the sample's score: NaN advantages. The worker's gateway
+    ignored the config's ``gateway`` section (its parser, model name)."""
+    from rollfleet.config import GatewayConfig
+
+    agents = tmp_path / "odd_agents.py"
+    agents.write_text(
+        "from openai import AsyncOpenAI\n\n"
+        "async def ask(run):\n"
+        "    c = AsyncOpenAI(base_url=run.base_url, api_key=run.api_key)\n"
+        "    await c.chat.completions.create(model=run.model, messages=run.sample['raw_prompt'], max_tokens=8)\n\n"
+        "async def nan(run):\n"
+        "    await ask(run)\n"
+        "    return float('nan')\n\n"
+        "async def named(run):\n"
+        "    await ask(run)\n"
+        "    return 1.0 if run.model == 'my-policy' else 0.5\n"
+    )
+    command = tmp_path / "nan_command.py"
+    command.write_text(
+        "import json, os\n"
+        "from openai import OpenAI\n"
+        "OpenAI().chat.completions.create(model=os.environ['ROLLFLEET_MODEL'],\n"
+        "    messages=json.loads(os.environ['ROLLFLEET_SAMPLE'])['raw_prompt'], max_tokens=8)\n"
+        "print('{\"reward\": Infinity}')\n"
+    )
+    fleet, _, worker = await make(tokenizer, ["6 7 8 9"], {"agent": f"{agents}:named"})
+    worker.context.gateway = GatewayConfig(served_model_name="my-policy", tool_call_parser="qwen3")
+    for rid in ("gsm8k/train/17", "q?1", "a b#c", "%2F..", "x" * 300):
+        out = await worker.run_sample({**SAMPLE, "request_id": rid})
+        assert out.extra_fields.get("agent_error") is None and out.reward_score == 1.0, rid
+    gateway = worker.loop_for("http_agent")._gateway.gateway
+    assert gateway.config.tool_call_parser == "qwen3" and gateway.config.host == "127.0.0.1"
+    assert gateway.config.capture_trajectories is True
+    await worker.close()
+    await fleet.shutdown()
+    for agent in ({"agent": f"{agents}:nan"}, {"command": ["{python}", str(command)]}):
+        fleet, _, worker = await make(tokenizer, ["6 7 8 9"], agent)
+        out = await worker.run_sample(dict(SAMPLE))
+        assert out.reward_score == 0.0 and "finite" in out.extra_fields["agent_error"], agent
+        await worker.close()
+        await fleet.shutdown()

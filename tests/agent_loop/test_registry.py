@@ -39,3 +39,40 @@ def test_yaml_entries_resolve_lazily_with_kwargs(tmp_path):
         get_agent_loop("yaml_typo").resolve()
     with pytest.raises(TypeError):
         get_agent_loop("yaml_not_a_loop").resolve()
+
+
+async def test_a_per_trajectory_loop_is_closed_when_its_trajectory_ends(tokenizer):
+    """Built for one trajectory, it is closed with it, failed or not: the worker's close reaches
+    only the loops it keeps, so what such a loop started (a server) leaked once per trajectory."""
+    from rollfleet.agent_loop import AgentLoopOutput, AgentLoopWorker
+    from rollfleet.agent_loop.registry import AGENT_LOOPS
+    from rollfleet.config import RollfleetConfig
+
+    closed: list[str] = []
+
+    class OnePerTrajectory(AgentLoopBase):
+        per_trajectory = True
+
+        async def run(self, sampling_params, **sample):
+            if sample.get("fail"):
+                raise RuntimeError("the trajectory failed")
+            return AgentLoopOutput(prompt_ids=[1], response_ids=[2], response_mask=[1], num_turns=2)
+
+        async def close(self):
+            closed.append("closed")
+
+    register("test_one_per_trajectory")(OnePerTrajectory)
+    try:
+        config = RollfleetConfig.model_validate(
+            {"rollout": {"name": "sim", "model": "tiny"}, "agent": {"default_agent_loop": "test_one_per_trajectory"}}
+        )
+        worker = AgentLoopWorker(config, client=object(), tokenizer=tokenizer, owns_client=False)
+        for _ in range(3):
+            await worker.run_sample({"prompt_ids": [1]})
+        with pytest.raises(RuntimeError, match="failed"):
+            await worker.run_sample({"prompt_ids": [1], "fail": True})
+        assert closed == ["closed"] * 4
+        await worker.close()
+        assert closed == ["closed"] * 4  # nothing kept to close twice
+    finally:
+        AGENT_LOOPS.unregister("test_one_per_trajectory")
