@@ -16,7 +16,7 @@ from rollfleet.gateway.protocol import ChatCompletionRequest, ChatMessage
 from rollfleet.gateway.routes_base import RoutesBase, json_response, sse_response
 from rollfleet.gateway.sampling import field_mapper, sampling_params
 from rollfleet.gateway.toolcalls import check_tools
-from rollfleet.gateway.trajectories import Sampled, TrajectoryStore, Turn
+from rollfleet.gateway.trajectories import Sampled, Session, Turn
 from rollfleet.types import TokenOutput
 
 
@@ -42,7 +42,9 @@ class ChatRoutes(RoutesBase):
                 self._check_fits(contents, field)
         session = self._session(request, req)
         store = self.trajectories if session is not None else None
-        plan = await self._plan(req, messages, store, session)
+        # the session as it was when this turn was planned: the turn is recorded into it alone
+        current = store.get(session) if store is not None and session is not None else None
+        plan = await self._plan(req, messages, store is not None, current)
         prompt = plan.prompt_ids
         requested: Optional[int]
         if req.max_completion_tokens is not None:
@@ -75,6 +77,7 @@ class ChatRoutes(RoutesBase):
                     chosen=plan.chosen,
                     base=plan.base,
                     template_kwargs=req.chat_template_kwargs,
+                    planned_on=current,
                 )
             return replies
 
@@ -115,12 +118,12 @@ class ChatRoutes(RoutesBase):
         self,
         req: ChatCompletionRequest,
         messages: list[dict[str, Any]],
-        store: Optional[TrajectoryStore],
-        session: Optional[str],
+        in_session: bool,
+        current: Optional[Session],
     ) -> Plan:
-        """The turn's prompt ids: from the session's last turn when it extends it, else rendered."""
-        current = store.get(session) if store is not None and session is not None else None
-        if store is not None and session is not None and req.add_generation_prompt and not req.continue_final_message:
+        """The turn's prompt ids: from the session's last turn (``current``: the session, None
+        before its first turn) when it extends it, else rendered."""
+        if in_session and req.add_generation_prompt and not req.continue_final_message:
             return await self.limits.offload(
                 plan_prompt,
                 self.codec,

@@ -171,16 +171,18 @@ class TrajectoryStore:
         chosen: Optional[int] = None,
         base: Optional[Turn] = None,
         template_kwargs: Optional[dict[str, Any]] = None,
+        planned_on: Optional[Session] = None,
     ) -> bool:
         """Add ``turn``: to a new branch (``new_branch`` says why) or after ``base``, the turn it
         was planned on, marking which choice of ``base`` it went on with. When another turn of
         the session was recorded after ``base`` meanwhile (two requests extending one turn at
         once), ``turn`` forks a branch at ``base`` instead of following a turn it never saw. A turn
         planned on a session that has ended (or was evicted) since is not recorded: the session
-        stays ended. Returns whether the turn was recorded."""
+        stays ended, and a new session under its id (``planned_on``: the session the turn was
+        planned on) is not given a turn of the old one. Returns whether the turn was recorded."""
         now = self._clock()
         session = self.get(session_id)
-        if session is None and base is not None:
+        if (session is None and base is not None) or (planned_on is not None and session is not planned_on):
             logger.info("session %r ended while a turn ran: the turn is not recorded", session_id)
             self.late_turns += 1
             return False

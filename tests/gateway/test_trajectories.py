@@ -382,6 +382,38 @@ async def test_a_turn_that_ends_after_its_session_was_deleted_does_not_bring_it_
     assert store.record("s", [], None, Turn([1], [sampled]), new_branch=None)  # a new first turn: a new session
 
 
+async def test_a_turn_that_ends_after_its_session_was_deleted_stays_out_of_a_new_session_under_its_id():
+    """The old session's turn 2 is in flight when the session is deleted and a new one starts
+    under the same id: turn 2 used to land in the new session as a branch of its own ("the turn
+    it extended is no longer recorded"), the last branch, the one a trainer reads."""
+    async with stack() as s:
+        head = {"extra_headers": {"x-session-id": "again"}}
+        client = s.client()
+        first = [{"role": "user", "content": "hi"}]
+        r1 = await client.chat.completions.create(model=MODEL, messages=first, max_tokens=8, **head)
+        held, release = asyncio.Event(), asyncio.Event()
+        generate = s.replica.generate_with_load
+
+        async def hold_the_next(request_id: str, prompt_ids: list[int], params: Any = None, **kw: Any) -> Any:
+            if not held.is_set():
+                held.set()
+                await release.wait()
+            return await generate(request_id, prompt_ids, params, **kw)
+
+        s.replica.generate_with_load = hold_the_next
+        old = [*first, reply_dict(r1.choices[0].message), {"role": "user", "content": "more"}]
+        turn2 = asyncio.create_task(client.chat.completions.create(model=MODEL, messages=old, max_tokens=8, **head))
+        await held.wait()
+        assert (await s.http.delete("/v1/sessions/again", headers=s.key("again"))).status_code == 200
+        fresh = [{"role": "user", "content": "a new conversation"}]
+        await client.chat.completions.create(model=MODEL, messages=fresh, max_tokens=8, **head)
+        release.set()
+        await turn2  # answered: the caller gets its reply; only the record leaves it out
+        record = await s.trajectory("again")
+        assert [b["why"] for b in record["branches"]] == ["first turn"] and record["num_turns"] == 1
+        assert s.gateway.trajectories.late_turns == 1
+
+
 async def test_a_turn_served_without_logprobs_records_none_and_the_http_agent_passes_none_on():
     """The fleet may answer without logprobs (an attempt whose engine gave none: the client then
     reports none for the whole output). The trajectory recorded 0.0 for each sampled token, a
