@@ -168,13 +168,27 @@ def generate_frame(
     stream: bool = False,
 ) -> bytes:
     """A GENERATE call, or with ``stream`` a STREAM call (its tokens come back in PART frames).
-    A sampling parameter that is no finite number is refused here: JSON has no NaN or infinity,
-    and orjson would send it as null, which the replica reads as "not given"."""
+    A sampling parameter that is no finite number is refused here, nested ones (``logit_bias``,
+    ``passthrough``) too: JSON has no NaN or infinity, and orjson would send it as null, which the
+    replica reads as "not given" (the same request through Ray kept its NaN)."""
     for key, value in (sampling_params or {}).items():
-        if isinstance(value, float) and not math.isfinite(value):
-            raise _errors_module.InvalidRequest(f"sampling_params.{key}", "a finite number", value)
+        if isinstance(value, float):
+            if not math.isfinite(value):
+                raise _errors_module.InvalidRequest(f"sampling_params.{key}", "a finite number", value)
+        elif isinstance(value, (dict, list, tuple)):
+            _refuse_non_finite(value, f"sampling_params.{key}")
     op = STREAM if stream else GENERATE
     return pack([op, call_id, request_id, prompt_ids, sampling_params, kwargs], allow_pickle)
+
+
+def _refuse_non_finite(value: Any, path: str) -> None:
+    """Refuse a NaN or infinity anywhere in a nested parameter, naming its path."""
+    items = value.items() if isinstance(value, dict) else enumerate(value)
+    for key, item in items:
+        if isinstance(item, float) and not math.isfinite(item):
+            raise _errors_module.InvalidRequest(f"{path}.{key}", "a finite number", item)
+        if isinstance(item, (dict, list, tuple)):
+            _refuse_non_finite(item, f"{path}.{key}")
 
 
 def part_frame(call_id: int, delta: TokenDelta) -> bytes:

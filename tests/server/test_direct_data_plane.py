@@ -396,6 +396,15 @@ async def test_a_sampling_parameter_json_cannot_carry_is_refused_naming_it_not_s
             with pytest.raises(InvalidRequest) as err:
                 await handle.generate.remote("n", [1, 2], {"max_tokens": 3, key: value})
             assert err.value.field == f"sampling_params.{key}"
+        nested = (  # inside a mapping or a list too: a passthrough key sent as null was dropped
+            ({"logit_bias": {"5": math.inf}}, "sampling_params.logit_bias.5"),
+            ({"passthrough": {"length_penalty": math.nan}}, "sampling_params.passthrough.length_penalty"),
+            ({"passthrough": {"weights": [1.0, [0.5, -math.inf]]}}, "sampling_params.passthrough.weights.1.1"),
+        )
+        for params, field in nested:
+            with pytest.raises(InvalidRequest) as err:
+                await handle.generate.remote("n", [1, 2], {"max_tokens": 3, **params})
+            assert err.value.field == field
         assert r._counters["requests"] == 0
 
 
