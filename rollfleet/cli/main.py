@@ -47,7 +47,7 @@ def _load(path: Optional[str], overrides: dict, warn: bool = True) -> RollfleetC
 
 def _simulate(args: argparse.Namespace) -> int:
     from rollfleet.cli.preflight import check_engine
-    from rollfleet.cli.simulate import SimulateOptions, render, run_simulation
+    from rollfleet.cli.simulate import SimulateOptions, context_needed, fit_context, render, run_simulation
 
     overrides = {}
     if args.replicas is not None:
@@ -62,7 +62,16 @@ def _simulate(args: argparse.Namespace) -> int:
         opts = SimulateOptions(sessions=args.sessions, turns=args.turns, weight_updates=args.weight_updates)
         if config.rollout.num_replicas < 1:  # a fleet may start empty and grow; a simulation cannot
             raise ValueError(f"rollout.num_replicas must be >= 1, got {config.rollout.num_replicas}")
-        check_engine(config)
+        fitted = fit_context(config, opts)  # what the replicas will start with
+        try:
+            check_engine(fitted)
+        except ValueError as exc:
+            if fitted is config:
+                raise
+            raise ValueError(
+                f"{exc}: the simulation raises rollout.max_model_len ({config.rollout.max_model_len}) to "
+                f"{context_needed(opts):,}, the longest context its sessions reach ({opts.turns} turns)"
+            ) from None
     except ValueError as exc:
         print(f"rollfleet simulate: {exc}", file=sys.stderr)
         return 2

@@ -178,30 +178,58 @@ def overrides_from_args(args: argparse.Namespace, tp: Optional[int] = None) -> d
     if (args.model_layers is None) != (args.model_hidden is None):
         raise ValueError("--model-layers and --model-hidden go together (attention's cost needs both)")
     if args.model_params_b is not None:
-        device = accelerator(model["accelerator"])
-        tflops = args.tflops_per_gpu if args.tflops_per_gpu is not None else device.tflops
-        flops = model["flops_per_param_token"]
-        out["trainer.sim_learner.seconds_per_token"] = learner_seconds_per_token(
-            args.model_params_b, args.gpus, tflops, model["mfu"], flops
-        )
-        if args.model_layers is not None and args.model_hidden is not None:
-            out["trainer.sim_learner.seconds_per_token_squared"] = learner_seconds_per_token_squared(
-                args.model_layers, args.model_hidden, args.gpus, tflops, model["mfu"], flops
-            )
-        # the roofline checks that the model fits a replica, whoever prices the engine
-        costs = engine_costs(
-            args.model_params_b,
-            device,
-            tp=tp,
-            kv_bytes_per_token=model["kv_bytes_per_token"],
-            layers=args.model_layers,
-            hidden=args.model_hidden,
-        )
-        if args.profile is None:
-            out.update({f"rollout.sim.{k}": v for k, v in costs.items()})
-            out["rollout.sim.tensor_parallel_size"] = tp  # the replica these costs price
+        try:
+            out.update(_model_costs(args, model, tp))
+        except ValueError as exc:  # the pricing functions name their arguments: name the flags instead
+            said = str(exc)
+            name = re.match(r"\w+", said)
+            flag = _FLAG_OF.get(name.group(0)) if name else None
+            if name is None or flag is None:
+                raise
+            raise ValueError(f"{flag}{said[name.end() :]}") from None
     if args.response_lengths is not None:
         out["rollout.sim.response_lengths"] = read_lengths(args.response_lengths)
+    return out
+
+
+#: The pricing functions' argument names -> the flag that gives each.
+_FLAG_OF = {
+    "params_b": "--model-params-b",
+    "layers": "--model-layers",
+    "hidden": "--model-hidden",
+    "tflops_per_gpu": "--tflops-per-gpu",
+    "kv_bytes_per_token": "--kv-bytes-per-token",
+    "flops_per_param_token": "--flops-per-param-token",
+    "gpus": "--gpus",
+    "tp": "--tp",
+}
+
+
+def _model_costs(args: argparse.Namespace, model: dict[str, Any], tp: int) -> dict[str, Any]:
+    """The learner's and (unless a profile prices them) the engines' costs of ``--model-params-b``."""
+    out: dict[str, Any] = {}
+    device = accelerator(model["accelerator"])
+    tflops = args.tflops_per_gpu if args.tflops_per_gpu is not None else device.tflops
+    flops = model["flops_per_param_token"]
+    out["trainer.sim_learner.seconds_per_token"] = learner_seconds_per_token(
+        args.model_params_b, args.gpus, tflops, model["mfu"], flops
+    )
+    if args.model_layers is not None and args.model_hidden is not None:
+        out["trainer.sim_learner.seconds_per_token_squared"] = learner_seconds_per_token_squared(
+            args.model_layers, args.model_hidden, args.gpus, tflops, model["mfu"], flops
+        )
+    # the roofline checks that the model fits a replica, whoever prices the engine
+    costs = engine_costs(
+        args.model_params_b,
+        device,
+        tp=tp,
+        kv_bytes_per_token=model["kv_bytes_per_token"],
+        layers=args.model_layers,
+        hidden=args.model_hidden,
+    )
+    if args.profile is None:
+        out.update({f"rollout.sim.{k}": v for k, v in costs.items()})
+        out["rollout.sim.tensor_parallel_size"] = tp  # the replica these costs price
     return out
 
 

@@ -105,18 +105,30 @@ async def _session(
     return {"replicas": replicas, "resumes": resumes, "tokens": out_tokens, "versions": versions}
 
 
+def context_needed(opts: SimulateOptions) -> int:
+    """The longest context a session may reach: its prompt (up to twice ``prompt_tokens``) and
+    every turn's reply and tool result."""
+    return opts.prompt_tokens * 2 + opts.turns * (opts.max_tokens_per_turn + opts.tool_tokens)
+
+
+def fit_context(config: RollfleetConfig, opts: SimulateOptions) -> RollfleetConfig:
+    """``config`` with ``rollout.max_model_len`` raised to :func:`context_needed` where it is
+    shorter: what the replicas start with, so what a check before the run must see."""
+    cfg = config.rollout
+    assert cfg.max_model_len is not None  # RolloutConfig's validator fills it in (prompt + response length)
+    if cfg.max_model_len >= context_needed(opts):
+        return config
+    return config.model_copy(update={"rollout": cfg.model_copy(update={"max_model_len": context_needed(opts)})})
+
+
 async def run_simulation(
     config: RollfleetConfig, opts: SimulateOptions, console: Optional[Console] = None, *, virtual: bool = False
 ) -> SimulateResult:
     """The rollout on a fleet on Ray, or with ``virtual`` on a :class:`VirtualFleet`: run it then
     under :func:`rollfleet.utils.virtual_time.run`, and ``wall_s`` is simulated seconds."""
     console = console or Console()
+    config = fit_context(config, opts)
     cfg = config.rollout
-    needed = opts.prompt_tokens * 2 + opts.turns * (opts.max_tokens_per_turn + opts.tool_tokens)
-    assert cfg.max_model_len is not None  # RolloutConfig's validator fills it in (prompt + response length)
-    if cfg.max_model_len < needed:
-        cfg = cfg.model_copy(update={"max_model_len": needed})
-        config = config.model_copy(update={"rollout": cfg})
     if virtual and cfg.routing.seed is None:  # a virtual rollout repeats exactly: policies' ties too
         cfg = cfg.model_copy(update={"routing": cfg.routing.model_copy(update={"seed": opts.seed})})
         config = config.model_copy(update={"rollout": cfg})
@@ -197,8 +209,11 @@ def render(result: SimulateResult, console: Console, *, virtual: bool = False) -
     table.add_row("trajectories completed", f"{result.trajectories}")
     table.add_row("requests (turns)", f"{result.requests}")
     table.add_row(f"{clock} time", f"{result.wall_s:.2f} s")
-    table.add_row("throughput", f"{result.output_tokens / result.wall_s:,.0f} output tokens/s ({clock})")
-    table.add_row("requests/s", f"{result.requests / result.wall_s:,.1f}")
+    if result.wall_s > 0:  # engines whose steps cost nothing end a virtual run at 0 s
+        table.add_row("throughput", f"{result.output_tokens / result.wall_s:,.0f} output tokens/s ({clock})")
+        table.add_row("requests/s", f"{result.requests / result.wall_s:,.1f}")
+    else:
+        table.add_row("throughput", f"- (no {clock} time passed)")
     table.add_row("prefix-cache hit rate", f"{result.cache_hit_rate:.1%}")
     table.add_row("sessions kept on one replica", f"{result.sticky_kept:.1%}")
     table.add_row("load balance (max/mean requests)", f"{result.imbalance:.3f}")

@@ -10,12 +10,14 @@ wall time, so what a workload reports (makespan, busy time, prefix hits) depends
 the routing only: the same on any host, under any load.
 
 Weight updates go through the replicas' two-phase path (stage, then commit in ``abort`` or
-``keep`` mode), as the fleet controller drives them.
+``keep`` mode; ``rolling`` in waves of ``max_unavailable`` of the fleet), as the fleet controller
+drives them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -111,29 +113,42 @@ class VirtualFleet:
         await asyncio.gather(*(r.wake_up() for r in self.replicas.values()))
 
     async def update_weights(
-        self, weights: Any = None, version: Optional[int] = None, mode: Optional[CommitMode] = None
+        self, weights: Any = None, version: Optional[int] = None, mode: Optional[str] = None
     ) -> dict[str, Any]:
         """Stage ``version`` (default: the next one) on every replica while they serve, then commit
-        it everywhere (``mode``: ``rollout.weight_sync.mode`` by default; ``rolling`` commits like
-        ``keep``, every replica at once). Returns the version, how long it took and when the
-        fleet was committing (``paused``: ``[start, end]``; ``pause_s``, its length), in simulated
+        it (``mode``: ``rollout.weight_sync.mode`` by default): everywhere at once, or ``rolling``
+        in waves of ``max_unavailable`` of the fleet (at least one replica), each committing as
+        ``keep`` while the others generate, as the controller does (its clients' preference for
+        the new version's replicas for new work is not modelled: they route by load alone).
+        Returns the version, how long it took and when the replicas were committing
+        (``paused``: ``[start, end]`` of each wave; ``pause_s``, the longest), in simulated
         seconds, as the manager's result does."""
         clock = asyncio.get_running_loop().time
         started = clock()
         version = self.version + 1 if version is None else version
-        mode = mode or ("abort" if self.rollout.weight_sync.mode == "abort" else "keep")
+        sync = self.rollout.weight_sync
+        mode = mode or sync.mode
+        if mode not in ("abort", "keep", "rolling"):
+            raise ValueError(f"weight_sync.mode must be abort, keep or rolling, got {mode!r}")
+        commit_mode: CommitMode = "abort" if mode == "abort" else "keep"
         payload = {"version": version} if weights is None else weights
         await asyncio.gather(*(r.stage_weights(payload, version) for r in self.replicas.values()))
-        committing = clock()
-        await asyncio.gather(*(r.commit_weights(version, mode) for r in self.replicas.values()))
+        replicas = list(self.replicas.values())
+        wave = len(replicas) if mode != "rolling" else max(1, math.floor(sync.max_unavailable * len(replicas)))
+        paused: list[list[float]] = []
+        for i in range(0, len(replicas), max(1, wave)):
+            committing = clock()
+            await asyncio.gather(*(r.commit_weights(version, commit_mode) for r in replicas[i : i + wave]))
+            paused.append([committing, clock()])
         self.version = version
         done = clock()
         return {
             "version": version,
             "mode": mode,
             "total_s": done - started,
-            "pause_s": done - committing,  # staging went on while the fleet served
-            "paused": [[committing, done]],
+            "pause_s": max((end - start for start, end in paused), default=0.0),  # staging went on meanwhile
+            "paused": paused,
+            "waves": len(paused),
         }
 
     async def replica_stats(self) -> dict[str, dict[str, Any]]:

@@ -55,7 +55,10 @@ class PlanSpec:
                 f"{self.gpus % self.tp} accelerator(s) idle"
             )
         if self.more_shares and "separate_async" not in self.modes:
-            raise ValueError("more_shares: splits of separate_async, which modes does not plan")
+            raise ValueError(
+                f"rollout shares {list(self.more_shares)} beyond the first (--rollout-share) split separate_async, "
+                f"which the modes planned (--modes) leave out: {list(self.modes)}"
+            )
         if "separate_async" in self.modes:
             splits = [self.gpus_of("separate_async", share) for share in self.shares]
             for share, (generating, _) in zip(self.shares, splits):

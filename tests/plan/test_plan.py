@@ -148,7 +148,7 @@ def test_separate_async_is_planned_at_every_split_asked_beside_the_colocated_mod
         ),
         ({"more_shares": (1.2,)}, r"rollout_share must be in \(0, 1\), got 1.2"),
         ({"more_shares": (0.1,)}, r"rollout_share x gpus = 0.4 holds no tp=1 replica"),
-        ({"more_shares": (0.25,), "modes": ("sync",)}, r"more_shares: splits of separate_async, which modes does not"),
+        ({"more_shares": (0.25,), "modes": ("sync",)}, r"rollout shares \[0.25\] beyond the first \(--rollout-share\)"),
     ],
 )
 def test_a_split_that_plans_nothing_new_is_refused(kwargs, match):
@@ -569,6 +569,12 @@ def test_the_command_refuses_flags_that_would_plan_something_else(capsys):
         (["--profile", "h100-7b", "--tp", "4"], "tp (4) differs from rollout.sim.tensor_parallel_size (1)"),
         (["--profile", "h100-7b", "--model-params-b", "70", "--gpus", "1"], "leave no room for a KV cache"),
         (["--model-params-b", "7", "--model-layers", "28"], "--model-layers and --model-hidden go together"),
+        # the flag, not the pricing functions' argument (params_b, layers, tflops_per_gpu)
+        (["--model-params-b", "0"], "--model-params-b must be a finite number > 0, got 0"),
+        (["--model-params-b", "7", "--model-layers", "0", "--model-hidden", "8"], "--model-layers must be"),
+        (["--model-params-b", "7", "--tflops-per-gpu", "0"], "--tflops-per-gpu must be a finite number > 0"),
+        (["--model-params-b", "200", "--gpus", "1"], "--model-params-b: 200B parameters"),
+        (["--rollout-share", "0.25,0.5"], "rollout shares [0.5] beyond the first (--rollout-share)"),
         (["--seeds", "0,a"], "--seeds: 'a' is not an integer"),
         (
             ["--response-lengths", "/nonexistent/lengths.txt"],

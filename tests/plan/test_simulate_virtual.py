@@ -75,3 +75,19 @@ def test_every_weight_update_asked_for_fires_while_sessions_run(sessions, update
     opts = SimulateOptions(sessions=sessions, turns=2, weight_updates=updates)
     result = virtual_time.run(run_simulation(config, opts, virtual=True))
     assert result.trajectories == sessions and len(result.weight_updates) == updates
+
+
+def test_the_engine_check_sees_the_context_the_simulation_raises_and_a_free_engine_reports(tmp_path, capsys):
+    """The check read the config's max_model_len (1,024) and passed; the run then raised it to the
+    sessions' longest context (1,424) and the replica failed to start with a traceback. An engine
+    whose steps cost nothing ends a virtual run at 0 s: the report divided by it."""
+    kv = tmp_path / "kv.yaml"
+    kv.write_text("rollout:\n  name: sim\n  num_replicas: 1\n  sim:\n    kv_capacity_tokens: 1100\n")
+    assert main(["simulate", "--virtual", "--config", str(kv), "--sessions", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "kv_capacity_tokens" in err and "raises rollout.max_model_len (1024) to 1,424" in err
+    free = tmp_path / "free.yaml"
+    costs = ("step_base_ms", "step_per_seq_ms", "prefill_per_token_ms", "step_per_context_token_ms")
+    free.write_text("rollout:\n  name: sim\n  num_replicas: 1\n  sim:\n" + "".join(f"    {c}: 0\n" for c in costs))
+    assert main(["simulate", "--virtual", "--config", str(free), "--sessions", "4", "--weight-updates", "1"]) == 0
+    assert "no simulated time passed" in capsys.readouterr().out

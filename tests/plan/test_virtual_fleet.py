@@ -270,3 +270,40 @@ def test_a_thread_given_up_on_that_ends_later_does_not_uncount_one_started_since
 
     result, clock = virtual_time.run(main(), idle_timeout_s=0.3)
     assert result == "B done" and clock == pytest.approx(1.0)
+
+
+def test_a_rolling_update_commits_in_waves_of_max_unavailable_while_the_rest_generate():
+    """A plan of ``rolling`` committed every replica at once, as ``keep``: varying the mode gave
+    the same plan twice. Now waves of ``max_unavailable`` of the fleet commit one after another,
+    and a replica outside the wave goes on generating through it."""
+
+    async def main(mode: str) -> tuple[dict, list]:
+        config = rollout(weight_load_ms=50.0).model_copy(update={"num_replicas": 4})
+        config.weight_sync.max_unavailable = 0.5
+        fleet = await VirtualFleet(config).start()
+        params = {"max_tokens": 300, "ignore_eos": True}
+        tasks = [asyncio.ensure_future(fleet.client.generate(f"r{i}", prompt_ids=[7, 8, 9 + i], sampling_params=params))
+                 for i in range(8)]  # fmt: skip
+        await asyncio.sleep(0.2)
+        result = await fleet.update_weights(mode=mode)
+        outs = await asyncio.gather(*tasks)
+        await fleet.shutdown()
+        return result, outs
+
+    rolling, outs = virtual_time.run(main("rolling"))
+    keep, _ = virtual_time.run(main("keep"))
+    assert rolling["mode"] == "rolling" and rolling["waves"] == 2 and keep["waves"] == 1
+    (first, second) = rolling["paused"]
+    assert first[1] <= second[0] and rolling["pause_s"] == pytest.approx(0.05)  # one after the other
+    assert rolling["total_s"] == pytest.approx(keep["total_s"] + 0.05)
+    assert all(len(o.token_ids) == 300 and o.extra_fields["num_resumes"] == 0 for o in outs)
+
+    async def typo() -> None:
+        fleet = await VirtualFleet(rollout()).start()
+        try:
+            await fleet.update_weights(mode="rollling")
+        finally:
+            await fleet.shutdown()
+
+    with pytest.raises(ValueError, match="weight_sync.mode must be abort, keep or rolling"):
+        virtual_time.run(typo())
