@@ -18,8 +18,11 @@ around the same policy; the rollout log probs enter only through the decoupled-P
 :mod:`rollfleet.trainer.algos.losses`). Gradients are accumulated over micro-batches with the
 mini-batch's token (or sequence) count as denominator, so the result does not depend on
 ``micro_batch_size``. The model stays in eval mode throughout: dropout would make the first
-ratio differ from 1 and bias the clip. Trade-off: no gradient checkpointing (it needs train mode
-in transformers), no LR schedule, no FSDP; one device.
+ratio differ from 1 and bias the clip. Mixed precision as verl's FSDP actor: with a bfloat16 or
+float16 ``dtype`` the policy's parameters and AdamW's state stay float32 and only the computation
+runs in ``dtype`` (autocast): an update of a bfloat16 weight smaller than its resolution is lost,
+and at ``lr`` 1e-6 that was nearly every one. Trade-off: no gradient checkpointing (it needs train
+mode in transformers), no LR schedule, no FSDP; one device.
 """
 
 from __future__ import annotations
@@ -92,10 +95,11 @@ class Learner:
         self.model_path = get_model_path(model_path)
         cfg = self.config
         self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.model = self._load(self.model_path)
+        self.compute_dtype = _DTYPES[cfg.dtype]
+        self.model = self._load(self.model_path, torch.float32)  # master weights: see the module docstring
         self.ref_model = None
-        if cfg.loss.kl_loss_coef > 0:
-            self.ref_model = self._load(get_model_path(cfg.ref_model_path or self.model_path))
+        if cfg.loss.kl_loss_coef > 0:  # frozen: held in the compute dtype
+            self.ref_model = self._load(get_model_path(cfg.ref_model_path or self.model_path), self.compute_dtype)
             self.ref_model.requires_grad_(False)
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
@@ -108,10 +112,10 @@ class Learner:
         self.global_step = 0
         self._logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
 
-    def _load(self, path: str) -> PreTrainedModel:
+    def _load(self, path: str, dtype: torch.dtype) -> PreTrainedModel:
         from transformers import AutoModelForCausalLM
 
-        kwargs: dict[str, Any] = {"dtype": _DTYPES[self.config.dtype]}
+        kwargs: dict[str, Any] = {"dtype": dtype}
         if self.config.attn_implementation is not None:
             kwargs["attn_implementation"] = self.config.attn_implementation
         # transformers' .to() is a functools.wraps'd method: its type loses the bound self
@@ -135,8 +139,10 @@ class Learner:
         kwargs: dict[str, Any] = {"use_cache": False}
         if self._logits_to_keep:
             kwargs["logits_to_keep"] = r + 1  # skip the LM head on prompt positions
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs).logits
-        logits = logits[:, -(r + 1) : -1, :].float() / self.config.temperature
+        mixed = self.compute_dtype != torch.float32
+        with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=mixed):
+            out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+        logits = out.logits[:, -(r + 1) : -1, :].float() / self.config.temperature
         log_probs = torch.log_softmax(logits, dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
         entropy = entropy_from_logits(logits) if with_entropy else None
         return log_probs, entropy
@@ -274,10 +280,14 @@ class Learner:
         """The weights to push to inference engines: Hugging Face names exactly as in the model's
         safetensors files (a tied ``lm_head.weight`` is left out, as ``save_pretrained`` does and
         as vLLM's loaders expect), detached contiguous CPU *copies* (safe to hand to another
-        thread while training goes on), optionally cast to ``dtype``."""
+        thread while training goes on), in ``dtype`` (default: the compute dtype; floating-point
+        tensors only are cast)."""
+        return self._weights(dtype or self.compute_dtype)
+
+    def _weights(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         for name, t in _dedup_aliases(self.model.state_dict()).items():
-            t = t.detach().to("cpu", dtype=dtype or t.dtype, copy=True)
+            t = t.detach().to("cpu", dtype=dtype if t.is_floating_point() else t.dtype, copy=True)
             out[name] = t.contiguous()
         return out
 
@@ -290,7 +300,7 @@ class Learner:
         return save_checkpoint(
             root,
             self.global_step,
-            self.state_dict_for_inference(),
+            self._weights(torch.float32),  # the master weights: a resume goes on from them exactly
             optimizer_state=self.optimizer.state_dict(),
             trainer_state=trainer_state,
             keep_last=keep_last or self.config.keep_last_checkpoints,

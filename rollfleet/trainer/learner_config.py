@@ -58,7 +58,7 @@ class PolicyLossConfig(BaseModel):
 
 class LearnerConfig(BaseModel):
     """Learner settings. Defaults suit the built-in ``tiny`` model on CPU; for a real LLM use
-    ``lr`` around 1e-6 to 1e-5 and ``bfloat16`` on GPU."""
+    ``lr`` around 1e-6 to 1e-5 and ``bfloat16`` compute on GPU (the parameters stay float32)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
@@ -84,7 +84,15 @@ class LearnerConfig(BaseModel):
         None, description="Reference model for the KL loss (loaded only if loss.kl_loss_coef > 0); None: the policy's."
     )
     device: Optional[str] = Field(None, description="torch device; None: 'cuda' if available, else 'cpu'.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32",
+        description=(
+            "Compute dtype. bfloat16/float16 run forward and backward under autocast; the policy's "
+            "parameters and AdamW's state stay float32 (master weights: a bfloat16 weight of ~0.016 "
+            "moves in steps of 6e-5, so updates of lr 1e-6 rounded away), the reference model is "
+            "held in this dtype, and weights go to the engines in it."
+        ),
+    )
     attn_implementation: Optional[str] = Field("sdpa", description="transformers attention backend; None: its default.")
     keep_last_checkpoints: int = Field(3, ge=1, description="Checkpoints kept by save() (older ones deleted).")
 
