@@ -14,7 +14,8 @@ response_mask          [B, R]       int64     1 = model token (trained on), 0 = 
 input_ids              [B, P+R]     int64     ``cat(prompts, responses)``
 attention_mask         [B, P+R]     int64     1 on real (non-pad) tokens
 position_ids           [B, P+R]     int64     ``cumsum(attention_mask) - 1``, 0 on left pads
-rollout_log_probs      [B, R]       float32   sampling logprobs, 0.0 off the mask (None if off)
+rollout_log_probs      [B, R]       float32   sampling logprobs, 0.0 off the mask, NaN where the engine
+                                              gave none (None when no sample has any)
 rm_scores              [B, R]       float32   the reward on the last response token, 0 elsewhere
 scores                 [B]          float32   the per-sample reward (0.0 when none: see has_score)
 has_score              [B]          bool      whether a reward was computed for the sample
@@ -40,6 +41,7 @@ The ``[B, P]``, ``[B, R]`` and ``[B, P+R]`` fields are built when one of them is
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
@@ -181,7 +183,9 @@ class _Rows:
             mask = out.response_mask[:lr]
             response_mask[i, :lr] = 1 if mask.count(1) == lr else mask
             if logprobs is not None:
-                logprobs[i, :lr] = out.response_logprobs[:lr]  # type: ignore[index]
+                # a sample without logprobs is unknown (NaN: the learner takes the proximal policy's
+                # there), not a reason to drop every other sample's
+                logprobs[i, :lr] = math.nan if out.response_logprobs is None else out.response_logprobs[:lr]
             if out.response_versions is not None:
                 labels = out.response_versions[:lr]
                 token_versions[i, :lr] = labels[0] if labels.count(labels[0]) == lr else labels
@@ -194,7 +198,7 @@ class _Rows:
         response_mask *= attention[:, p:]
         token_versions[response_mask == 0] = -1
         if logprobs is not None:
-            logprobs *= response_mask
+            logprobs[response_mask == 0] = 0.0  # not a product: NaN x 0 is NaN
         rm_scores = np.zeros((b, r), dtype=np.float32)
         scored = np.flatnonzero(self.has_score & (self.response_lengths > 0))
         rm_scores[scored, self.response_lengths[scored] - 1] = self.scores[scored]
@@ -229,7 +233,7 @@ def collate(
 
     if len(outputs) != len(uids):
         raise ValueError(f"{len(outputs)} outputs for {len(uids)} uids")
-    b, p, r = len(outputs), prompt_length, response_length
+    p, r = prompt_length, response_length
     prompt_lengths = np.array([min(len(o.prompt_ids), p) for o in outputs], dtype=np.int64)
     response_lengths = np.array([min(len(o.response_ids), r) for o in outputs], dtype=np.int64)
     has_score = np.array([o.reward_score is not None for o in outputs], dtype=bool)
@@ -258,7 +262,7 @@ def collate(
         scores=scores.copy(),
         has_score=has_score.copy(),
         min_steps=min_steps.copy(),
-        with_logprobs=b > 0 and all(o.response_logprobs is not None for o in outputs),
+        with_logprobs=any(o.response_logprobs is not None for o in outputs),
     )
     tensors: dict[str, Any] = {name: torch.from_numpy(a) for name, a in arrays.items()}  # shared, not copied
     return RolloutBatch(

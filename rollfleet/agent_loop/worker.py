@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from typing import Any, Mapping, Optional, Sequence
 
@@ -173,7 +174,9 @@ class AgentLoopWorker:
 
     def score(self, output: AgentLoopOutput, sample: Mapping[str, Any]) -> None:
         """Compute the sample's verifiable reward unless the loop already set one."""
-        if output.reward_score is not None:
+        if output.reward_score is not None:  # the loop's own (a NaN one is refused all the same)
+            score, output.reward_score = output.reward_score, None
+            self._scored(output, score)
             return
         spec = sample.get("reward")
         if spec is None and sample.get("reward_model") is not None:  # verl's dataset field
@@ -184,7 +187,7 @@ class AgentLoopWorker:
         if not spec:
             return
         if set(spec) == {"score"}:  # a reward given outright (plans, load tests): nothing to decode
-            output.reward_score = float(spec["score"])
+            self._scored(output, float(spec["score"]))
             return
         start = time.perf_counter()
         try:
@@ -196,8 +199,18 @@ class AgentLoopWorker:
         finally:
             output.metrics.compute_score = time.perf_counter() - start
         if result is not None:
-            output.reward_score = result.score
+            self._scored(output, result.score)
             output.extra_fields["reward_extra_info"] = result.info
+
+    @staticmethod
+    def _scored(output: AgentLoopOutput, score: float) -> None:
+        """Set the reward; NaN or an infinity leaves the sample unscored, as a reward that raised
+        does: it would make its group's advantages, the loss and so the whole step NaN."""
+        if math.isfinite(score):
+            output.reward_score = score
+            return
+        logger.warning("reward of %s is %s: left unscored", output.extra_fields.get("request_id", "a sample"), score)
+        output.extra_fields["reward_error"] = f"the reward is {score}, not a finite number"
 
     async def client_info(self) -> dict[str, Any]:
         """What client this worker routes through: its class (module-qualified), its

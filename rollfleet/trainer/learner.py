@@ -110,6 +110,7 @@ class Learner:
         )
         #: Completed updates (one per :meth:`update` call); the checkpoint step.
         self.global_step = 0
+        self._unknown_rollout_tokens = 0
         self._logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
 
     def _load(self, path: str, dtype: torch.dtype) -> PreTrainedModel:
@@ -187,12 +188,22 @@ class Learner:
                 self.config.adv_estimator, b.scores.to(dev), b.uids, response_mask, **self.config.adv_options
             )
         inputs = (b.input_ids.to(dev), b.attention_mask.to(dev), b.position_ids.to(dev), b.responses.to(dev))
+        old_log_probs = self.compute_log_probs(*inputs)
+        rollout_log_probs = None
+        if b.rollout_log_probs is not None:
+            # NaN marks a log prob the engine did not give (a sample without any, a placeholder):
+            # the proximal policy's stands in (weight 1) there. NaN, even off the mask, would
+            # make the loss NaN and skip the whole step.
+            rollout_log_probs = b.rollout_log_probs.to(dev, torch.float32)
+            known = torch.isfinite(rollout_log_probs)
+            rollout_log_probs = torch.where(known, rollout_log_probs, old_log_probs)
+            self._unknown_rollout_tokens = int((~known & response_mask.bool()).sum())
         return PreparedBatch(
             *inputs,
             response_mask=response_mask,
             advantages=advantages,
-            old_log_probs=self.compute_log_probs(*inputs),
-            rollout_log_probs=None if b.rollout_log_probs is None else b.rollout_log_probs.to(dev, torch.float32),
+            old_log_probs=old_log_probs,
+            rollout_log_probs=rollout_log_probs,
             ref_log_probs=None if self.ref_model is None else self.compute_log_probs(*inputs, model=self.ref_model),
         )
 
@@ -246,6 +257,7 @@ class Learner:
         (one optimizer step each) x micro-batches. Returns ``actor/*`` metrics: means over
         mini-batches, maxima for ``*_max`` keys."""
         cfg = self.config
+        self._unknown_rollout_tokens = 0
         prepared = self.prepare(batch)
         n = len(prepared)
         mini = cfg.mini_batch_size or n
@@ -257,7 +269,9 @@ class Learner:
             for s in range(0, n, mini):
                 self.optimizer.zero_grad(set_to_none=True)
                 metrics = self.accumulate_gradients(prepared.select(order[s : s + mini]))
-                grad_norm, stepped = self._optimizer_step()
+                # No token in the loss (every row masked: stale, unscored, exhausted): no step.
+                # A zero gradient still moves AdamW's weights (momentum, decay).
+                grad_norm, stepped = self._optimizer_step() if metrics["num_tokens"] > 0 else (0.0, False)
                 skipped += not stepped
                 stats.add({**metrics, "grad_norm": grad_norm})
         self.optimizer.zero_grad(set_to_none=True)
@@ -268,6 +282,8 @@ class Learner:
             {
                 "actor/lr": float(self.optimizer.param_groups[0]["lr"]),
                 "actor/skipped_steps": float(skipped),
+                # trained tokens whose rollout log prob was unknown (the proximal one stood in)
+                "actor/rollout_log_probs_unknown": float(self._unknown_rollout_tokens),
                 "actor/advantages_mean": float(prepared.advantages[mask].mean()) if mask.any() else 0.0,
                 "actor/global_step": float(self.global_step),
             }

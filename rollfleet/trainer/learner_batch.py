@@ -80,6 +80,11 @@ class LearnerBatch:
             raise InvalidRequest("batch.scores", "scores and uids present when advantages are not given", None)
         if self.scores is not None and tuple(self.scores.shape) != (b,):
             raise InvalidRequest("batch.scores", f"shape {(b,)}", tuple(self.scores.shape))
+        # one NaN would make its group's advantages, then the loss, NaN: the whole step skipped
+        for name, values in (("scores", self.scores), ("advantages", self.advantages)):
+            if values is not None and not bool(torch.isfinite(values).all()):
+                rows = torch.nonzero(~torch.isfinite(values).reshape(b, -1).all(-1)).flatten().tolist()
+                raise InvalidRequest(f"batch.{name}", "finite numbers", f"NaN or infinite in rows {rows[:8]}")
 
 
 @dataclass

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -64,11 +66,18 @@ def test_ragged_padding_and_shapes():
     assert len(batch) == 4 and "rollout_log_probs" in batch.tensors()
 
 
-def test_no_logprobs_when_any_trajectory_lacks_them():
-    batch = collate(
-        [traj(1, [1]), traj(1, [1], logprobs=False)], ["a", "b"], prompt_length=2, response_length=2, pad_token_id=PAD
-    )
-    assert batch.rollout_log_probs is None
+def test_a_trajectory_without_logprobs_is_unknown_there_and_the_others_keep_theirs():
+    """One sample without logprobs used to drop every sample's (no decoupled-PPO correction for
+    the batch, without a word); its row is NaN on its mask now (the learner takes the proximal
+    log prob there), 0.0 off every mask, NaN included. None only when no sample has any."""
+    nan_off_mask = traj(1, [1, 0])
+    nan_off_mask.response_logprobs = [-0.25, float("nan")]
+    outs = [traj(1, [1]), traj(1, [1, 1], logprobs=False), nan_off_mask]
+    batch = collate(outs, ["a", "b", "c"], prompt_length=2, response_length=2, pad_token_id=PAD)
+    rows = batch.rollout_log_probs.tolist()
+    assert rows[0] == [-0.5, 0.0] and all(math.isnan(x) for x in rows[1]) and rows[2] == [-0.25, 0.0]
+    none = collate([traj(1, [1], logprobs=False)] * 2, ["a", "b"], prompt_length=2, response_length=2, pad_token_id=PAD)
+    assert none.rollout_log_probs is None
 
 
 def test_groups_share_uid():

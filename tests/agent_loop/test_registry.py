@@ -76,3 +76,29 @@ async def test_a_per_trajectory_loop_is_closed_when_its_trajectory_ends(tokenize
         assert closed == ["closed"] * 4  # nothing kept to close twice
     finally:
         AGENT_LOOPS.unregister("test_one_per_trajectory")
+
+
+@pytest.mark.parametrize("given", ["spec", "loop", "function"])
+def test_a_reward_that_is_not_finite_leaves_the_sample_unscored(tokenizer, given, monkeypatch):
+    """A NaN score (given outright, set by the loop, or computed) went into the batch: its group's
+    advantages, the loss and so the whole step came out NaN. It is an unscored sample now, with
+    the reason, as a reward function that raises."""
+    from rollfleet.agent_loop import AgentLoopOutput, AgentLoopWorker
+    from rollfleet.agent_loop import worker as worker_module
+    from rollfleet.config import RollfleetConfig
+    from rollfleet.reward import RewardResult
+
+    config = RollfleetConfig.model_validate({"rollout": {"name": "sim", "model": "tiny"}})
+    worker = AgentLoopWorker(config, client=object(), tokenizer=tokenizer, owns_client=False)
+    out = AgentLoopOutput(prompt_ids=[1], response_ids=[5], response_mask=[1], num_turns=2)
+    sample: dict = {"reward": {"score": float("nan")}}
+    if given == "loop":
+        out.reward_score, sample = float("inf"), {}
+    elif given == "function":
+        monkeypatch.setattr(worker_module, "compute_reward", lambda *a: RewardResult(float("nan"), {}))
+        sample = {"ground_truth": "7"}
+    worker.score(out, sample)
+    assert out.reward_score is None and "not a finite number" in out.extra_fields["reward_error"]
+    fine = AgentLoopOutput(prompt_ids=[1], response_ids=[5], response_mask=[1], num_turns=2)
+    worker.score(fine, {"reward": {"score": 0.5}})
+    assert fine.reward_score == 0.5 and "reward_error" not in fine.extra_fields

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 from pathlib import Path
 
@@ -147,6 +148,46 @@ def test_bfloat16_compute_keeps_float32_master_weights_so_small_updates_land(tin
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=n)
 
 
+def test_an_unknown_rollout_log_prob_costs_its_token_the_correction_not_the_step(tiny_path):
+    """A NaN rollout log prob (the engine gave none), even off the mask where it was multiplied by
+    0, made the loss NaN and the step was skipped: every other sample's signal lost. The proximal
+    log prob now stands in for it (weight 1), and the update equals one given exactly that."""
+    batch = make_batch([4, 4], [5, 3], seed=3)
+    batch.update(scores=torch.tensor([1.0, 0.0]), uids=["q", "q"])
+    rollout = torch.full((2, 6), -3.0)
+    unknown = rollout.clone()
+    unknown[0, 2] = float("nan")  # on the mask
+    unknown[1, 5] = float("nan")  # off it
+    runs = {}
+    for name, values in (("unknown", unknown), ("given", None)):
+        learner = Learner(tiny_path, LearnerConfig(lr=1e-3, loss={"behav_imp_weight_cap": 5.0}))
+        if values is None:  # the same batch with the proximal log prob given where it was unknown
+            args = [batch[k] for k in ("input_ids", "attention_mask", "position_ids", "responses")]
+            values = torch.where(torch.isnan(unknown), learner.compute_log_probs(*args), rollout)
+        metrics = learner.update({**batch, "rollout_log_probs": values})
+        assert metrics["actor/skipped_steps"] == 0.0 and math.isfinite(metrics["actor/loss"]), name
+        runs[name] = (metrics, [p.detach().clone() for p in learner.model.parameters()])
+    assert runs["unknown"][0]["actor/rollout_log_probs_unknown"] == 1.0
+    assert runs["given"][0]["actor/rollout_log_probs_unknown"] == 0.0
+    for a, b in zip(runs["unknown"][1], runs["given"][1]):
+        torch.testing.assert_close(a, b)
+
+
+def test_a_mini_batch_with_no_token_in_the_loss_takes_no_optimizer_step(tiny_path):
+    """Every row masked (stale, unscored, exhausted): the gradient is zero, yet AdamW's momentum and
+    weight decay moved the weights (by more than the learning rate) and the step counted as taken."""
+    learner = Learner(tiny_path, LearnerConfig(lr=1e-3))
+    batch = make_batch([3, 4], [5, 2], seed=4)
+    batch["advantages"] = torch.tensor([[1.0], [-1.0]]) * batch["response_mask"]
+    learner.update(batch)  # momentum to carry
+    before = [p.detach().clone() for p in learner.model.parameters()]
+    masked = {**batch, "response_mask": torch.zeros_like(batch["response_mask"])}
+    metrics = learner.update(masked)
+    assert metrics["actor/skipped_steps"] == 1.0 and metrics["actor/num_tokens"] == 0.0
+    for a, b in zip(before, learner.model.parameters()):
+        torch.testing.assert_close(a, b.detach(), rtol=0, atol=0)
+
+
 def test_bad_batch_is_rejected_with_field_named(tiny_path):
     learner = Learner(tiny_path, LearnerConfig())
     batch = make_batch([3], [4])
@@ -157,6 +198,11 @@ def test_bad_batch_is_rejected_with_field_named(tiny_path):
     assert err.value.field == "batch.responses"
     with pytest.raises(InvalidRequest) as err:
         learner.update({k: v for k, v in batch.items() if k != "advantages"})
+    assert err.value.field == "batch.scores"
+    # a NaN score made its group's advantages, the loss and the step NaN: refused, naming the row
+    nan = {**batch, "advantages": None, "scores": torch.tensor([float("nan")]), "uids": ["q"]}
+    with pytest.raises(InvalidRequest, match=r"rows \[0\]") as err:
+        learner.update(nan)
     assert err.value.field == "batch.scores"
 
 
