@@ -25,6 +25,7 @@ class Attempt:
     version: Optional[int]
     started: float
     aborted: bool = False  # aborted while held at the gate: the engine never sees it
+    keep_epoch: int = 0  # the replica's keep-mode commits so far (in-flight requests go on across them)
 
 
 def aborted_before_start() -> TokenOutput:
@@ -32,7 +33,9 @@ def aborted_before_start() -> TokenOutput:
     return TokenOutput(token_ids=[], log_probs=[], token_versions=[], stop_reason="aborted")
 
 
-def stamp_versions(output: TokenOutput, attempt: Attempt, *, epoch_now: int, version_now: Optional[int]) -> None:
+def stamp_versions(
+    output: TokenOutput, attempt: Attempt, *, epoch_now: int, version_now: Optional[int], keep_epoch_now: int = 0
+) -> None:
     """Label ``output``'s tokens, and its first and last version, with the weights that sampled them."""
     version = attempt.version
     if output.token_versions is not None and len(output.token_versions) == len(output.token_ids):
@@ -54,8 +57,9 @@ def stamp_versions(output: TokenOutput, attempt: Attempt, *, epoch_now: int, ver
                 known.add(version)
             first = min(known) if known else version
             last = max(known) if known else version
-    elif attempt.epoch == epoch_now or output.stop_reason == "aborted":
-        # No weight change during the attempt (an aborted attempt stopped before any change).
+    elif attempt.epoch == epoch_now or (output.stop_reason == "aborted" and attempt.keep_epoch == keep_epoch_now):
+        # No weight change during the attempt (an aborted attempt stopped before an abort-mode
+        # change; a keep-mode one goes on across it, so an attempt aborted after one is not so).
         first = last = version
         output.token_versions = [version] * len(output.token_ids) if version is not None else None
     else:

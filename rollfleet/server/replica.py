@@ -205,13 +205,15 @@ class Replica(ReplicaTurns):
                 finally:
                     aborted = self._book.release(engine_id)
                 self._check_accepting()
-                yield Attempt(engine_id, prompt, params, self._epoch, self._version, time.monotonic(), aborted)
+                yield Attempt(
+                    engine_id, prompt, params, self._epoch, self._version, time.monotonic(), aborted, self._keep_epoch
+                )
             except ReplicaUnavailable:
                 self._counters["errors"] += 1
                 raise
 
     def _finished(self, output: TokenOutput, call: Attempt) -> TokenOutput:
-        stamp_versions(output, call, epoch_now=self._epoch, version_now=self._version)
+        stamp_versions(output, call, epoch_now=self._epoch, version_now=self._version, keep_epoch_now=self._keep_epoch)
         output.extra_fields.setdefault("replica_id", self.replica_id)
         output.extra_fields.setdefault("generate_s", time.monotonic() - call.started)
         if output.stop_reason == "aborted":

@@ -39,6 +39,8 @@ class ReplicaTurns:
     _owner_hold = False
     _committing = False
     _resumed_in_commit = False
+    _resuming = 0  # engine resumes on the wire (a network call on HTTP engines)
+    _keep_epoch = 0  # keep-mode commits: requests in flight go on across them, on the new weights
 
     async def pause(self) -> None:
         """Hold new requests at the gate and abort in-flight ones (they return partial tokens)."""
@@ -59,9 +61,16 @@ class ReplicaTurns:
     async def _serve(self) -> None:
         if self._state == ReplicaState.SLEEPING:
             await self.engine.wake_up()
-        await self.engine.resume()
+        self._resuming += 1  # a commit that starts meanwhile resumes the engine after its load
+        try:
+            await self.engine.resume()
+        finally:
+            self._resuming -= 1
         if self._owner_hold:  # the owner paused it while the engine resumed (a network call): it stays so
             await self.engine.pause()
+            return
+        if self._committing:  # an abort-mode commit paused the engine meanwhile: it resumes once loaded
+            self._resumed_in_commit = True
             return
         if self._state in HOLDING_STATES:
             self._set_state(ReplicaState.SERVING)
@@ -102,13 +111,16 @@ class ReplicaTurns:
         started = time.time()
         if mode == "keep" and "keep" in self.engine.update_modes and self._state != ReplicaState.SYNCING:
             await self.engine.commit_weights(version, "keep")
+            self._keep_epoch += 1
             self._set_version(version)
             # The engine's own pause window where it reports one (the call also releases files).
             window = (getattr(self.engine, "last_commit", None) or {}).get("window") or (started, time.time())
             return {"mode": "keep", "pause_s": window[1] - window[0], "window": list(window)}
         # Resumed after if serving (or starting) before, or if the fleet's owner resumed it while it
         # loaded; paused or asleep by the owner (the learner has the devices), it stays so.
-        resumes = resume and self._state in (ReplicaState.SERVING, ReplicaState.SYNCING)
+        # A resume on the wire counts as serving: its engine call may land before this commit's
+        # pause, and the replica would then be marked serving on an engine this commit paused.
+        resumes = resume and (self._state in (ReplicaState.SERVING, ReplicaState.SYNCING) or self._resuming > 0)
         if self._state == ReplicaState.SERVING:
             self._set_state(ReplicaState.PAUSED)
         # A load that fails leaves the replica paused: its weights may be half loaded, and it

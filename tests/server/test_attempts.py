@@ -50,3 +50,17 @@ def test_the_stamped_list_is_the_outputs_own():
     stamp_versions(out, Attempt("e", [1], {}, 0, 1, 0.0), epoch_now=0, version_now=1)
     out.token_versions[0] = 9
     assert labels == [1, 1, 1]
+
+
+@pytest.mark.parametrize("keep_commits, labelled", [(0, ([1] * 4, 1, 1)), (1, (None, 1, 2))])
+def test_an_attempt_aborted_after_a_keep_commit_is_not_labelled_with_its_first_version_alone(keep_commits, labelled):
+    """An aborted attempt was taken to have stopped before any weight change: true of an abort
+    commit (it aborts the attempt, then loads), not of a keep one, across which the request goes
+    on. An engine that gave no per-token versions then (SGLang's overlap scheduler) got every
+    token labelled with the old version, the newer tokens too."""
+    out = TokenOutput(token_ids=[5, 6, 7, 8], log_probs=[0.0] * 4, token_versions=None, stop_reason="aborted")
+    attempt = Attempt("e", [1], {}, epoch=0, version=1, started=0.0, keep_epoch=0)
+    stamp_versions(out, attempt, epoch_now=1, version_now=2, keep_epoch_now=keep_commits)
+    versions, first, last = labelled
+    assert out.token_versions == versions
+    assert (out.extra_fields["min_global_steps"], out.extra_fields["max_global_steps"]) == (first, last)

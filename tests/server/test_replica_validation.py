@@ -195,6 +195,29 @@ def test_token_output_stop_reason_is_closed_set():
         TokenOutput(token_ids=[1], stop_reason="completed")
 
 
+async def test_an_owners_resume_an_abort_commit_overtakes_serves_once_the_weights_are_in():
+    """The owner's resume was on the wire (the engine had resumed, its answer not back) when an
+    abort-mode commit paused the engine to load: the resume then marked the replica serving, and
+    the commit, finding it so, never resumed the engine. Every request routed there hung."""
+    r = await replica()
+    resume = r.engine.resume
+
+    async def answer_late() -> None:
+        await resume()
+        await asyncio.sleep(0.2)  # resumed; its HTTP answer still on its way back
+
+    r.engine.resume = answer_late  # type: ignore[method-assign]
+    await r.pause()
+    await r.stage_weights(None, 2)
+    resuming = asyncio.ensure_future(r.resume())
+    await asyncio.sleep(0.05)
+    await asyncio.gather(resuming, r.commit_weights(2, "abort"))
+    assert r._state.value == "serving" and r._version == 2
+    out = await asyncio.wait_for(r.generate("after", [1, 2, 3], {"max_tokens": 2}), 5)
+    assert len(out.token_ids) >= 1
+    await r.shutdown()
+
+
 async def test_the_owners_pause_while_the_engine_resumes_holds():
     """An HTTP engine's resume is a network call: a pause that landed during it was lost, and the
     replica served on devices its owner (a colocated learner) had taken back."""
