@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from typing import Any, Callable, Optional
 
@@ -107,7 +108,8 @@ class FleetController(HealthSupervisor, ReplicaStarter, ControlFanOut):
             if self._placer is not None:
                 # A replica given up on gave its devices back: the new ones may have them.
                 holding = {rid for rid, r in self._records.items() if not r.released} | self._adding
-                await self._placer.check_capacity(len(holding), field_name)
+                grows = len(holding) > n  # beside replicas already holding devices: say how many are new
+                await self._placer.check_capacity(len(holding), field_name, adding=n if grows else None)
             self._check_open()
             self._indices.update(zip(ids, indices))
             starts = [asyncio.ensure_future(self._start_in_time(rid)) for rid in ids]
@@ -149,7 +151,18 @@ class FleetController(HealthSupervisor, ReplicaStarter, ControlFanOut):
         A restart under way is stopped first, so the actor it may have spawned is the one the
         drain stops (left running, it held its devices with nobody to stop it). A caller that
         gives up does not stop the removal: it runs to its end (bounded by ``drain_timeout_s``
-        and the stop), rather than leaving the replicas draining, unroutable, for good."""
+        and the stop), rather than leaving the replicas draining, unroutable, for good.
+
+        Arguments are checked before any replica is touched: a bad ``drain_timeout_s`` found
+        after the replicas were marked draining left them so, holding their devices."""
+        if isinstance(replica_ids, str) or not all(isinstance(rid, str) for rid in replica_ids):
+            raise InvalidRequest("replica_ids", "a list of replica ids (strings)", replica_ids)
+        if (
+            isinstance(drain_timeout_s, bool)
+            or not isinstance(drain_timeout_s, (int, float))
+            or not (0 <= drain_timeout_s < math.inf)
+        ):
+            raise InvalidRequest("drain_timeout_s", "a finite number of seconds >= 0", drain_timeout_s)
         return await run_to_end(
             self._remove(replica_ids, drain_timeout_s), "a replica removal", lambda r: f"removed {r}"
         )

@@ -130,7 +130,9 @@ class LLMServerManager:
 
     @auto_await
     async def remove_replicas(self, replica_ids: list[str], drain_timeout_s: float = 30.0) -> list[str]:
-        return await _answer(self.controller.remove_replicas.remote(list(replica_ids), drain_timeout_s))
+        # a bare id is refused there, naming the field (list() made it its characters: nothing removed)
+        ids = replica_ids if isinstance(replica_ids, str) else list(replica_ids)
+        return await _answer(self.controller.remove_replicas.remote(ids, drain_timeout_s))
 
     # ------------------------------------------------------------------ control plane
     @auto_await

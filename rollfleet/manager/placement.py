@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from typing import Any, Mapping, Optional, Sequence
 
@@ -53,6 +54,8 @@ logger = logging.getLogger(__name__)
 
 #: Ray's built-in label holding a node's id (every node has it).
 NODE_ID_LABEL = "ray.io/node-id"
+#: How long a reservation looks again for room Ray's view does not show yet (a release lags it).
+FREE_VIEW_LAG_S = 2.0
 
 
 class Placer:
@@ -109,8 +112,9 @@ class Placer:
                 held.setdefault(p.node_id, []).extend([p.bundle] * p.num_bundles)
         return held
 
-    async def check_capacity(self, total_replicas: int, field_name: str) -> None:
-        """Fail at once when the cluster could never hold ``total_replicas`` replicas.
+    async def check_capacity(self, total_replicas: int, field_name: str, adding: Optional[int] = None) -> None:
+        """Fail at once when the cluster could never hold ``total_replicas`` replicas (``adding``
+        of them new ones, when the fleet grows: the error names what the caller asked for).
 
         The bundles of the fleet's own workers (a separate learner) are taken off their node's
         totals first: counted as room for replicas, they let a check pass that the reservation
@@ -150,9 +154,14 @@ class Placer:
         beside = ""
         if self.workers:  # their bundles were taken off the room: say so, or the count looks wrong
             beside = f" beside the device bundle held for {', '.join(sorted(self.workers))}"
+        asked = (
+            f"{total_replicas} replicas"
+            if adding is None
+            else f"{adding} more replica{'s' * (adding != 1)} ({total_replicas} in all)"
+        )
         raise InsufficientResources(
             field_name,
-            f"{total_replicas} replicas x {tp} {res} (tensor_parallel_size={tp}, "
+            f"{asked} x {tp} {res} (tensor_parallel_size={tp}, "
             f"{self.config.cpus_per_device:g} CPU per device, strategy {self.config.strategy})",
             cluster,
             f"room for {sum(per_node)} such replicas{beside}",
@@ -181,11 +190,19 @@ class Placer:
         async with self._lock:
             bundle = device_bundle(device, self.config)
             tp = self.devices_per_replica
-            nodes = await self.nodes()
             hosted: dict[str, int] = {}
             for p in self.placements.values():
                 hosted[p.node_id] = hosted.get(p.node_id, 0) + 1
-            node = choose_node(nodes, bundle, tp, self.config.strategy, self.config.node_labels, hosted)
+            # Ray's view of free resources shows a removed group's devices 0.02-0.1 s after the
+            # removal: a replica added right after another was removed (or a fleet launched right
+            # after one shut down) saw no room. Look again for a moment before saying so.
+            deadline = time.monotonic() + FREE_VIEW_LAG_S
+            while True:
+                nodes = await self.nodes()
+                node = choose_node(nodes, bundle, tp, self.config.strategy, self.config.node_labels, hosted)
+                if node is not None or time.monotonic() >= deadline:
+                    break
+                await asyncio.sleep(0.1)
             if node is None:
                 raise InsufficientResources(
                     f"replica {rid}",

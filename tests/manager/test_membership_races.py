@@ -156,7 +156,7 @@ class FakePlacer:
         self.released: list[str] = []
         self.capacity_asked: list[int] = []
 
-    async def check_capacity(self, total: int, field_name: str) -> None:
+    async def check_capacity(self, total: int, field_name: str, adding: Any = None) -> None:
         self.capacity_asked.append(total)
 
     async def dead_nodes(self) -> set[str]:
@@ -324,7 +324,7 @@ class _RoomFor:
         self.room = room
         self.placements: dict[str, Any] = {}
 
-    async def check_capacity(self, total: int, field_name: str) -> None:
+    async def check_capacity(self, total: int, field_name: str, adding: Any = None) -> None:
         await asyncio.sleep(0.01)
         if total > self.room:
             raise InsufficientResources(field_name, f"{total} replicas", f"room for {self.room}")
@@ -351,4 +351,29 @@ async def test_two_add_replicas_at_once_count_each_others_starts():
     assert isinstance(second, InsufficientResources) and second.field == "add_replicas(n)"
     assert "6 replicas" in str(second)  # the 2 serving, the 2 starting and these 2
     assert len((await controller.snapshot()).routable_ids()) == 4 and len(replicas) == 4  # nothing else started
+    await controller.shutdown()
+
+
+async def test_a_removal_with_arguments_it_cannot_use_touches_no_replica():
+    """A drain timeout of None failed only after the replicas were marked draining: they stayed
+    so (never probed, never restarted, unroutable) and kept their devices. A bare id removed its
+    characters (nothing), or failed with an unrelated TypeError."""
+    from rollfleet.errors import InvalidRequest
+
+    controller, _ = fleet(config(), Faults())
+    await controller.launch(2)
+    for ids, timeout, field in (
+        (["replica-1"], None, "drain_timeout_s"),
+        (["replica-1"], "5", "drain_timeout_s"),
+        (["replica-1"], float("nan"), "drain_timeout_s"),
+        (["replica-1"], -1.0, "drain_timeout_s"),
+        ("replica-1", 1.0, "replica_ids"),
+        ([1], 1.0, "replica_ids"),
+    ):
+        with pytest.raises(InvalidRequest) as err:
+            await controller.remove_replicas(ids, drain_timeout_s=timeout)  # type: ignore[arg-type]
+        assert err.value.field == field, (ids, timeout)
+    states = {rid: r.state.value for rid, r in controller._records.items()}
+    assert states == {"replica-0": "healthy", "replica-1": "healthy"}
+    assert await controller.remove_replicas(["replica-1"], drain_timeout_s=0.5) == ["replica-1"]
     await controller.shutdown()

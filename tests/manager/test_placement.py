@@ -153,6 +153,47 @@ async def test_a_reservation_cancelled_while_it_waits_for_devices_removes_its_gr
     assert removed == created and placer.placements == {}
 
 
+async def test_a_reservation_right_after_a_release_waits_for_rays_view_of_the_freed_devices(monkeypatch):
+    """Ray shows a removed group's devices as free 0.02-0.1 s after the removal: adding a replica
+    right after removing one (or launching right after a shutdown) failed at once with "no live
+    node has room now". The placer looks again for a moment; with no room at all it still says so."""
+    import asyncio
+    import importlib
+
+    from rollfleet.errors import InsufficientResources
+    from rollfleet.manager import placement as placement_module
+    from rollfleet.manager.placement import Placer
+
+    ray_pg = importlib.import_module("ray.util.placement_group")
+
+    class Placed:
+        def ready(self) -> "asyncio.Future[None]":
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return done
+
+    monkeypatch.setattr(ray_pg, "placement_group", lambda bundles, **kwargs: Placed())
+    looks: list[int] = []
+
+    async def lagging(with_free: bool = True) -> list[NodeInfo]:
+        looks.append(1)  # the freed GPU shows from the third look on
+        return [node("n1", gpus=1, free_gpus=1 if len(looks) >= 3 else 0)]
+
+    placer = Placer(PlacementConfig(device="gpu"), 1, "vllm")
+    placer.nodes = lagging  # type: ignore[method-assign]
+    placed = await placer.reserve("replica-1")
+    assert placed is not None and placed.node_id == "n1" and len(looks) == 3
+    monkeypatch.setattr(placement_module, "FREE_VIEW_LAG_S", 0.3)
+
+    async def full(with_free: bool = True) -> list[NodeInfo]:
+        return [node("n1", gpus=1, free_gpus=0)]
+
+    placer = Placer(PlacementConfig(device="gpu"), 1, "vllm")
+    placer.nodes = full  # type: ignore[method-assign]
+    with pytest.raises(InsufficientResources, match="no live node has room now"):
+        await placer.reserve("replica-2")
+
+
 def placer_over(nodes: list[NodeInfo], tp: int, engine: str = "vllm", **placement) -> Placer:
     """A placer that sees ``nodes`` as Ray's node table (no Ray)."""
     placer = Placer(PlacementConfig(device="gpu", **placement), tp, engine)
@@ -204,3 +245,6 @@ async def test_too_many_replicas_that_each_fit_are_blamed_on_the_count():
     with pytest.raises(InsufficientResources) as err:
         await placer.check_capacity(5, "rollout.num_replicas")
     assert err.value.field == "rollout.num_replicas" and "room for 4 such replicas" in str(err.value)
+    with pytest.raises(InsufficientResources) as err:  # growing: what the caller asked for, and the total
+        await placer.check_capacity(5, "add_replicas(n)", adding=1)
+    assert "asks for 1 more replica (5 in all) x 4 GPU" in str(err.value), str(err.value)
