@@ -8,6 +8,10 @@ anything starts. Each check raises ``ValueError`` naming the setting.
 
 from __future__ import annotations
 
+import importlib.util
+import shutil
+from pathlib import Path
+
 from rollfleet.config import RollfleetConfig
 from rollfleet.errors import UnknownName
 
@@ -27,6 +31,8 @@ def check_train(config: RollfleetConfig, task: str) -> None:
 
     check_engine(config)
     rollout = config.rollout
+    if rollout.num_replicas < 1:  # nothing in training grows the fleet: every request would wait, then fail
+        raise ValueError(f"rollout.num_replicas must be >= 1 to train, got {rollout.num_replicas}")
     if task == "synthetic" and rollout.max_model_len is not None and rollout.max_model_len <= rollout.prompt_length:
         raise ValueError(  # its prompts are prompt_length long: every response would be empty, trained on as such
             f"rollout.max_model_len ({rollout.max_model_len}) must be > rollout.prompt_length "
@@ -49,6 +55,7 @@ def check_train(config: RollfleetConfig, task: str) -> None:
                 "agent.default_agent_loop is http_agent"
             )
         _check_parser("gateway.tool_call_parser", config.gateway.tool_call_parser)  # its gateway parses calls
+        _check_agent(http.agent, http.command)
     if spec.name == "tool_agent":
         _check_parser("agent.multi_turn.format", agent.multi_turn.format)
     try:
@@ -61,6 +68,31 @@ def check_serve(config: RollfleetConfig) -> None:
     """The engine and the gateway's tool-call parser."""
     check_engine(config)
     _check_parser("gateway.tool_call_parser", config.gateway.tool_call_parser)
+
+
+def _check_agent(agent: str | None, command: list[str] | None) -> None:
+    """The agent's file or module, or its program, is there (without running any of it: the
+    workers import the agent; importing it here too would run its module's code twice)."""
+    if agent is not None:
+        target, sep, name = agent.rpartition(":")
+        if not sep:  # verl's dotted form, pkg.module.fn
+            target, _, name = agent.rpartition(".")
+        if not target or not name:
+            raise ValueError(f"agent.http_agent.agent: {agent!r} is not 'path/to/file.py:fn' or 'pkg.module:fn'")
+        if target.endswith(".py"):
+            if not Path(target).is_file():
+                raise ValueError(f"agent.http_agent.agent: no file {target} (from {Path.cwd()})")
+        else:
+            try:
+                found = importlib.util.find_spec(target)
+            except (ImportError, ValueError):
+                found = None
+            if found is None:
+                raise ValueError(f"agent.http_agent.agent: no module {target!r} to import")
+    if command:
+        program = command[0]
+        if program != "{python}" and shutil.which(program) is None and not Path(program).is_file():
+            raise ValueError(f"agent.http_agent.command: no program {program!r} (not on PATH, not a file)")
 
 
 def _check_parser(setting: str, name: str) -> None:

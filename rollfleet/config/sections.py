@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rollfleet.config.base import _Section
 from rollfleet.config.rollout import RolloutConfig
@@ -172,6 +172,14 @@ class GatewayConfig(_Section):
     tool_call_parser: str = Field(
         "hermes", description="How chat replies become tool_calls when a request passes tools (rollfleet.tool_parser)."
     )
+
+    @model_validator(mode="after")
+    def _port_with_its_file(self) -> "GatewayConfig":
+        """A reload port reloads what the file says: without a file nothing is written or reloaded
+        (as ``rollout.prometheus`` refuses an ``enable`` without its ``file``)."""
+        if self.prometheus_port is not None and not self.prometheus_file:
+            raise ValueError("gateway.prometheus_port requires gateway.prometheus_file (the scrape config it reloads)")
+        return self
 
 
 class TrainerConfig(_Section):

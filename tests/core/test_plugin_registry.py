@@ -8,6 +8,7 @@ import pickle
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
@@ -536,6 +537,12 @@ def test_a_run_refuses_before_ray_starts_what_it_would_find_wrong_once_running(t
         ("trainer: {task: cnt}", "trainer.task: unknown task 'cnt'"),
         ("rollout: {name: sim, prompt_length: 64, max_model_len: 64}\ntrainer: {task: synthetic}", "must be > rollout.prompt_length (64)"),
         ("rollout: {name: sim, sim: {kv_capacity_tokens: 512}}", "holds less than one sequence"),
+        # an empty fleet waited 300 s a request, then failed; a mistyped agent failed every sample
+        ("rollout: {name: sim, num_replicas: 0}", "rollout.num_replicas must be >= 1 to train, got 0"),
+        ("agent: {default_agent_loop: http_agent, http_agent: {agent: 'examples/openai_sdk_agnt.py:solve'}}", "agent.http_agent.agent: no file examples/openai_sdk_agnt.py"),
+        ("agent: {default_agent_loop: http_agent, http_agent: {agent: 'no_such_pkg.agents:solve'}}", "no module 'no_such_pkg.agents'"),
+        ("agent: {default_agent_loop: http_agent, http_agent: {command: [no-such-agent-program]}}", "agent.http_agent.command: no program 'no-such-agent-program'"),
+        ("gateway: {prometheus_port: 9090}", "gateway.prometheus_port requires gateway.prometheus_file"),
     ]  # fmt: skip
     for text, message in cases:
         path = tmp_path / "c.yaml"
@@ -545,6 +552,11 @@ def test_a_run_refuses_before_ray_starts_what_it_would_find_wrong_once_running(t
     path.write_text("rollout: {name: sim, num_replicas: 1, sim: {kv_capacity_tokens: 512}}\n")
     assert main(["simulate", "--virtual", "--config", str(path)]) == 2  # a traceback once it ran
     assert "holds less than one sequence" in capsys.readouterr().err
+    for fine in ("examples/openai_sdk_agent.py:solve", "rollfleet.agent_loop.testing:ScriptedTurns"):  # found: no error
+        path.write_text(f"agent: {{default_agent_loop: http_agent, http_agent: {{agent: '{fine}'}}}}\n")
+        monkeypatch.chdir(Path(__file__).resolve().parents[2])
+        with pytest.raises(AssertionError, match="training or Ray started"):
+            main(["train", "--config", str(path), "--steps", "1"])
     path.write_text("rollout: {name: sim}\ngateway:\n  # port: 9001\n")
     from rollfleet.config import load_config
 
