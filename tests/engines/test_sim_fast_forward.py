@@ -219,8 +219,37 @@ def test_an_engine_restarted_after_a_shutdown_mid_run_counts_only_the_steps_it_t
         return before, after
 
     before, after = virtual_time.run(main())
+    # the ten steps taken before the shutdown count in both loops (a fast-forward dropped them)
+    assert before["num_steps"] == 10 and before["sim_busy_s"] == pytest.approx(0.1)
     assert after["num_steps"] == before["num_steps"] + 10
     assert after["sim_busy_s"] == pytest.approx(before["sim_busy_s"] + 0.1)
+
+
+def test_a_prefill_cut_short_by_a_shutdown_is_not_cached_after_the_restart():
+    """A request aborted during its prefill step waits for that step's end to be cached; a
+    shutdown cancels the step, yet after a restart the first step of another request cached the
+    aborted prompt's blocks: a later request hit all 256 tokens that were never computed."""
+
+    async def main() -> int:
+        engine = SimEngine(
+            SimEngineConfig(vocab_size=500, step_base_ms=1.0, prefill_per_token_ms=1.0, max_steps_per_wake=10_000)
+        )
+        await engine.start()
+        prompt = list(range(10, 266))
+        cut = asyncio.ensure_future(engine.generate("a", prompt, {"max_tokens": 5}))
+        await asyncio.sleep(0.05)  # inside its 257 ms prefill step
+        await engine.abort("a")
+        await asyncio.gather(cut, return_exceptions=True)
+        await engine.shutdown()
+        await engine.start()
+        await engine.generate("other", [7] * 16, {"max_tokens": 2})
+        hits = engine.stats()["prefix_cache_hit_tokens"]
+        await engine.generate("again", prompt, {"max_tokens": 2})
+        hit = engine.stats()["prefix_cache_hit_tokens"] - hits
+        await engine.shutdown()
+        return hit
+
+    assert virtual_time.run(main()) == 0
 
 
 @pytest.mark.parametrize("steps_per_wake", [1, 10_000])

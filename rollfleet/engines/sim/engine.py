@@ -107,6 +107,8 @@ class SimEngine(StepLoop, Engine):
         self._started = True
 
     async def shutdown(self) -> None:
+        if self._started:  # the steps a fast-forward finished by now count, as one at a time they did
+            self._catch_up()
         self._fail_all(EngineDead(f"sim-{self.replica_index}", "engine shut down"))
         if self._loop_task is not None:
             self._loop_task.cancel()
@@ -115,6 +117,7 @@ class SimEngine(StepLoop, Engine):
             except (asyncio.CancelledError, Exception):
                 pass
             self._loop_task = None
+        self._left_in_prefill.clear()  # their prefill's step never ends: nothing of theirs is cached
         self._started = False
 
     def limits(self) -> EngineLimits:
