@@ -56,7 +56,9 @@ def render_summary(summary: dict[str, Any], console: Console) -> None:
     table.add_column("metric")
     table.add_column("value", justify="right")
     table.add_row("steps / weight syncs", f"{summary['steps']} / {summary['syncs']}")
-    table.add_row("wall time", f"{summary['wall_s']:.1f} s ({summary['step_s_mean']:.2f} s/step)")
+    resumed = summary["session_steps"] != summary["steps"]
+    of = f" over the {summary['session_steps']} steps of this session" if resumed else ""
+    table.add_row("wall time", f"{summary['wall_s']:.1f} s ({summary['step_s_mean']:.2f} s/step{of})")
     table.add_row("trainer idle (waiting for samples)", f"{summary['idle_frac']:.0%}")
     table.add_row("mean reward, first 20% of steps", f"{summary['reward_first']:.3f}")
     table.add_row("mean reward, last 20% of steps", f"{summary['reward_last']:.3f}")

@@ -32,7 +32,8 @@ import math
 import os
 import statistics
 from pathlib import Path
-from typing import Any, ClassVar, Optional
+from types import MappingProxyType
+from typing import Any, ClassVar, Mapping, Optional
 
 from rollfleet.agent_loop import FullyAsyncAgentLoopManager
 from rollfleet.client import FullyAsyncLLMServerClient, LLMServerClient
@@ -130,6 +131,11 @@ class Trainer(abc.ABC):
         if self.train.resume:
             await self._resume()
 
+    #: Run totals the checkpoint resumed from had counted (see :meth:`run_totals`; replaced on a
+    #: resume, never changed in place), and this session's first row of the history.
+    _totals_before: Mapping[str, Any] = MappingProxyType({})
+    _session_rows_from = 0
+
     async def _resume(self) -> None:
         assert self.manager is not None and self.learner is not None and self.tracker is not None  # made by init()
         ckpt_root = self.run_dir / "checkpoints"
@@ -145,6 +151,8 @@ class Trainer(abc.ABC):
         self.step = int(state.get("step", 0))
         self.syncs = int(state.get("syncs", 0))
         self.tracker.resume_at(self.step)
+        self._session_rows_from = len(self.tracker.history)
+        self._totals_before = dict(state.get("run_totals", {}))
         self.stream.position = int(state.get("data_position", 0))
         self._reissue = [int(i) for i in state.get("inflight_task_indices", [])]
         # The fleet booted on the base weights: push the checkpoint's under a new version.
@@ -353,17 +361,31 @@ class Trainer(abc.ABC):
             "data_position": self.stream.position,
             "inflight_task_indices": self.inflight_task_indices(),
             "mode": self.mode_name,
+            "run_totals": self.run_totals(),
         }
         return await self.learner.save(self.run_dir / "checkpoints", state)
 
+    def session_totals(self) -> dict[str, Any]:
+        """Counters a mode logs as totals of the run (dropped groups, regenerations): this
+        session's own. A mode with any overrides this."""
+        return {}
+
+    def run_totals(self) -> dict[str, Any]:
+        """:meth:`session_totals` plus what the checkpoint resumed from had counted: a resumed
+        run's totals go on, where they started again from 0 in the same ``metrics.jsonl``."""
+        return {k: self._totals_before.get(k, 0) + v for k, v in self.session_totals().items()}
+
     def summary(self) -> dict[str, Any]:
+        """The run's rewards and steps; its times (``wall_s``, ``step_s_mean``, ``idle_frac``) are
+        this session's, over its ``session_steps`` (a resumed run's earlier sessions are not timed here)."""
         rows = self.tracker.history if self.tracker else []
         first = [r["reward/mean"] for r in rows[: max(1, len(rows) // 5)] if "reward/mean" in r]
         last = [r["reward/mean"] for r in rows[-max(1, len(rows) // 5) :] if "reward/mean" in r]
-        step_times = [r["step_s"] for r in rows]
+        step_times = [r["step_s"] for r in rows[self._session_rows_from :]]
         return {
             "mode": self.mode_name,
             "steps": self.step,
+            "session_steps": len(step_times),
             "syncs": self.syncs,
             "wall_s": self.wall_s,
             "step_s_mean": statistics.fmean(step_times) if step_times else 0.0,

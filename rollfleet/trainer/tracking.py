@@ -4,10 +4,13 @@ fleet were doing, and the live progress line."""
 from __future__ import annotations
 
 import json
+import logging
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
+
+logger = logging.getLogger(__name__)
 
 
 class RunTracker:
@@ -70,10 +73,23 @@ def _jsonable(v: Any) -> Any:
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The rows of a JSON-lines file. A last line that does not parse is one a crash cut off
+    while it was written (what ``--resume`` is for): it is left out, with a warning. Any other
+    line that does not parse is an error naming the file and the line."""
     if not Path(path).exists():
         return []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = [(i, line) for i, line in enumerate(f, 1) if line.strip()]
+    rows = []
+    for i, line in lines:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            if i == lines[-1][0]:
+                logger.warning("%s: its last line (%d) was cut off (%s): left out", path, i, exc)
+                break
+            raise ValueError(f"{path}: line {i} is not JSON ({exc})") from None
+    return rows
 
 
 __all__ = ["RunTracker", "read_jsonl"]

@@ -60,12 +60,19 @@ class SeparateAsyncTrainer(Trainer):
             "staleness/dropped": len(dropped),
             "staleness/dropped_samples": len(lengths),
             "staleness/dropped_response_len_mean": sum(lengths) / len(lengths) if lengths else 0.0,
-            "staleness/dropped_total": self.buffer.dropped,
-            "staleness/over_bound_total": self.buffer.over_bound,
             "rollout/queue": len(self.buffer),
             "rollout/inflight_groups": len(self.rollouter.inflight),
+            **self.run_totals(),
+        }
+
+    def session_totals(self) -> dict[str, Any]:
+        if not hasattr(self, "rollouter"):  # a checkpoint before the rollouter started: nothing counted yet
+            return {}
+        return {
+            "staleness/dropped_total": self.buffer.dropped,
+            "staleness/over_bound_total": self.buffer.over_bound,
             "rollout/regenerated": self.rollouter.regenerated,
-            "rollout/errors": self.rollouter.errors,  # trajectories that raised; their prompts re-issued
+            "rollout/errors": self.rollouter.errors,  # groups that raised (their siblings cancelled); prompts re-issued
             "rollout/waits": self.buffer.waits,
         }
 
