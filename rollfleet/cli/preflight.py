@@ -55,7 +55,8 @@ def check_train(config: RollfleetConfig, task: str) -> None:
                 "agent.default_agent_loop is http_agent"
             )
         _check_parser("gateway.tool_call_parser", config.gateway.tool_call_parser)  # its gateway parses calls
-        _check_agent(http.agent, http.command)
+        if not _workers_have_their_own_files(config):
+            _check_agent(http.agent, http.command)
     if spec.name == "tool_agent":
         _check_parser("agent.multi_turn.format", agent.multi_turn.format)
     try:
@@ -70,9 +71,22 @@ def check_serve(config: RollfleetConfig) -> None:
     _check_parser("gateway.tool_call_parser", config.gateway.tool_call_parser)
 
 
+#: runtime_env keys that give a joined cluster's workers files, packages or programs of their own.
+_WORKER_FILES = ("working_dir", "py_modules", "pip", "conda", "uv", "container", "image_uri")
+
+
+def _workers_have_their_own_files(config: RollfleetConfig) -> bool:
+    """Joining a cluster with a runtime_env that ships files or installs packages, the agent is
+    looked up where the workers run, not here: a file in ``working_dir`` or a package ``pip``
+    installs exists only there."""
+    ray = config.ray
+    return bool(ray.address) and any(ray.runtime_env.get(key) for key in _WORKER_FILES)
+
+
 def _check_agent(agent: str | None, command: list[str] | None) -> None:
-    """The agent's file or module, or its program, is there (without running any of it: the
-    workers import the agent; importing it here too would run its module's code twice)."""
+    """The agent's file or package, or its program, is there (without running any of it: the
+    workers import the agent; importing it here too would run its module's code twice, so a
+    module path is checked as far as its top-level package)."""
     if agent is not None:
         target, sep, name = agent.rpartition(":")
         if not sep:  # verl's dotted form, pkg.module.fn
@@ -83,12 +97,13 @@ def _check_agent(agent: str | None, command: list[str] | None) -> None:
             if not Path(target).is_file():
                 raise ValueError(f"agent.http_agent.agent: no file {target} (from {Path.cwd()})")
         else:
+            top = target.split(".")[0]  # finding a submodule imports its parents: their code runs
             try:
-                found = importlib.util.find_spec(target)
+                found = importlib.util.find_spec(top)
             except (ImportError, ValueError):
                 found = None
             if found is None:
-                raise ValueError(f"agent.http_agent.agent: no module {target!r} to import")
+                raise ValueError(f"agent.http_agent.agent: no package {top!r} to import {target!r} from")
     if command:
         program = command[0]
         if program != "{python}" and shutil.which(program) is None and not Path(program).is_file():

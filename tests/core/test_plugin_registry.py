@@ -540,7 +540,7 @@ def test_a_run_refuses_before_ray_starts_what_it_would_find_wrong_once_running(t
         # an empty fleet waited 300 s a request, then failed; a mistyped agent failed every sample
         ("rollout: {name: sim, num_replicas: 0}", "rollout.num_replicas must be >= 1 to train, got 0"),
         ("agent: {default_agent_loop: http_agent, http_agent: {agent: 'examples/openai_sdk_agnt.py:solve'}}", "agent.http_agent.agent: no file examples/openai_sdk_agnt.py"),
-        ("agent: {default_agent_loop: http_agent, http_agent: {agent: 'no_such_pkg.agents:solve'}}", "no module 'no_such_pkg.agents'"),
+        ("agent: {default_agent_loop: http_agent, http_agent: {agent: 'no_such_pkg.agents:solve'}}", "no package 'no_such_pkg' to import 'no_such_pkg.agents' from"),
         ("agent: {default_agent_loop: http_agent, http_agent: {command: [no-such-agent-program]}}", "agent.http_agent.command: no program 'no-such-agent-program'"),
         ("gateway: {prometheus_port: 9090}", "gateway.prometheus_port requires gateway.prometheus_file"),
     ]  # fmt: skip
@@ -552,8 +552,13 @@ def test_a_run_refuses_before_ray_starts_what_it_would_find_wrong_once_running(t
     path.write_text("rollout: {name: sim, num_replicas: 1, sim: {kv_capacity_tokens: 512}}\n")
     assert main(["simulate", "--virtual", "--config", str(path)]) == 2  # a traceback once it ran
     assert "holds less than one sequence" in capsys.readouterr().err
-    for fine in ("examples/openai_sdk_agent.py:solve", "rollfleet.agent_loop.testing:ScriptedTurns"):  # found: no error
-        path.write_text(f"agent: {{default_agent_loop: http_agent, http_agent: {{agent: '{fine}'}}}}\n")
+    shipped = "ray: {address: auto, runtime_env: {working_dir: /somewhere/agents}}"  # the workers' files, not ours
+    for fine, more in (
+        ("examples/openai_sdk_agent.py:solve", ""),
+        ("rollfleet.agent_loop.testing:ScriptedTurns", ""),
+        ("my_agent.py:solve", shipped),  # in the working_dir the workers get: not looked for here
+    ):
+        path.write_text(f"agent: {{default_agent_loop: http_agent, http_agent: {{agent: '{fine}'}}}}\n{more}\n")
         monkeypatch.chdir(Path(__file__).resolve().parents[2])
         with pytest.raises(AssertionError, match="training or Ray started"):
             main(["train", "--config", str(path), "--steps", "1"])
