@@ -80,7 +80,7 @@ class OpenAIRoutes(ChatRoutes):
             )
         prompt = req.prompt_token_ids
         budget = self._budget(req.max_tokens, len(prompt), "prompt_token_ids", "max_tokens")
-        params = sampling_params(req, budget, self.codec if req.stop else None)
+        params = sampling_params(req, budget, self.codec if req.stop else None, vocab_size=self.codec.vocab_size)
         session = self._session(request, req)
         fields = field_mapper("prompt_token_ids", "max_tokens", keep_prompt_index=True)
         outputs = await self._generate(request, "/v1/completions/tokens", [prompt], params, req.n, session, fields)

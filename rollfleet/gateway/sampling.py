@@ -79,8 +79,11 @@ def choice_params(params: SamplingParams, index: int) -> SamplingParams:
     return {**params, "seed": seed - 2**64 if seed >= 2**64 else seed}  # wrapped into torch's range
 
 
-def sampling_params(req: _GenerationRequest, max_tokens: int, codec: Optional[TextCodec]) -> SamplingParams:
-    """The fleet's sampling parameters for one request (validated again by the replica)."""
+def sampling_params(
+    req: _GenerationRequest, max_tokens: int, codec: Optional[TextCodec], vocab_size: Optional[int] = None
+) -> SamplingParams:
+    """The fleet's sampling parameters for one request (validated again by the replica).
+    ``codec`` None: no stop strings (the token route); ``vocab_size`` then bounds ``logit_bias``."""
     params: SamplingParams = {"max_tokens": max_tokens}
     for key in _PASS_THROUGH:
         value = getattr(req, key)
@@ -100,7 +103,7 @@ def sampling_params(req: _GenerationRequest, max_tokens: int, codec: Optional[Te
     if constraint is not None:
         params["structured_outputs"] = constraint
     if req.logit_bias:
-        params["logit_bias"] = logit_bias(req.logit_bias, codec.vocab_size if codec is not None else None)
+        params["logit_bias"] = logit_bias(req.logit_bias, codec.vocab_size if codec is not None else vocab_size)
     return params
 
 

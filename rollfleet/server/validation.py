@@ -48,6 +48,7 @@ def _check_keys(params: SamplingParams) -> SamplingParams:
         return params
     if not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra):
         raise InvalidRequest(f"sampling_params.{PASSTHROUGH_KEY}", "a dict of engine-specific keys", extra)
+    refuse_non_finite(extra, f"sampling_params.{PASSTHROUGH_KEY}")  # merged, nothing checks their values
     clash = sorted(k for k in extra if k in params)
     if clash:
         raise InvalidRequest(
@@ -78,6 +79,41 @@ def validate_profile_options(options: dict[str, Any], accepted: Optional[frozens
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def refuse_non_finite(value: Any, path: str) -> None:
+    """Refuse a NaN or infinity anywhere in a nested parameter (a mapping or a list), naming its
+    path: JSON cannot carry one (orjson writes null, read as "not given"), and an engine given one
+    through Ray would use it."""
+    items = value.items() if isinstance(value, dict) else enumerate(value)
+    for key, item in items:
+        if isinstance(item, float) and not math.isfinite(item):
+            raise InvalidRequest(f"{path}.{key}", "a finite number", item)
+        if isinstance(item, (dict, list, tuple)):
+            refuse_non_finite(item, f"{path}.{key}")
+
+
+def _logit_bias(given: Any, vocab_size: int) -> dict[str, float]:
+    """Token ids of the vocabulary (integers, or strings of them: JSON's keys) to biases in
+    [-100, 100], keyed by strings, as the engines' JSON reads them (an integer key, what vLLM's own
+    ``SamplingParams`` takes, failed the HTTP engines' encoder with a bare TypeError)."""
+    if not isinstance(given, dict):
+        raise InvalidRequest("sampling_params.logit_bias", "a mapping of token id to bias", given)
+    out: dict[str, float] = {}
+    for key, bias in given.items():
+        field = f"sampling_params.logit_bias.{key}"
+        try:
+            token = int(key) if isinstance(key, str) or _is_int(key) else None
+        except ValueError:
+            token = None
+        if token is None:
+            raise InvalidRequest(field, "a token id (an integer, or one as a string)", key)
+        if not 0 <= token < vocab_size:
+            raise InvalidRequest(field, f"a token id in [0, {vocab_size})", key)
+        if not _is_number(bias) or not -100 <= bias <= 100:
+            raise InvalidRequest(field, "a bias in [-100, 100]", bias)
+        out[str(token)] = float(bias)
+    return out
 
 
 def _is_number(value: Any) -> bool:
@@ -206,6 +242,11 @@ def validate_sampling_params(
                 )
     if "ignore_eos" in params and not isinstance(params["ignore_eos"], bool):
         raise InvalidRequest("sampling_params.ignore_eos", "a bool", params["ignore_eos"])
+    if params.get("logit_bias") is not None:
+        params["logit_bias"] = _logit_bias(params["logit_bias"], vocab_size)
+    for key, value in params.items():  # passthrough, structured_outputs...: the same on every data plane
+        if isinstance(value, (dict, list, tuple)):
+            refuse_non_finite(value, f"sampling_params.{key}")
     return params
 
 
@@ -213,6 +254,7 @@ __all__ = [
     "validate_prompt",
     "validate_sampling_params",
     "validate_profile_options",
+    "refuse_non_finite",
     "SAMPLING_KEYS",
     "PASSTHROUGH_KEY",
 ]

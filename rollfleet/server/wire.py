@@ -41,6 +41,7 @@ from typing import Any, Iterator, Optional
 import orjson
 
 from rollfleet import errors as _errors_module
+from rollfleet.server.validation import refuse_non_finite
 from rollfleet.types import LoadReport, ReplicaResponse, TokenDelta, TokenOutput
 
 #: rollfleet's own error types, by name: what an error frame may rebuild.
@@ -176,19 +177,9 @@ def generate_frame(
             if not math.isfinite(value):
                 raise _errors_module.InvalidRequest(f"sampling_params.{key}", "a finite number", value)
         elif isinstance(value, (dict, list, tuple)):
-            _refuse_non_finite(value, f"sampling_params.{key}")
+            refuse_non_finite(value, f"sampling_params.{key}")
     op = STREAM if stream else GENERATE
     return pack([op, call_id, request_id, prompt_ids, sampling_params, kwargs], allow_pickle)
-
-
-def _refuse_non_finite(value: Any, path: str) -> None:
-    """Refuse a NaN or infinity anywhere in a nested parameter, naming its path."""
-    items = value.items() if isinstance(value, dict) else enumerate(value)
-    for key, item in items:
-        if isinstance(item, float) and not math.isfinite(item):
-            raise _errors_module.InvalidRequest(f"{path}.{key}", "a finite number", item)
-        if isinstance(item, (dict, list, tuple)):
-            _refuse_non_finite(item, f"{path}.{key}")
 
 
 def part_frame(call_id: int, delta: TokenDelta) -> bytes:

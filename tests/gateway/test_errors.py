@@ -75,6 +75,13 @@ BAD_REQUESTS: list[tuple[str, Any, int, Any]] = [
         "min_tokens",
     ),
     ("/v1/completions/tokens", {"model": MODEL, "prompt_token_ids": ["a"]}, 400, "prompt_token_ids[0]"),
+    # checked against the vocabulary only when a stop string brought the tokenizer in
+    (
+        "/v1/completions/tokens",
+        {"model": MODEL, "prompt_token_ids": [5], "logit_bias": {"99999999": 5}},
+        400,
+        "logit_bias.99999999",
+    ),
     ("/v1/completions/tokens", {"model": MODEL, "prompt_token_ids": []}, 400, "prompt_token_ids"),
     ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model"),
     ("/v1/chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),

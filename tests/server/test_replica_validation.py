@@ -57,7 +57,38 @@ BAD = [
     ([1], {"max_tokens": 8, "min_new_tokens": 10**6}, "sampling_params.min_new_tokens", "min_new_tokens <= 8"),
     ([1], {"min_tokens": 2, "min_new_tokens": 3}, "sampling_params.min_new_tokens", "equal to min_tokens"),
     ([1], {"temprature": None}, "sampling_params.temprature", "did you mean"),  # None is no pass for a typo
+    # nested: refused on the Ray path as the data plane refuses them (JSON carried them as null)
+    ([1], {"passthrough": {"length_penalty": float("nan")}}, "sampling_params.passthrough.length_penalty", "finite"),
+    (
+        [1],
+        {"structured_outputs": {"choice": [1.0, float("inf")]}},
+        "sampling_params.structured_outputs.choice.1",
+        "finite",
+    ),
+    # logit_bias was never checked: an integer key failed the HTTP engines' JSON encoder (TypeError)
+    ([1], {"logit_bias": {"x": 1.0}}, "sampling_params.logit_bias.x", "a token id"),
+    ([1], {"logit_bias": {500: 1.0}}, "sampling_params.logit_bias.500", "[0, 500)"),
+    ([1], {"logit_bias": {"3": 200}}, "sampling_params.logit_bias.3", "[-100, 100]"),
+    ([1], {"logit_bias": {"3": float("nan")}}, "sampling_params.logit_bias.3", "[-100, 100]"),
+    ([1], {"logit_bias": [3, 1.0]}, "sampling_params.logit_bias", "a mapping"),
 ]
+
+
+async def test_logit_bias_keys_go_to_the_engine_as_strings():
+    """vLLM's own ``SamplingParams`` takes integer keys; JSON (what the HTTP engines send) only
+    strings: an integer key was a bare TypeError in the engine, named nowhere."""
+    r = await replica()
+    seen = {}
+    generate = r.engine.generate
+
+    async def spy(request_id, prompt_ids, params, **kw):
+        seen.update(params)
+        return await generate(request_id, prompt_ids, params, **kw)
+
+    r.engine.generate = spy  # type: ignore[method-assign]
+    await r.generate("b", [1, 2], {"max_tokens": 2, "logit_bias": {3: 5, "7": -1.5}})
+    assert seen["logit_bias"] == {"3": 5.0, "7": -1.5}
+    await r.shutdown()
 
 
 async def test_a_parameter_given_as_none_is_one_not_given():
