@@ -47,8 +47,8 @@ RoomFn = Callable[[], Optional[dict[str, int]]]
 
 class DispatchGate:
     """The FIFO waiting room: one waiter woken per finished request of this client (one slot
-    freed), all of them when a load report or a membership change may have freed more. A waiter
-    that finds no room again goes back to the front of the line."""
+    freed), all of them when a load report or a membership change may have freed more. Waiters
+    that find no room again go back to the front of the line, in the order they had."""
 
     #: Siblings of a placed prompt wait here too (the balancer holds them back).
     holds_placed: ClassVar[bool] = False
@@ -56,61 +56,78 @@ class DispatchGate:
     def __init__(self, room: Optional[RoomFn] = None, limit: int = 0, lookahead: float = 1.0) -> None:
         """Every order is built with the balancer's free slots (``room``), its dispatch ``limit``
         and ``routing.dispatch_lookahead``; this one needs none of them."""
-        self._waiters: deque[asyncio.Future[None]] = deque()
+        #: The line, by arrival: (arrival, entry, future, request id). A waiter cancelled in line
+        #: stays until it reaches the top (its future is done), so ``_live`` counts the line.
+        self._line: list[tuple[int, int, asyncio.Future[None], str]] = []
+        self._live = 0
+        self._arrivals = count()
+        #: Woken waiters' arrivals by request id: one that finds no room goes back to its place
+        #: (put back at the very front one by one, those woken together came out reversed, and
+        #: every load refresh wakes them all).
+        self._places: dict[str, int] = {}
         #: Waiters woken that have not tried yet: a woken one runs a loop step later, and a request
         #: arriving meanwhile must not take the slot it was woken for.
         self._woken = 0
 
     @property
     def waiting(self) -> int:
-        return len(self._waiters)
+        return self._live
 
     def may_try(self, placed: bool) -> bool:
         """Whether a request that just arrived may try for a replica before it waits (``placed``:
         it is a session's next turn): at once only while nobody waits or is woken ahead of it."""
-        return placed or not (self._waiters or self._woken)
+        return placed or not (self._live or self._woken)
 
     async def wait(
         self, front: bool = False, *, request_id: str = "", prompt_ids: Optional[Sequence[int]] = None
     ) -> None:
-        """Until :meth:`wake` picks this waiter (``front``: it was woken before and found no room)."""
+        """Until :meth:`wake` picks this waiter (``front``: it was woken before and found no room:
+        it keeps its place in the line)."""
+        place = self._places.pop(request_id, None) if front else None
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        if front:
-            self._waiters.appendleft(future)
-        else:
-            self._waiters.append(future)
+        arrival = next(self._arrivals)  # also the entry's own number: two entries never tie
+        if place is None:  # new, or sent to the front without a place of its own here: the very front
+            place = -arrival if front else arrival
+        heapq.heappush(self._line, (place, arrival, future, request_id))
+        self._live += 1
         try:
             await future
         except asyncio.CancelledError:
-            if future in self._waiters:
-                self._waiters.remove(future)
-            elif future.done() and not future.cancelled():
+            if future.cancelled():  # still in line
+                self._live -= 1
+            else:  # it was picked, then cancelled: the slot goes to the next
                 self._woken -= 1
-                self.wake(everyone=False)  # it was picked, then cancelled: the slot goes to the next
+                self._places.pop(request_id, None)
+                self.wake(everyone=False)
             raise
         self._woken -= 1  # its caller tries now, before anything else runs
 
     def wake(self, everyone: bool) -> None:
         """Let the first waiter (``everyone``: all of them) try again."""
-        while self._waiters:
-            future = self._waiters.popleft()
-            if not future.done():
-                future.set_result(None)
-                self._woken += 1
-                if not everyone:
-                    return
+        while self._line:
+            place, _, future, request_id = heapq.heappop(self._line)
+            if future.done():  # cancelled in line
+                continue
+            future.set_result(None)
+            self._live -= 1
+            self._woken += 1
+            self._places[request_id] = place
+            if not everyone:
+                return
 
     def dispatched(self, request_id: str, prompt_ids: Sequence[int], replica_id: str) -> None:
         """A request woken here got ``replica_id``. The next waiter tries too: two slots may have
         freed in one tick while one request was held, and one that arrived meanwhile queued
         behind it (:meth:`may_try`); no release would wake it for the second."""
-        if self._waiters:
+        self._places.pop(request_id, None)
+        if self._live:
             self.wake(everyone=False)
 
     def finished(self, request_id: str, ended: bool = True) -> None:
         """An attempt of a request of this client is over, whatever its outcome (``ended``: it
         returned an output that was not aborted; an aborted or failed attempt may be resumed or
         retried under the same id)."""
+        self._places.pop(request_id, None)
 
 
 @dataclass(eq=False)
@@ -324,7 +341,8 @@ class LongestGroupFirstGate(DispatchGate):
 
     def _release(self, waiter: _Waiter, replica_id: Optional[str]) -> bool:
         self._held -= 1
-        if waiter.future.done():
+        if waiter.future.done():  # cancelled in the tick it was picked: if it was to probe, it never will
+            self._unprobe(waiter.request_id)
             return False
         waiter.future.set_result(None)
         if replica_id is not None:

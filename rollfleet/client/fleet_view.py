@@ -115,6 +115,7 @@ class FleetView:
         if last is not None and snapshot.seq[0] == last.seq[0] and snapshot.seq[1] < last.seq[1]:
             return  # taken before the view's: applied, it would roll back versions and floors
         bal = self.balancer
+        restarted: set[str] = set()
         if snapshot.handles is not None:
             known = bal.get_all_servers()
             gone = [sid for sid in known if sid not in snapshot.handles]
@@ -126,6 +127,7 @@ class FleetView:
                 elif known[sid] is not handle and known[sid] != handle:
                     bal.set_handle(sid, handle)  # restarted: a new actor behind the same id
                     self._quarantined.pop(sid, None)
+                    restarted.add(sid)
             self._epoch = snapshot.membership_epoch
         previous = self._last.states if self._last is not None else {}
         self._last = snapshot
@@ -148,8 +150,9 @@ class FleetView:
             bal.set_routable(sid, sid in self._routable and until is None)
             bal.set_version(sid, snapshot.versions.get(sid))
         bal.set_preferred(snapshot.preferred_ids())
-        for report in snapshot.loads.values():
-            bal.report_load(report)
+        for sid, report in snapshot.loads.items():
+            if sid not in restarted:  # a load beside a new handle may be the dead actor's last
+                bal.report_load(report)
 
     def expire_quarantine(self) -> None:
         """Let quarantined replicas back in once their time is up (cheap when none is)."""

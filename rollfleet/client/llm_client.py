@@ -269,7 +269,7 @@ class LLMServerClient:
         if self._gate is None:
             return self.balancer.acquire_server(request_id, prompt_len, prompt_ids)
         woken = False
-        may_try = self._gate.may_try(placed=self.balancer.is_placed(request_id))
+        may_try = self._gate.may_try(placed=self.balancer.is_placed(request_id, prompt_ids))
         while True:
             if may_try or woken:
                 acquired = self.balancer.try_acquire_server(request_id, prompt_len, prompt_ids)

@@ -97,6 +97,7 @@ class ReplicaStarter:
         else:
             record.handle = handle
             record.data_plane = ""  # the old actor's port is gone; the new one reports its own
+            record.load = None  # the dead actor's load: clients counted it as the new one's (phantom load)
             self._set_state(record, HealthState.SYNCING, "placed; starting, then loading current weights")
         record.placement = placement
         record.node_id = placement.node_id if placement is not None else ""

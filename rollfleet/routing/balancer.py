@@ -30,23 +30,24 @@ from __future__ import annotations
 import math
 import uuid
 from collections import Counter
-from typing import Any, Callable, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 from cachetools import LRUCache
 
 from rollfleet.errors import NoServerAvailable
+from rollfleet.routing.membership import ReplicaMembership
 from rollfleet.routing.policies import ReplicaView, RoutingPolicy, get_policy
 from rollfleet.routing.policies.prefix_affinity import prefix_key
 from rollfleet.routing.server_state import Departed, ServerState
 from rollfleet.routing.version_floor import VersionFloors, at_or_above
-from rollfleet.types import LoadReport, TokenOutput
+from rollfleet.types import TokenOutput
 
 #: The sticky entry of a session whose replica failed it (:meth:`GlobalRequestLoadBalancer.unstick`):
 #: its next turn is placed afresh, and is still a session's turn, never held back.
 _REPLACE = ""
 
 
-class GlobalRequestLoadBalancer:
+class GlobalRequestLoadBalancer(ReplicaMembership):
     """Routes request ids to replicas: sticky, load-aware, health-aware.
 
     Args:
@@ -272,57 +273,6 @@ class GlobalRequestLoadBalancer:
         load_n = load.others + load.local
         return load_n > self._factor * mean and load_n > mean + self._slack
 
-    # ------------------------------------------------------------------ load and health
-    def report_load(self, report: LoadReport) -> None:
-        """Fold in a replica's own report (piggybacked on a response, or polled)."""
-        state = self._servers.get(report.replica_id)
-        if state is None or report.timestamp < state.reported_at:
-            return
-        state.reported_at = report.timestamp
-        others_before = state.others
-        mine = report.by_client.get(self.client_id, (0, 0)) if report.by_client is not None else None
-        if mine is not None:  # exact: our share as the replica counted it
-            state.others = max(0, report.inflight - mine[0])
-            state.others_tokens = max(0, report.inflight_tokens - mine[1])
-        else:  # a replica that does not split its counts: our share now is the best guess
-            state.others = max(0, report.inflight - state.local)
-            state.others_tokens = max(0, report.inflight_tokens - state.local_tokens)
-        state.kv_usage = report.kv_usage
-        state.sync()
-        state.waiting = report.waiting
-        if state.others < others_before and self.on_room is not None:
-            self.on_room(True)  # other clients' requests finished there: room for any number
-
-    def set_routable(self, server_id: str, routable: bool) -> None:
-        """Include or exclude a replica (dead, suspect, restarting, on stale weights)."""
-        state = self._servers.get(server_id)
-        if state is not None:
-            if state.routable != routable:
-                self._views = None
-            state.routable = routable
-            if self.on_room is not None and (routable or not self._placeable()[0]):
-                # room, or none anywhere: held requests then fail over to the retry policy's wait
-                # for a routable replica (bounded by retry.no_server_wait_s), not hang on this one
-                self.on_room(True)
-
-    def set_preferred(self, server_ids: Optional[Iterable[str]]) -> None:
-        """Replicas that new assignments go to while any of them is routable (None: no preference).
-        A rolling weight update sets the replicas already on the new version: new trajectories
-        start there, sticky sessions stay where their prefix cache is."""
-        self._preferred = frozenset(server_ids) if server_ids is not None else None
-
-    def is_routable(self, server_id: str) -> bool:
-        state = self._servers.get(server_id)
-        return state is not None and state.routable
-
-    def set_handle(self, server_id: str, handle: Any) -> None:
-        """A restarted replica keeps its id but has a new handle."""
-        state = self._servers.get(server_id)
-        if state is not None:
-            state.handle = handle
-            state.reported_at = float("-inf")  # a new process: its clock starts afresh
-            state.version = None  # and its weights are the ones it loads, which its snapshot says
-
     def finish_session(self, request_id: str) -> bool:
         """Forget a finished trajectory's sticky entry and version floor (verl never does; its LRU
         fills up)."""
@@ -340,58 +290,23 @@ class GlobalRequestLoadBalancer:
         server_id = self._request_id_to_server.get(request_id)
         return server_id if server_id and self.is_routable(server_id) else None
 
-    def is_placed(self, request_id: str) -> bool:
+    def is_placed(self, request_id: str, prompt_ids: Optional[Sequence[int]] = None) -> bool:
         """Whether ``request_id`` is a session already placed (its turns are never held back),
         even where its replica has left or failed it since, or where stickiness is off and only
-        its version floor says it is one."""
-        return request_id in self._request_id_to_server or self._floors.get(request_id) is not None
+        its version floor says it is one; with ``prompt_ids``, also a sibling of a prompt the
+        policy has placed, unless the dispatch order holds those too (as :meth:`try_acquire_server`
+        would pass either at once)."""
+        if request_id in self._request_id_to_server or self._floors.get(request_id) is not None:
+            return True
+        if prompt_ids is None or self.hold_placed or not self._policy.uses_prefix:
+            return False
+        return self._policy.has_home(prefix_key(prompt_ids), self._placeable()[0])
 
-    # ------------------------------------------------------------------ verl-compatible membership API
-    def add_servers(self, servers: dict[str, Any]) -> None:
-        """Add (or re-add) replicas. Requests sent to a replica before it was removed stay counted
-        apart (``_departed``): their release never uncounts the new one's; re-added as the very
-        same actor, they are its load again."""
-        for server_id, handle in servers.items():
-            state = self._servers[server_id] = ServerState(server_id, handle)
-            earlier = self._departed.take_back(server_id, handle)
-            if earlier is not None:
-                state.local, state.local_tokens = earlier.local, earlier.local_tokens
-                state.sync()
-        self._views = None
-        self._policy.on_servers_changed(list(self._servers))
-        if servers and self.on_room is not None:
-            self.on_room(True)
-
-    def remove_servers(self, server_ids: Iterable[str]) -> None:
-        """Remove replicas; their sticky sessions are invalidated (lazily, on the next acquire)."""
-        removed = []
-        for server_id in server_ids:
-            state = self._servers.pop(server_id, None)
-            if state is not None:
-                removed.append(server_id)
-                self._departed.add(server_id, state)
-        self._views = None
-        self._policy.on_servers_changed(list(self._servers))
-        if removed and self.on_room is not None:
-            self.on_room(True)  # held requests re-place (or, with no replica left, fail over)
-
+    # ------------------------------------------------------------------ verl-compatible API
     def clear_sticky_cache(self) -> dict[str, Any]:
         cleared = len(self._request_id_to_server)
         self._request_id_to_server.clear()
         return {"cleared_entries": cleared, "server_loads": self._loads()}
-
-    def get_inflight_count(self, server_id: str) -> int:
-        state = self._servers.get(server_id)
-        return state.local if state is not None else 0
-
-    def get_all_servers(self) -> dict[str, Any]:
-        return {sid: s.handle for sid, s in self._servers.items()}
-
-    def get_total_inflight(self) -> int:
-        return sum(s.local for s in self._servers.values())
-
-    def _loads(self) -> dict[str, int]:
-        return {sid: s.local for sid, s in self._servers.items()}
 
     def get_status(self) -> dict[str, Any]:
         return {

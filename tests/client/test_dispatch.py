@@ -89,6 +89,66 @@ async def test_the_gate_is_fifo_a_rewoken_waiter_keeps_its_place_and_a_cancelled
     assert gate.waiting == 0 and b.done() and retry.done()
 
 
+async def test_waiters_woken_together_that_find_no_room_keep_their_order():
+    """Every load refresh wakes every waiter; each that found no room went back to the very
+    front, one after the other: the line came out reversed (r4 first) at every refresh."""
+    gate = DispatchGate()
+    order: list[str] = []
+    room = [0]
+
+    async def request(name: str) -> None:
+        woken = False
+        while True:
+            if woken and room[0] > 0:
+                room[0] -= 1
+                order.append(name)
+                gate.dispatched(name, [], "s0")
+                return
+            await gate.wait(front=woken, request_id=name)
+            woken = True
+
+    tasks = [asyncio.ensure_future(request(f"r{i}")) for i in range(5)]
+    await asyncio.sleep(0)
+    for _ in range(3):  # refreshes with no room: everyone tries, everyone goes back
+        gate.wake(everyone=True)
+        for _ in range(3):
+            await asyncio.sleep(0)
+    assert gate.waiting == 5 and order == []
+    room[0] = 5
+    gate.wake(everyone=False)
+    await asyncio.gather(*tasks)
+    assert order == ["r0", "r1", "r2", "r3", "r4"]
+
+
+def test_a_sibling_of_a_placed_prompt_is_not_held_behind_the_line():
+    """FIFO passes a sibling whose prompt has a home (its cache is there): the balancer would take
+    it at once, yet the client queued it behind every held request until one of its own ended."""
+    config = RolloutConfig(
+        name="sim", num_replicas=2, prompt_length=64, response_length=32, max_model_len=256,
+        routing={"policy": "prefix_affinity", "max_inflight_per_replica": 1, "seed": 0},
+        sim=SimEngineConfig(vocab_size=500, step_base_ms=10.0, mean_response_tokens=20),
+    )  # fmt: skip
+
+    async def main() -> list[str]:
+        fleet = await VirtualFleet(config).start()
+        params = {"max_tokens": 20, "ignore_eos": True}
+        client = fleet.client
+        first = asyncio.ensure_future(client.generate("g-0", prompt_ids=[7] * 8, sampling_params=params))
+        other = asyncio.ensure_future(client.generate("o-0", prompt_ids=[9] * 8, sampling_params=params))
+        await asyncio.sleep(0.001)
+        held = asyncio.ensure_future(client.generate("h-0", prompt_ids=[5] * 8, sampling_params=params))
+        await asyncio.sleep(0.001)
+        assert client._gate is not None and client._gate.waiting == 1  # both replicas at the limit
+        sibling = asyncio.ensure_future(client.generate("g-1", prompt_ids=[7] * 8, sampling_params=params))
+        await asyncio.sleep(0.001)
+        went = [r for r, t in (("g-1", sibling), ("h-0", held)) if client.balancer.is_placed(r)]
+        await asyncio.gather(first, other, held, sibling)
+        await fleet.shutdown()
+        return went
+
+    assert virtual_time.run(main()) == ["g-1"]  # placed at once; the held request still waits
+
+
 class _LoggedReplica:
     """Answers one token after ``seconds(request_id)`` of virtual time; logs ``(request_id, when)``
     as each request reaches it, in a log its fleet shares."""

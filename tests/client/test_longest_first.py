@@ -190,6 +190,32 @@ def test_a_probe_cancelled_before_it_ran_leaves_its_group_unprobed_and_its_sibli
     assert virtual_time.run(main()) == ["A1", "B0", "A2", "B1", "B2"]
 
 
+def test_a_probe_cancelled_in_the_tick_it_is_picked_leaves_its_sibling_to_probe_the_group():
+    """Cancelled in the very tick a freed slot picked it, the probe was recorded as its group's
+    though it never ran: its sibling went as a non-probe, and the group never got a duration (it
+    ranked by an age that only grew, and counted toward no probe)."""
+
+    async def main() -> tuple[list[str], int, bool]:
+        gate = LongestGroupFirstGate(room=Slots(r0=0), limit=2)
+        first = asyncio.ensure_future(gate.wait(request_id="A0", prompt_ids=[65]))
+        second = asyncio.ensure_future(gate.wait(request_id="A1", prompt_ids=[65]))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        first.cancel()  # the caller gives up...
+        gate._room = Slots(r0=1)  # ...in the tick a slot frees
+        gate.wake(everyone=True)
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        probes = list(gate._probes.keys())
+        gate.dispatched("A1", [65], "r0")
+        await asyncio.sleep(0.5)
+        gate.finished("A1")
+        return probes, gate._probes_done, second.done()
+
+    probes, done, went = virtual_time.run(main())
+    assert probes == ["A1"] and done == 1 and went
+
+
 def test_a_probe_aborted_mid_way_and_resumed_is_timed_to_its_end_not_to_the_abort():
     async def main() -> list[str]:
         slots = Slots(r0=2)

@@ -499,3 +499,34 @@ async def test_the_client_releases_on_the_incarnation_its_request_went_to():
     old_gate.set()
     await old
     assert client.balancer.get_inflight_count("s0") == 0
+
+
+def test_a_restarted_replica_carries_none_of_the_dead_actors_load():
+    """The controller's snapshot beside the new handle still held the dead actor's last report
+    (12 requests of other clients), applied after the handle reset the report clock: the replica
+    looked full, and once that report's clock (another node's) was ahead of the new actor's,
+    every later report was dropped: no placement there again with a dispatch limit."""
+    from rollfleet.client.fleet_view import FleetView
+    from rollfleet.health import FleetSnapshot
+    from rollfleet.types import LoadReport
+
+    bal = GlobalRequestLoadBalancer({"A": "a1", "B": "b"}, max_inflight_per_replica=4)
+    view = FleetView(bal, controller=None)
+    me = bal.client_id
+    healthy, versions = {"A": "healthy", "B": "healthy"}, {"A": 1, "B": 1}
+    old = LoadReport("A", inflight=12, inflight_tokens=1200, timestamp=900_000.0, by_client={me: (0, 0)})
+    idle_b = LoadReport("B", timestamp=5.0, by_client={me: (0, 0)})
+    view.apply(
+        FleetSnapshot(
+            1, 1, healthy, versions, loads={"A": old, "B": idle_b}, handles={"A": "a1", "B": "b"}, seq=("c", 1)
+        )
+    )
+    assert bal.get_status()["estimated_load"]["A"] == 12
+    view.apply(FleetSnapshot(2, 1, healthy, versions, loads={"A": old}, handles={"A": "a2", "B": "b"}, seq=("c", 2)))
+    assert bal.get_status()["estimated_load"]["A"] == 0  # none of it runs on the new actor
+    new = LoadReport("A", inflight=1, inflight_tokens=10, timestamp=3_600.0, by_client={me: (0, 0)})
+    view.apply(FleetSnapshot(2, 1, healthy, versions, loads={"A": new}, seq=("c", 3)))
+    assert bal.get_status()["estimated_load"]["A"] == 1  # the new actor's own clock is taken
+    assert sorted(bal.acquire_server(f"r{i}")[0] for i in range(4)) == ["A", "A", "B", "B"]
+    bal.add_servers({"B": "b"})  # re-added as it is (verl's API): its requests stay counted
+    assert bal.get_status()["servers"]["B"] == 2
