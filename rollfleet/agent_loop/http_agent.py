@@ -199,7 +199,7 @@ class HttpAgentLoop(AgentLoopBase):
             num_turns=2 * len(branch["turns"]),
             response_versions=versions,
         )
-        output.metrics.num_generate_calls = record["num_turns"]  # every chat request, on every branch
+        output.metrics.num_generate_calls = record["num_requests"]  # every chat request it answered
         output.extra_fields.update(
             min_global_steps=min(sampled, default=None),
             max_global_steps=max(sampled, default=None),

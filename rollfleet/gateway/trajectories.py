@@ -108,6 +108,9 @@ class Session:
     template_kwargs: Optional[dict[str, Any]] = None
     branches: list[Branch] = field(default_factory=list)
     reward: Optional[float] = None
+    #: Turns recorded: the chat requests answered (a fork copies turns into its branch, and old
+    #: branches are dropped, so the branches' turns do not count them).
+    requests: int = 0
 
     @property
     def last_turn(self) -> Optional[Turn]:
@@ -197,6 +200,7 @@ class TrajectoryStore:
         else:
             session.branches[-1].turns[-1].chosen = chosen or 0
         session.branches[-1].turns.append(turn)
+        session.requests += 1
         if len(session.branches) > self.max_branches:  # the oldest go; the last is what is trained
             del session.branches[: len(session.branches) - self.max_branches]
             self.evicted["branches"] += 1
@@ -215,6 +219,7 @@ class TrajectoryStore:
             "session_id": session_id,
             "reward": session.reward,
             "num_turns": sum(len(b.turns) for b in session.branches),
+            "num_requests": session.requests,
             "branches": [b.view() for b in session.branches],
         }
 

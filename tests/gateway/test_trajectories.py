@@ -340,6 +340,7 @@ def test_a_session_keeps_its_last_branches_only():
     assert session.last_turn is not None and session.last_turn.prompt_ids == [1, 109]
     assert store.evicted["branches"] == 7
     assert store.trajectory("u1")["num_turns"] == 3
+    assert store.trajectory("u1")["num_requests"] == 10  # what the caller sent, dropped branches too
 
 
 async def test_two_turns_extending_one_turn_at_once_fork_a_branch_each_consistent():
@@ -358,6 +359,7 @@ async def test_two_turns_extending_one_turn_at_once_fork_a_branch_each_consisten
         )
         record = await s.trajectory("race")
         assert [len(b["turns"]) for b in record["branches"]] == [2, 2]
+        assert record["num_requests"] == 3  # the fork copied turn 0 into its branch: 4 turns, 3 requests
         assert record["branches"][1]["why"].startswith("concurrent turn: forked after turn 0")
         calls = {(tuple(p), tuple(o)) for p, o, _ in s.engine_calls}
         for branch in record["branches"]:  # every turn: the prompt and reply the engine saw, in place
