@@ -52,7 +52,12 @@ def check_advantage_options(name: str, options: dict[str, Any]) -> None:
     params = inspect.signature(fn).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return
-    valid = sorted(n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY)
+    # the three inputs (scores, uids, response_mask) come first; anything after them that a
+    # keyword can set is an option (a plain ``scale=1.0`` as much as a keyword-only one)
+    keywords = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    valid = sorted(
+        n for i, (n, p) in enumerate(params.items()) if p.kind in keywords and (i >= 3 or p.kind is keywords[0])
+    )
     unknown = sorted(set(options) - set(valid))
     if unknown:
         raise ValueError(f"advantage estimator '{name}' has no option(s) {unknown}; valid options: {valid}")

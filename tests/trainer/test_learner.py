@@ -213,6 +213,23 @@ def test_config_rejects_unknown_estimator_and_options():
         LearnerConfig(adv_options={"norm_by_std": False})
 
 
+def test_an_estimators_plain_keyword_argument_is_an_option():
+    """``fn(scores, uids, response_mask, scale=1.0)`` works when called with ``scale=``, yet the
+    config refused the option (only keyword-only ones counted); the three inputs are never options."""
+    from rollfleet.trainer.advantage_registry import ADVANTAGE_ESTIMATORS, register_advantage_estimator
+
+    def scaled(scores, uids, response_mask, scale=1.0):
+        return scores[:, None] * response_mask * scale
+
+    register_advantage_estimator("test_scaled", scaled)
+    try:
+        assert LearnerConfig(adv_estimator="test_scaled", adv_options={"scale": 2.0}).adv_options == {"scale": 2.0}
+        with pytest.raises(ValueError, match=r"no option\(s\) \['uids'\]; valid options: \['scale'\]"):
+            LearnerConfig(adv_estimator="test_scaled", adv_options={"uids": 1})
+    finally:
+        ADVANTAGE_ESTIMATORS.unregister("test_scaled")
+
+
 def _safetensors_keys(folder: str) -> set[str]:
     from safetensors import safe_open
 
