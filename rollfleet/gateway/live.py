@@ -157,17 +157,22 @@ async def live_events(
     choices = [_Choice(i, codec, tools() if tools is not None else None) for i in range(len(streams))]
     outs: list[Optional[TokenOutput]] = [None] * len(streams)
 
-    def chunk(index: int, choice: dict[str, Any]) -> bytes:
-        body = {**base, "choices": [{"index": index, "logprobs": None, "finish_reason": None, **choice}]}
+    def chunk(index: int, choice: dict[str, Any], **top: Any) -> bytes:
+        body = {**base, "choices": [{"index": index, "logprobs": None, "finish_reason": None, **choice}], **top}
         return b"data: " + dumps(body) + b"\n\n"
 
     merged = _merged(firsts, streams)
     try:  # however the stream ends (the caller hung up too), the fleet's generations are closed
         for i in range(len(streams)):
+            # where the whole answer and the replayed stream put the prompt's ids (as vLLM does):
+            # a chat chunk's top level, once; every completion choice's opening
             opening: dict[str, Any] = {"delta": {"role": "assistant", "content": ""}} if chat else {"text": ""}
-            if return_token_ids and i == 0:
+            top: dict[str, Any] = {}
+            if return_token_ids and chat and i == 0:
+                top["prompt_token_ids"] = prompt
+            elif return_token_ids and not chat:
                 opening["prompt_token_ids"] = prompt
-            yield chunk(i, opening)
+            yield chunk(i, opening, **top)
         try:
             async for i, item in merged:
                 if isinstance(item, TokenDelta):

@@ -233,13 +233,11 @@ def completion_chunks(
                 first["prompt_token_ids"] = prompts[i // n]
             yield {**base, "choices": [first]}
         for text, start, end in codec.pieces(out.token_ids, chunk_tokens):
-            choice: dict[str, Any] = {
-                "index": i,
-                "text": text,
-                "logprobs": completion_logprobs(codec, out, start, end, offset) if logprobs else None,
-                "finish_reason": None,
-            }
-            offset += len(text)
+            lp = completion_logprobs(codec, out, start, end, offset) if logprobs else None
+            choice: dict[str, Any] = {"index": i, "text": text, "logprobs": lp, "finish_reason": None}
+            # offsets count each token's own text, as the whole answer's do (a piece's text is
+            # not their sum where a token is part of a character, or reads with its neighbour)
+            offset += sum(len(t) for t in lp["tokens"]) if lp is not None else len(text)
             if return_token_ids:
                 choice["token_ids"] = out.token_ids[start:end]
             yield {**base, "choices": [choice]}

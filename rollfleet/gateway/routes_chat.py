@@ -24,6 +24,11 @@ class ChatRoutes(RoutesBase):
     async def chat(self, request: Request) -> Response:
         req = await self._parse(ChatCompletionRequest, request)
         self._check(req)
+        if req.top_logprobs:  # alternatives the fleet does not return: refused, not answered with none
+            raise bad_request(
+                "top_logprobs", f"top_logprobs={req.top_logprobs} asks for the most likely alternatives, which the "
+                "fleet does not return; logprobs: true gives each sampled token's logprob", code="unsupported_value",
+            )  # fmt: skip
         self.limits.check_template_kwargs(req.chat_template_kwargs)
         check_tools(req.tools, req.tool_choice)
         codec = self.codec

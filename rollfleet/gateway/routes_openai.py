@@ -99,6 +99,11 @@ class OpenAIRoutes(ChatRoutes):
                 "logprobs", "echo with logprobs needs the prompt's logprobs, which the fleet does not compute",
                 code="unsupported_value",
             )  # fmt: skip
+        if req.logprobs:  # alternatives the fleet does not return: refused, not answered with none
+            raise bad_request(
+                "logprobs", f"logprobs={req.logprobs} asks for the most likely alternatives, which the fleet does "
+                "not return; logprobs=0 gives each sampled token's logprob", code="unsupported_value",
+            )  # fmt: skip
         codec = self.codec
         prompts, texts = await self._completion_prompts(req.prompt)
         budget = max_len = 0

@@ -152,3 +152,41 @@ async def test_n_seeded_choices_are_n_samples_each_seeded_as_vllm_seeds_them(str
             "total_tokens": one["prompt_tokens"] + 36,
         }
         assert len({tuple(ids) for ids in got}) == 3
+
+
+async def test_streams_give_the_offsets_and_prompt_ids_the_whole_answer_gives():
+    """A replayed batch stream advanced its text offsets by each piece's text, not by its tokens'
+    (they differ where a token is part of a character): offsets went backwards. A live chat
+    stream put ``prompt_token_ids`` inside its first choice (the whole answer, the replay and vLLM
+    put it at the chunk's top level), and a live completion of n choices gave it to the first only."""
+    from gateway_support import in_process_gateway
+
+    from rollfleet.config import GatewayConfig
+
+    server, _, replica = await in_process_gateway(
+        GatewayConfig(), response_length=64, time_scale=50.0, mean_response_tokens=40
+    )
+    http = httpx.AsyncClient(base_url=server.url, timeout=30)
+    try:
+        for seed in range(1, 6):
+            body = {"model": MODEL, "prompt": [[1, 2, 3], [4, 5, 6]], "max_tokens": 40, "seed": seed,
+                    "logprobs": 0, "ignore_eos": True}  # fmt: skip
+            whole = (await http.post("/v1/completions", json=body)).json()
+            events, _, _ = await sse(http, "/v1/completions", {**body, "stream": True})
+            for i in (0, 1):
+                streamed = [x for e in events for c in e["choices"] if c["index"] == i and c.get("logprobs")
+                            for x in c["logprobs"]["text_offset"]]  # fmt: skip
+                assert streamed == whole["choices"][i]["logprobs"]["text_offset"], (seed, i)
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                "return_token_ids": True}  # fmt: skip
+        prompt = (await http.post("/v1/chat/completions", json=chat)).json()["prompt_token_ids"]
+        events, _, _ = await sse(http, "/v1/chat/completions", {**chat, "stream": True})
+        assert events[0]["prompt_token_ids"] == prompt and "prompt_token_ids" not in events[0]["choices"][0]
+        done = {"model": MODEL, "prompt": "hi", "max_tokens": 4, "n": 2, "return_token_ids": True, "stream": True}
+        events, _, _ = await sse(http, "/v1/completions", done)
+        openings = [c for e in events for c in e["choices"] if "prompt_token_ids" in c]
+        assert sorted(c["index"] for c in openings) == [0, 1]
+    finally:
+        await http.aclose()
+        await server.stop()
+        await replica.shutdown()

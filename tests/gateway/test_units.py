@@ -309,3 +309,31 @@ def test_a_gateway_address_that_cannot_be_bound_names_the_setting():
         check_can_listen("192.0.2.1", 8000)  # TEST-NET-1: no interface of this host has it
     assert err.value.field == "gateway.host"
     check_can_listen("127.0.0.1", 0)  # any free port: never refused
+
+
+async def test_alternatives_the_fleet_does_not_return_are_refused_naming_the_field():
+    """top_logprobs=5 answered ``[]`` for every token and completions' logprobs=5 ``null``: a
+    caller reading alternatives (an entropy, a verifier) got none, and no error."""
+    import httpx
+    from gateway_support import in_process_gateway
+
+    from rollfleet.config import GatewayConfig
+
+    server, _, replica = await in_process_gateway(
+        GatewayConfig(), response_length=16, time_scale=100.0, mean_response_tokens=8
+    )
+    http = httpx.AsyncClient(base_url=server.url, timeout=30)
+    try:
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "logprobs": True}
+        bad = await http.post("/v1/chat/completions", json={**chat, "top_logprobs": 5})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_logprobs"
+        assert (await http.post("/v1/chat/completions", json={**chat, "top_logprobs": 0})).status_code == 200
+        done = {"model": "tiny", "prompt": "hi", "max_tokens": 3}
+        bad = await http.post("/v1/completions", json={**done, "logprobs": 5})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "logprobs"
+        ok = await http.post("/v1/completions", json={**done, "logprobs": 0})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["logprobs"]["token_logprobs"]
+    finally:
+        await http.aclose()
+        await server.stop()
+        await replica.shutdown()
