@@ -190,6 +190,22 @@ async def test_start_against_nothing_fails_fast_with_typed_error():
 
 
 @pytest.mark.asyncio
+async def test_a_callers_salt_and_priority_reach_sglang_and_other_extras_are_refused(fake, engine):
+    """cache_salt and priority were dropped (debug log only): a caller's prefix-cache isolation did
+    not apply on SGLang, where the vLLM adapter sends both; a keyword extra was dropped too."""
+    from rollfleet.errors import InvalidRequest
+
+    await engine.generate("salted", PROMPT, {"max_tokens": 2, "cache_salt": "tenant-a", "priority": 5})
+    body = fake.bodies("/generate")[-1]
+    assert body["extra_key"] == "tenant-a" and body["priority"] == 5
+    assert "cache_salt" not in body and "priority" not in body["sampling_params"]
+    await engine.generate("kw", PROMPT, {"max_tokens": 2}, priority=7)
+    assert fake.bodies("/generate")[-1]["priority"] == 7
+    with pytest.raises(InvalidRequest, match="not supported by the sglang engine adapter"):
+        await engine.generate("x", PROMPT, {"max_tokens": 2}, multi_modal_data={"image": "..."})
+
+
+@pytest.mark.asyncio
 async def test_generate_sends_exact_body_and_parses_tokens_and_logprobs(fake, engine):
     sp = {
         "max_tokens": 7,

@@ -129,6 +129,16 @@ def test_generate_body_salt_and_error_fields():
     assert len(salted(long_a, "default")["cache_salt"]) <= 128
     assert salted(long_a, "default") == salted(dict(long_a), "default") != salted(long_b, "default")
     assert salted(long_a, "7")["cache_salt"].endswith(".7")
+    # an attached server's label vLLM would refuse in a salt ('/', '@', over 128 characters) goes as
+    # a digest: every request used to be refused, blamed on a cache_salt the caller never set
+    from vllm.entrypoints.generate.base.protocol import validate_cache_salt  # vLLM's own check
+
+    for label in ("Qwen/Qwen2.5-0.5B@step-100", "x" * 200, "a\\b"):
+        for own in ({}, {"cache_salt": "mine"}, {"cache_salt": "a" * 125}):
+            salt = salted(own, label)["cache_salt"]
+            validate_cache_salt(salt)  # raises on what vLLM refuses
+            assert salt == salted(own, label)["cache_salt"]
+        assert salted({}, label) != salted({}, label + "1")
     assert generate_body([1, 2, 3], {}, 64)[1] == 61  # no budget: the rest of the context
     assert "detokenize" not in generate_body([1], {"stop": ["x"]}, 64)[0]["sampling_params"]
     prompt = [1, 2]

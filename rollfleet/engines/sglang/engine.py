@@ -190,16 +190,30 @@ class SGLangEngine(SGLangLaunch, SGLangWeights, HTTPEngine):
 
     def _build_request(self, prompt_ids: list[int], sampling_params: SamplingParams,
                        extras: dict[str, Any]) -> tuple[dict[str, Any], Optional[int]]:  # fmt: skip
+        """``priority`` (a keyword or a sampling key) is SGLang's request field; a caller's
+        ``cache_salt`` joins the weight label in ``extra_key`` (SGLang's cache namespace) when the
+        request goes out; other per-request extras are refused, as the vLLM adapter does (they
+        were dropped without a word)."""
         params = wire.translate_sampling_params(sampling_params)
-        return wire.generate_body(prompt_ids, params, rid=""), params.get("max_new_tokens")
+        body = wire.generate_body(prompt_ids, params, rid="")
+        priority = extras.pop("priority", sampling_params.get("priority"))
+        if priority is not None:
+            body["priority"] = int(priority)
+        if sampling_params.get("cache_salt"):
+            body["cache_salt"] = str(sampling_params["cache_salt"])
+        if extras:
+            raise InvalidRequest(next(iter(extras)), "not supported by the sglang engine adapter (text only)", "...")
+        return body, params.get("max_new_tokens")
 
     def _wire_id(self, request_id: str) -> str:
         return f"{request_id}@{unique_hex()}"  # no rid of this engine's calls starts another's
 
     def _generate_call(self, wire_id: str, body: dict[str, Any]) -> tuple[str, bytes, dict[str, str]]:
         payload = {**body, "rid": wire_id}
-        if self._label is not None:  # past the gate: the label of the weights it will run on
-            payload["extra_key"] = self._label
+        # past the gate: the label of the weights it will run on, after the caller's own salt
+        namespace = [x for x in (payload.pop("cache_salt", None), self._label) if x is not None]
+        if namespace:
+            payload["extra_key"] = ".".join(namespace)
         return "/generate", orjson.dumps(payload), {"Content-Type": "application/json"}
 
     def _invalid(self, message: str, param: Any, prompt_ids: list[int], body: dict[str, Any]) -> InvalidRequest:

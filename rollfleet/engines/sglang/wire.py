@@ -78,7 +78,8 @@ _PASSTHROUGH_KEYS: frozenset[str] = frozenset(
 # (logprobs are always requested, output is always token ids). Dropped silently.
 _IGNORED_KEYS: frozenset[str] = frozenset(
     {"logprobs", "prompt_logprobs", "detokenize", "include_stop_str_in_output", "return_tokens_as_token_ids",
-     "output_kind", "best_of", "use_beam_search"}
+     "output_kind", "best_of", "use_beam_search",
+     "priority", "cache_salt"}  # request fields, not sampling ones: the engine sends them (_build_request)
 )  # fmt: skip
 # Keys that change what is sampled and that SGLang has no counterpart for: refused, not dropped
 # (a request that asked to ban words or restrict ids must not be sampled without it).

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 from collections.abc import Mapping
 from typing import Any, Optional
 
@@ -146,7 +147,11 @@ def salted(body: dict[str, Any], label: str) -> dict[str, Any]:
     update that kept the cache (``keep``) cannot hit blocks the old weights computed, while the
     requests of one version still share their prefixes. A salt vLLM would find too long (over
     :data:`MAX_CACHE_SALT` characters once the label is added) goes as a digest of the caller's:
-    equal salts stay equal, and a valid request is not refused for what rollfleet added."""
+    equal salts stay equal, and a valid request is not refused for what rollfleet added. A label
+    vLLM would refuse in a salt (an attached server's, such as ``org/model@step-100``: no ``/``,
+    ``@`` or ``\\``) goes as a digest of it too."""
+    if not _SAFE_LABEL.fullmatch(label):
+        label = hashlib.sha256(label.encode()).hexdigest()[:32]
     own = body.get("cache_salt")
     if not own:
         return {**body, "cache_salt": label}
@@ -158,6 +163,8 @@ def salted(body: dict[str, Any], label: str) -> dict[str, Any]:
 
 #: The longest ``cache_salt`` vLLM takes (``generate/base/protocol.py``).
 MAX_CACHE_SALT = 128
+#: A weight label that goes into a salt as it is: short, and none of the characters vLLM refuses.
+_SAFE_LABEL = re.compile(r"[A-Za-z0-9._~+:=-]{1,48}")
 
 
 def completion_body(
