@@ -269,7 +269,8 @@ class LLMServerClient:
         if self._gate is None:
             return self.balancer.acquire_server(request_id, prompt_len, prompt_ids)
         woken = False
-        may_try = self._gate.may_try(placed=self.balancer.is_placed(request_id, prompt_ids))
+        # asked only when someone waits: it hashes the prompt (a sibling of a placed prompt passes)
+        may_try = self._gate.may_try(False) or self._gate.may_try(self.balancer.is_placed(request_id, prompt_ids))
         while True:
             if may_try or woken:
                 acquired = self.balancer.try_acquire_server(request_id, prompt_len, prompt_ids)

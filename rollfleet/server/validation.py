@@ -242,6 +242,12 @@ def validate_sampling_params(
                 )
     if "ignore_eos" in params and not isinstance(params["ignore_eos"], bool):
         raise InvalidRequest("sampling_params.ignore_eos", "a bool", params["ignore_eos"])
+    priority = params.get("priority")
+    if priority is not None and not _is_int(priority):
+        raise InvalidRequest("sampling_params.priority", "an integer", priority)
+    salt = params.get("cache_salt")
+    if salt is not None and not (isinstance(salt, str) and salt):
+        raise InvalidRequest("sampling_params.cache_salt", "a non-empty string", salt)
     if params.get("logit_bias") is not None:
         params["logit_bias"] = _logit_bias(params["logit_bias"], vocab_size)
     for key, value in params.items():  # passthrough, structured_outputs...: the same on every data plane

@@ -197,12 +197,21 @@ async def test_a_callers_salt_and_priority_reach_sglang_and_other_extras_are_ref
 
     await engine.generate("salted", PROMPT, {"max_tokens": 2, "cache_salt": "tenant-a", "priority": 5})
     body = fake.bodies("/generate")[-1]
-    assert body["extra_key"] == "tenant-a" and body["priority"] == 5
+    assert body["extra_key"] == "\x00tenant-a" and body["priority"] == 5  # the boot weights' namespace, salted
     assert "cache_salt" not in body and "priority" not in body["sampling_params"]
     await engine.generate("kw", PROMPT, {"max_tokens": 2}, priority=7)
     assert fake.bodies("/generate")[-1]["priority"] == 7
     with pytest.raises(InvalidRequest, match="not supported by the sglang engine adapter"):
         await engine.generate("x", PROMPT, {"max_tokens": 2}, multi_modal_data={"image": "..."})
+    with pytest.raises(InvalidRequest, match="an integer"):
+        await engine.generate("y", PROMPT, {"max_tokens": 2}, priority="high")
+    # a salt and a weight label never run together into another version's namespace
+    engine._label = "1"
+    await engine.generate("v1", PROMPT, {"max_tokens": 2})
+    unsalted_v1 = fake.bodies("/generate")[-1]["extra_key"]
+    engine._label = None
+    await engine.generate("boot", PROMPT, {"max_tokens": 2, "cache_salt": "1"})
+    assert fake.bodies("/generate")[-1]["extra_key"] != unsalted_v1
 
 
 @pytest.mark.asyncio

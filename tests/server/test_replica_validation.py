@@ -71,6 +71,10 @@ BAD = [
     ([1], {"logit_bias": {"3": 200}}, "sampling_params.logit_bias.3", "[-100, 100]"),
     ([1], {"logit_bias": {"3": float("nan")}}, "sampling_params.logit_bias.3", "[-100, 100]"),
     ([1], {"logit_bias": [3, 1.0]}, "sampling_params.logit_bias", "a mapping"),
+    # request fields the engines send as they are: SGLang's adapter failed on "high" with a bare ValueError
+    ([1], {"priority": "high"}, "sampling_params.priority", "an integer"),
+    ([1], {"priority": 2.7}, "sampling_params.priority", "an integer"),
+    ([1], {"cache_salt": 5}, "sampling_params.cache_salt", "a non-empty string"),
 ]
 
 

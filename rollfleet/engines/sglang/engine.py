@@ -198,9 +198,11 @@ class SGLangEngine(SGLangLaunch, SGLangWeights, HTTPEngine):
         body = wire.generate_body(prompt_ids, params, rid="")
         priority = extras.pop("priority", sampling_params.get("priority"))
         if priority is not None:
-            body["priority"] = int(priority)
-        if sampling_params.get("cache_salt"):
-            body["cache_salt"] = str(sampling_params["cache_salt"])
+            if isinstance(priority, bool) or not isinstance(priority, int):
+                raise InvalidRequest("priority", "an integer", priority)
+            body["priority"] = priority
+        if sampling_params.get("cache_salt"):  # validated by the replica: a non-empty string
+            body["cache_salt"] = sampling_params["cache_salt"]
         if extras:
             raise InvalidRequest(next(iter(extras)), "not supported by the sglang engine adapter (text only)", "...")
         return body, params.get("max_new_tokens")
@@ -210,10 +212,14 @@ class SGLangEngine(SGLangLaunch, SGLangWeights, HTTPEngine):
 
     def _generate_call(self, wire_id: str, body: dict[str, Any]) -> tuple[str, bytes, dict[str, str]]:
         payload = {**body, "rid": wire_id}
-        # past the gate: the label of the weights it will run on, after the caller's own salt
-        namespace = [x for x in (payload.pop("cache_salt", None), self._label) if x is not None]
-        if namespace:
-            payload["extra_key"] = ".".join(namespace)
+        # past the gate: the label of the weights it will run on, and the caller's own salt apart
+        # from it (joined by a character neither has: salt "1" on the boot weights, or "t.1" on
+        # them, must not be version 1's namespace, unsalted or salted "t")
+        salt = payload.pop("cache_salt", None)
+        if salt is not None:
+            payload["extra_key"] = f"{self._label or ''}\x00{salt}"
+        elif self._label is not None:
+            payload["extra_key"] = self._label
         return "/generate", orjson.dumps(payload), {"Content-Type": "application/json"}
 
     def _invalid(self, message: str, param: Any, prompt_ids: list[int], body: dict[str, Any]) -> InvalidRequest:
