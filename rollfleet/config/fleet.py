@@ -243,7 +243,7 @@ class PrometheusSection(_Section):
 
 
 class WeightSyncConfig(_Section):
-    """How new weights reach the fleet (``rollout.weight_sync``; see :mod:`rollfleet.manager.fanout`).
+    """How new weights reach the fleet (``rollout.weight_sync``; see :mod:`rollfleet.manager.weight_updates`).
 
     Every update has two phases: *stage* (the weights travel to every replica's node while the
     fleet keeps generating) and *commit* (a short stop in which each engine loads what it staged).

@@ -8,7 +8,8 @@ controller can delay a client's view of the fleet but never a request.
 Placement: each replica is a placement group on one node (:mod:`rollfleet.manager.placement`),
 kept across restarts while the node lives. Health and restarts live in
 :mod:`rollfleet.manager.supervision`, a replica's start-up in :mod:`rollfleet.manager.joining`,
-the control fan-out and weight updates in :mod:`rollfleet.manager.fanout`; this module holds
+the control fan-out in :mod:`rollfleet.manager.fanout`, weight updates in
+:mod:`rollfleet.manager.weight_updates`; this module holds
 membership and what clients read. On every
 membership change the Prometheus scrape config follows (``rollout.prometheus``).
 """
@@ -24,11 +25,11 @@ from typing import Any, Callable, Optional
 from rollfleet.config import RolloutConfig
 from rollfleet.errors import FleetShutDown, InsufficientResources, InvalidRequest
 from rollfleet.health import FleetSnapshot, HealthState, ReplicaRecord
-from rollfleet.manager.fanout import ControlFanOut
 from rollfleet.manager.joining import ReplicaStarter, replica_info
 from rollfleet.manager.placement import Placer, ReplicaPlacement, WorkerPlacement
 from rollfleet.manager.prometheus import ScrapeConfigWriter
 from rollfleet.manager.supervision import STOP_TIMEOUT_DEAD_S, HealthSupervisor
+from rollfleet.manager.weight_updates import WeightUpdates
 from rollfleet.records import FleetEvent, FleetStatus, ReplicaInfo, ReplicaStatus
 from rollfleet.server.direct import DirectHandle
 from rollfleet.utils.aio import run_to_end
@@ -41,7 +42,7 @@ logger = logging.getLogger(__name__)
 ReplicaFactory = Callable[[str, int], Any]
 
 
-class FleetController(HealthSupervisor, ReplicaStarter, ControlFanOut):
+class FleetController(HealthSupervisor, ReplicaStarter, WeightUpdates):
     def __init__(self, config: RolloutConfig, replica_factory: Optional[ReplicaFactory] = None) -> None:
         self.config = config
         self._factory = replica_factory
@@ -93,6 +94,8 @@ class FleetController(HealthSupervisor, ReplicaStarter, ControlFanOut):
         self._check_open()
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:  # -1 reused the last replica's id
             raise InvalidRequest(field_name, "an integer >= 0", n)
+        if self.current_version is None:  # before launch(): the boot weights are version 0, as launch says
+            self.current_version = 0  # (with none, a replica was marked healthy while syncing for good)
         return await run_to_end(
             self._add(n, field_name), "adding replicas", lambda infos: f"started {[i.replica_id for i in infos]}"
         )

@@ -163,7 +163,7 @@ class LLMServerManager:
     async def update_weights(self, weights: Any, version: int, mode: Optional[str] = None) -> dict[str, Any]:
         """Push new weights to every replica under ``version`` (which must increase).
 
-        Two phases (see :mod:`rollfleet.manager.fanout`): the replicas stage the weights while
+        Two phases (see :mod:`rollfleet.manager.weight_updates`): the replicas stage the weights while
         the fleet keeps generating, then commit them in ``mode`` (``rollout.weight_sync.mode``
         unless given): ``keep`` continues in-flight requests on the new weights, ``abort`` returns
         them ``aborted`` with their partial tokens (``FullyAsyncLLMServerClient`` resumes them),

@@ -240,3 +240,46 @@ async def test_an_update_with_no_replica_live_is_loaded_and_checked_as_they_come
 
 async def _none_live(controller: Any) -> bool:
     return not controller._live()
+
+
+async def test_a_replica_restarted_between_stage_and_commit_is_not_committed_to_and_serves():
+    """replica-2 staged, then died while replica-0 still staged; its restart's new actor was up
+    when the abort-mode commit wave went out, and got it: a commit of nothing staged paused it
+    for good, yet it joined healthy and routable, and every request routed there hung."""
+    cfg = config().model_copy(update={"weight_sync": WeightSyncConfig(mode="abort", commit_timeout_s=2.0)})
+    faults = Faults()
+    controller, replicas = fleet(cfg, faults)
+    await controller.launch(3)
+    old = replicas["replica-2"]
+    stage_slowly, stage_then_die = replicas["replica-0"].stage_weights, old.stage_weights
+
+    async def slow(*args: Any, **kwargs: Any) -> Any:
+        await asyncio.sleep(1.0)  # a big state dict on a slow node
+        return await stage_slowly(*args, **kwargs)
+
+    async def dies(*args: Any, **kwargs: Any) -> Any:
+        staged = await stage_then_die(*args, **kwargs)
+        faults.dead_actors.append(old)  # the prober notices and restarts it
+        return staged
+
+    replicas["replica-0"].stage_weights = slow  # type: ignore[method-assign]
+    old.stage_weights = dies  # type: ignore[method-assign]
+    result = await controller.update_weights({"step": 1}, 1)
+    assert "restarted during the update" in result["fenced"]["replica-2"]
+    await wait_until(lambda: serving_on(controller, "replica-2", 1), "replica-2 routable on version 1")
+    new = replicas["replica-2"]
+    assert new is not old and new._state.value == "serving" and new._version == 1
+    out = await asyncio.wait_for(new.generate("after", [1, 2, 3], {"max_tokens": 4}), 5)
+    assert len(out.token_ids) >= 1
+    await controller.shutdown()
+
+
+async def test_replicas_added_before_a_launch_serve_the_boot_weights_as_version_0():
+    """Added before launch() (no current version), a replica booted syncing, skipped its catch-up
+    and was marked healthy: routable, and refusing every request ('state is syncing')."""
+    controller, replicas = fleet(config(1.0), Faults())
+    (info,) = await controller.add_replicas(1)
+    assert info.weight_version == 0 and controller.current_version == 0
+    out = await asyncio.wait_for(replicas["replica-0"].generate("x", [1, 2, 3], {"max_tokens": 4}), 5)
+    assert len(out.token_ids) >= 1
+    await controller.shutdown()
