@@ -36,6 +36,7 @@ class ChatRenderer:
         self.eos_token_id: Optional[int] = tokenizer.eos_token_id
         self.eos_text: str = tokenizer.eos_token or ""
         self._base_cache: dict[Any, tuple[str, str]] = {}
+        self._head_cache: dict[Any, str] = {}
 
     def render(
         self,
@@ -66,9 +67,24 @@ class ChatRenderer:
         last_token_id: Optional[int] = None,
     ) -> list[int]:
         """Token ids that append ``new_messages`` (and the next generation prompt) after an
-        assistant turn whose last token is ``last_token_id``."""
-        base_text, tail = self._base(tools)
+        assistant turn whose last token is ``last_token_id``.
+
+        The delta is what follows the base's assistant turn in the longer conversation, up to its
+        end-of-turn token: not what follows the base rendered alone, where its assistant message
+        is the last one, which some templates render otherwise (Qwen3's adds an empty think block
+        to the last assistant message only: every tool round failed as not prefix-stable)."""
         full = self.render([*_BASE, *new_messages], tools, add_generation_prompt=True)
+        if self.eos_text:
+            head = self._head(tools)
+            end = full.find(self.eos_text, len(head)) if full.startswith(head) else -1
+            if end < 0:
+                raise ChatTemplateError(
+                    "the chat template renders a conversation differently once messages are appended; "
+                    "multi-turn token deltas need a prefix-stable template"
+                )
+            rest = full[end + len(self.eos_text) :]
+            return self.encode(rest if last_token_id == self.eos_token_id else self.eos_text + rest)
+        base_text, tail = self._base(tools)
         if not full.startswith(base_text):
             raise ChatTemplateError(
                 "the chat template renders a conversation differently once messages are appended; "
@@ -76,6 +92,15 @@ class ChatRenderer:
             )
         boundary = tail if last_token_id == self.eos_token_id else self.eos_text + tail
         return self.encode(boundary + full[len(base_text) :])
+
+    def _head(self, tools: Optional[list[dict]]) -> str:
+        """The base's first message (and the tools' system block) as it renders: a prefix of any
+        longer conversation."""
+        key = ("head", tuple(t.get("function", t).get("name", "") for t in tools) if tools else ())
+        cached = self._head_cache.get(key)
+        if cached is None:
+            cached = self._head_cache[key] = self.render(_BASE[:1], tools)
+        return cached
 
     def _base(self, tools: Optional[list[dict]]) -> tuple[str, str]:
         key = tuple(t.get("function", t).get("name", "") for t in tools) if tools else ()

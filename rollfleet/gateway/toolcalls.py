@@ -119,7 +119,8 @@ class ToolCallStream:
             rest = self.text[self.sent :]
         else:
             content = message.get("content") or ""
-            rest = content[len(shown) :] if content.startswith(shown) else ""
+            lead = shown.lstrip()  # the parsed content is stripped: a reply that began "\n" lost its rest
+            rest = content[len(lead) :] if content.startswith(lead) else ""
             message["content"] = (shown + rest) or None
         self.sent = len(self.text)
         return rest, message, calls

@@ -35,7 +35,9 @@ def _calls(text: str) -> list[tuple[int, int, str]]:
     closing tag ends there, even past a closing tag inside one of its strings (a call whose
     arguments quote ``</tool_call>``, code that prints it, used to end inside its own string: a
     valid call answered as invalid JSON, the rest left in the content); any other body ends at the
-    first closing tag. Each body is decoded once, so the scan stays linear in the text."""
+    first closing tag, and starts at the last opening tag before it (an unclosed one earlier, in the
+    model's thinking or its prose, used to swallow the call). Each body is decoded once, so the
+    scan stays linear in the text."""
     out = []
     pos = 0
     while (start := text.find(_OPEN, pos)) >= 0:
@@ -44,7 +46,12 @@ def _calls(text: str) -> list[tuple[int, int, str]]:
         if close < 0:
             break  # not closed: left in the content (see the module docstring)
         end = _json_end(text, body)
-        if end is not None and end > close and text.startswith(_CLOSE, end):
+        if end is None or not text.startswith(_CLOSE, end):
+            inner = text.rfind(_OPEN, body, close)
+            if inner >= 0:  # a stray opening tag (in thought, in prose) before a call: the call is the last
+                pos = inner
+                continue
+        elif end > close:
             close = end
         out.append((start, close + len(_CLOSE), text[body:close]))
         pos = close + len(_CLOSE)

@@ -80,3 +80,18 @@ def test_each_call_is_decoded_once_however_many_closing_tags_follow(monkeypatch)
     parsed = get_tool_parser("hermes").parse(text)
     assert len(parsed.tool_calls) == 800 and all(c.error for c in parsed.tool_calls)
     assert len(decoded) == 800
+
+
+def test_a_stray_opening_tag_before_a_call_does_not_swallow_it():
+    """The model mentions the tag while it thinks: the body ran from that unclosed tag to the real
+    call's closing one, invalid JSON, so the call was a bad call (tool_agent) or no call at all
+    (the gateway answered plain text)."""
+    text = (
+        "<think>I should wrap the call in a <tool_call> tag.</think>\n\n"
+        '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    )
+    parsed = get_tool_parser("qwen3").parse(text)
+    assert [(c.name, c.arguments, c.error) for c in parsed.tool_calls] == [("add", {"a": 1, "b": 2}, None)]
+    assert "<tool_call> tag" in parsed.content  # the stray tag stays in the text
+    two = get_tool_parser("hermes").parse('<tool_call> <tool_call>{"name": "a", "arguments": {}}</tool_call>')
+    assert [c.name for c in two.tool_calls] == ["a"]

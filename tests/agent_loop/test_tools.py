@@ -185,6 +185,28 @@ def test_load_tools_from_yaml(tmp_path):
     assert tools["judge"].tool_schema["function"]["parameters"]["required"] == ["solution_str", "ground_truth"]
     with pytest.raises(ValueError, match="two tools"):
         load_tools([weather, weather])
+    # a function entry's schema is the tool's (it was dropped: published under the function's name)
+    path.write_text(
+        "tools:\n  - function: rollfleet.reward.rules.exact_match\n    tool_schema:\n      type: function\n"
+        "      function: {name: judge_it, description: Judge., parameters: {type: object, properties: {}}}\n"
+    )
+    assert list(load_tools(tool_config_path=str(path))) == ["judge_it"]
+    path.write_text("tools:\n  - function: rollfleet.reward.rules.exact_match\n    config: {x: 1}\n")
+    with pytest.raises(ValueError, match=r"not \['config'\]"):
+        load_tools(tool_config_path=str(path))
+
+
+async def test_an_async_callable_object_and_a_positional_only_function_run_as_tools():
+    """An object whose __call__ is async ran on a thread: the model was told the coroutine's repr,
+    as a success. math.sqrt's x is positional-only: binding it by name failed every call."""
+    import math
+
+    class Search:
+        async def __call__(self, query: str) -> str:
+            return "found " + query
+
+    assert await FunctionTool(Search(), name="search").execute("i", {"query": "x"}) == "found x"
+    assert await FunctionTool(math.sqrt).execute("i", {"x": 4}) == "2.0"
 
 
 async def test_tool_result_passthrough():

@@ -118,6 +118,14 @@ def test_tool_call_stream_shows_text_up_to_the_marker_even_split_across_pieces()
     assert (
         message["content"] == shown_text + rest == ToolCallFormatter("hermes").message(text, parse=True)[0]["content"]
     )
+    # a reply that begins with whitespace: the text after its call was lost (the parsed content is stripped)
+    spaced = ToolCallFormatter("hermes").stream()
+    assert spaced is not None
+    shown_text = "".join(
+        spaced.push(ch) for ch in '\n<tool_call>{"name": "a", "arguments": {}}</tool_call>\nI called a.'
+    )
+    rest, message, calls = spaced.finish()
+    assert calls and (shown_text + rest).endswith("I called a.") and message["content"] == shown_text + rest
 
 
 def test_codec_stop_strings(codec):

@@ -151,15 +151,24 @@ class FunctionTool(BaseTool):
         super().__init__(tool_schema or function_schema(fn, name, description))
         self.fn = fn
         self.signature = inspect.signature(fn)
-        self.is_async = inspect.iscoroutinefunction(fn)
+        # an object whose __call__ is async is a coroutine function too (iscoroutinefunction says no)
+        self.is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+        self._positional = [
+            n for n, p in self.signature.parameters.items() if p.kind is inspect.Parameter.POSITIONAL_ONLY
+        ]
 
     async def execute(self, instance_id: str, parameters: dict[str, Any]) -> ToolResult | str:
-        bound = self.signature.bind(**parameters)  # TypeError -> reported to the model
+        # the model names every argument: positional-only ones (math.sqrt's x) go by position
+        args = [parameters[n] for n in self._positional if n in parameters]
+        rest = {k: v for k, v in parameters.items() if k not in self._positional}
+        bound = self.signature.bind(*args, **rest)  # TypeError -> reported to the model
         if self.is_async:
             value = await self.fn(*bound.args, **bound.kwargs)
         else:
             call = functools.partial(self.fn, *bound.args, **bound.kwargs)
             value = await asyncio.get_running_loop().run_in_executor(_THREADS, call)
+        if inspect.isawaitable(value):  # a sync wrapper that returns a coroutine: its result, not its repr
+            value = await value
         return value if isinstance(value, ToolResult) else _to_text(value)
 
 

@@ -30,8 +30,17 @@ def load_tool_config(path: str) -> list[BaseTool]:
     tools: list[BaseTool] = []
     for entry in entries:
         if "function" in entry and isinstance(entry["function"], str):
+            unused = set(entry) - {"function", "name", "description", "tool_schema"}
+            if unused:
+                raise ValueError(f"{path}: a function tool entry takes function, name, description and tool_schema, "
+                                 f"not {sorted(unused)}")  # fmt: skip
             tools.append(
-                FunctionTool(resolve(entry["function"]), name=entry.get("name"), description=entry.get("description"))
+                FunctionTool(
+                    resolve(entry["function"]),
+                    name=entry.get("name"),
+                    description=entry.get("description"),
+                    tool_schema=entry.get("tool_schema"),  # it was dropped: the tool went by the function's name
+                )
             )
             continue
         target = entry.get("class_name") or entry.get("class") or entry.get("_target_")
