@@ -155,7 +155,10 @@ class Registry(Generic[T]):
         old = self._entries.get(name)
         if old is not None:
             if not self._same(old, new):
-                raise AlreadyRegistered(self.family, name, old.describe(), new.describe())
+                existing, given = old.describe(), new.describe()
+                if existing == given:  # the same target: the options differ, so say them
+                    existing, given = f"{existing} with options {old.options}", f"{given} with options {new.options}"
+                raise AlreadyRegistered(self.family, name, existing, given)
             if old.loaded and not new.loaded:
                 return target  # keep the loaded object; the path names the same thing
         self._entries[name] = new

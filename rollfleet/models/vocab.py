@@ -16,14 +16,24 @@ from rollfleet.config import RollfleetConfig, RolloutConfig, SimEngineConfig
 
 
 def model_vocab(name_or_path: str) -> tuple[int, int | None]:
-    """``(vocab_size, eos_token_id)`` of a built-in model name or a Hugging Face folder."""
+    """``(vocab_size, eos_token_id)`` of a built-in model name or a Hugging Face folder; a
+    multimodal model's come from its ``text_config`` (Qwen2.5-VL, Gemma-3). What cannot be read
+    is a ``ValueError`` naming ``rollout.model`` (a KeyError or FileNotFoundError was a traceback)."""
     from rollfleet.models import get_model_path
 
-    cfg = json.loads((Path(get_model_path(name_or_path)) / "config.json").read_text())
-    eos = cfg.get("eos_token_id")
+    path = Path(get_model_path(name_or_path)) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"rollout.model {name_or_path!r}: cannot read {path} ({exc})") from None
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
+    vocab = cfg.get("vocab_size", text.get("vocab_size"))
+    if not isinstance(vocab, int) or isinstance(vocab, bool):
+        raise ValueError(f"rollout.model {name_or_path!r}: {path} gives no vocab_size (nor its text_config)")
+    eos = cfg.get("eos_token_id", text.get("eos_token_id"))
     if isinstance(eos, list):
         eos = eos[0] if eos else None
-    return int(cfg["vocab_size"]), eos
+    return vocab, eos
 
 
 def fit_sim_to_model(config: RollfleetConfig) -> RollfleetConfig:

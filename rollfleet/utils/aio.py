@@ -18,8 +18,9 @@ logger = logging.getLogger(__name__)
 def auto_await(fn: Callable[..., Coroutine[Any, Any, T]]) -> Callable[..., Any]:
     """Let an async method be called from sync code too (as verl's ``auto_await`` does).
 
-    Inside a running event loop the call returns the coroutine (``await manager.resume()``);
-    outside one it runs it to completion (``manager.resume()`` in a script or a notebook cell).
+    Inside a running event loop the call returns the coroutine (``await manager.resume()``, as in
+    a notebook cell, which runs in one); outside one it runs it to completion (``manager.resume()``
+    in a script).
     """
 
     @functools.wraps(fn)

@@ -68,6 +68,12 @@ class _JumpingSelector(selectors.DefaultSelector):
         if timeout is None:  # no timer at all: only real I/O (a thread's result) can wake the loop
             events = super().select(self.idle_timeout_s)
             if not events:
+                running = self.loop.threads_running if self.loop is not None else 0
+                if running:  # not nothing to do: threads that outlived the wait (a timer would go on)
+                    raise Stalled(
+                        f"{running} executor call(s) still running after {self.idle_timeout_s} s, and no task or "
+                        "timer to run meanwhile (raise the idle timeout for slow threads)"
+                    )
                 raise Stalled(f"no task can run and no timer is scheduled (waited {self.idle_timeout_s} s for I/O)")
             return events
         assert self.loop is not None

@@ -63,8 +63,8 @@ def test_same_name_twice_raises_unless_identical_target():
     assert isinstance(err.value, ValueError) and isinstance(err.value, RollfleetError)
     assert err.value.name == "w" and "Widget" in err.value.existing and "Gadget" in err.value.new
     assert reg.get("w") is Widget  # the first registration stands
-    with pytest.raises(AlreadyRegistered):
-        reg.register("w", WIDGET, options={"flavour": 3})  # same class, other options
+    with pytest.raises(AlreadyRegistered, match=r"with options \{\}; cannot register .* with options \{'flavour': 3\}"):
+        reg.register("w", WIDGET, options={"flavour": 3})  # same class, other options: said, not two equal names
 
 
 def test_a_path_that_re_exports_an_object_is_the_same_target(plugin_module):
@@ -423,6 +423,16 @@ def test_fitting_the_sim_engine_to_a_model_keeps_its_vocabulary_valid_and_refuse
         fit_sim_to_model(load_config(None, given))
     same = fit_sim_to_model(load_config(None, {**given, "rollout.sim.vocab_size": 2000}))
     assert same.rollout.sim.vocab_size == 2000  # set to what the model says: nothing to refuse
+    # a multimodal model keeps both under text_config (a KeyError, a traceback from the CLI)
+    vlm = tmp_path / "vlm"
+    vlm.mkdir()
+    (vlm / "config.json").write_text(json.dumps({"text_config": {"vocab_size": 3000, "eos_token_id": 9}}))
+    fitted = fit_sim_to_model(load_config(None, {"rollout.name": "sim", "rollout.model": str(vlm)}))
+    assert (fitted.rollout.sim.vocab_size, fitted.rollout.sim.eos_token_id) == (3000, 9)
+    empty = tmp_path / "no-config"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="rollout.model .*cannot read"):
+        fit_sim_to_model(load_config(None, {"rollout.name": "sim", "rollout.model": str(empty)}))
 
 
 def test_rollfleet_train_refuses_a_sim_vocabulary_the_model_contradicts_before_starting_ray(

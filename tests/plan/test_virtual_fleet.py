@@ -49,6 +49,12 @@ def test_a_threads_result_wakes_the_loop_and_waiting_on_nothing_is_an_error():
     with pytest.raises(virtual_time.Stalled, match="no timer is scheduled"):
         virtual_time.run(forever(), idle_timeout_s=0.2)
 
+    async def slow_thread() -> None:  # not "nothing to run": a thread outlived the wait
+        await asyncio.to_thread(time.sleep, 0.6)
+
+    with pytest.raises(virtual_time.Stalled, match="1 executor call\\(s\\) still running after 0.2 s"):
+        virtual_time.run(slow_thread(), idle_timeout_s=0.2)
+
 
 def test_a_thread_takes_no_virtual_time_and_a_timeout_around_it_does_not_fire():
     """While a thread works, the clock used to jump to the next timer: a ``wait_for`` around a
