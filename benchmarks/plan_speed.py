@@ -93,6 +93,9 @@ def main() -> None:
     console = Console(width=150)
     out: dict[str, Any] = {"gpus": args.gpus, "workload": WORKLOAD}
 
+    # A throwaway plan first: the first plan in a process pays its lazy imports (torch among them,
+    # about 1.3 s here), which charged the side timed first with them.
+    run_plan(PlanSpec(config(2, None), gpus=4, modes=("sync",), seeds=(0,), output_dir="runs/plan_speed_warmup"))
     side = {}
     for label, per_wake in (("one step at a time", 1), ("fast-forward", None)):
         console.print(f"[bold]{label}[/]: sync, {args.gpus} accelerators, {args.steps} steps ...")
