@@ -94,8 +94,8 @@ class FleetController(HealthSupervisor, ReplicaStarter, WeightUpdates):
         self._check_open()
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:  # -1 reused the last replica's id
             raise InvalidRequest(field_name, "an integer >= 0", n)
-        if self.current_version is None:  # before launch(): the boot weights are version 0, as launch says
-            self.current_version = 0  # (with none, a replica was marked healthy while syncing for good)
+        if self.current_version is None:  # a replica was marked healthy while syncing for good
+            raise InvalidRequest(field_name, "replicas added after launch() (it sets the boot weights' version)", n)
         return await run_to_end(
             self._add(n, field_name), "adding replicas", lambda infos: f"started {[i.replica_id for i in infos]}"
         )

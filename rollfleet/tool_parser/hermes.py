@@ -35,9 +35,9 @@ def _calls(text: str) -> list[tuple[int, int, str]]:
     closing tag ends there, even past a closing tag inside one of its strings (a call whose
     arguments quote ``</tool_call>``, code that prints it, used to end inside its own string: a
     valid call answered as invalid JSON, the rest left in the content); any other body ends at the
-    first closing tag, and starts at the last opening tag before it (an unclosed one earlier, in the
-    model's thinking or its prose, used to swallow the call). Each body is decoded once, so the
-    scan stays linear in the text."""
+    first closing tag. An opening tag whose body is no call is passed over for the next one before
+    that closing tag (an unclosed one in the model's thinking or prose used to swallow the call):
+    a failed decode stops at its first bad character, so stray tags cost little each."""
     out = []
     pos = 0
     while (start := text.find(_OPEN, pos)) >= 0:
@@ -47,9 +47,9 @@ def _calls(text: str) -> list[tuple[int, int, str]]:
             break  # not closed: left in the content (see the module docstring)
         end = _json_end(text, body)
         if end is None or not text.startswith(_CLOSE, end):
-            inner = text.rfind(_OPEN, body, close)
-            if inner >= 0:  # a stray opening tag (in thought, in prose) before a call: the call is the last
-                pos = inner
+            inner = text.find(_OPEN, body, close)
+            if inner >= 0:  # a stray opening tag (in thought, in prose) before a call: try the next one
+                pos = inner  # (the next, not the last: the call's own JSON may quote the tag)
                 continue
         elif end > close:
             close = end

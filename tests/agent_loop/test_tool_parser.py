@@ -95,3 +95,11 @@ def test_a_stray_opening_tag_before_a_call_does_not_swallow_it():
     assert "<tool_call> tag" in parsed.content  # the stray tag stays in the text
     two = get_tool_parser("hermes").parse('<tool_call> <tool_call>{"name": "a", "arguments": {}}</tool_call>')
     assert [c.name for c in two.tool_calls] == ["a"]
+    quoting = (  # the call's own JSON quotes the tag: the next opening tag, not the last, starts it
+        'Let me use <tool_call> now.\n<tool_call>\n{"name": "echo", "arguments": {"s": "say <tool_call> literally"}}\n'
+        "</tool_call>"
+    )
+    parsed = get_tool_parser("hermes").parse(quoting)
+    assert [(c.name, c.arguments, c.error) for c in parsed.tool_calls] == [
+        ("echo", {"s": "say <tool_call> literally"}, None)
+    ]

@@ -194,6 +194,12 @@ def test_load_tools_from_yaml(tmp_path):
     path.write_text("tools:\n  - function: rollfleet.reward.rules.exact_match\n    config: {x: 1}\n")
     with pytest.raises(ValueError, match=r"not \['config'\]"):
         load_tools(tool_config_path=str(path))
+    path.write_text(  # a name beside a schema that names the tool: one of them would be dropped
+        "tools:\n  - function: rollfleet.reward.rules.exact_match\n    name: other\n    tool_schema:\n"
+        "      type: function\n      function: {name: judge_it, parameters: {type: object}}\n"
+    )
+    with pytest.raises(ValueError, match=r"not \['name'\]"):
+        load_tools(tool_config_path=str(path))
 
 
 async def test_an_async_callable_object_and_a_positional_only_function_run_as_tools():
@@ -207,6 +213,19 @@ async def test_an_async_callable_object_and_a_positional_only_function_run_as_to
 
     assert await FunctionTool(Search(), name="search").execute("i", {"query": "x"}) == "found x"
     assert await FunctionTool(math.sqrt).execute("i", {"x": 4}) == "2.0"
+
+    def power(base=2, exp=3, /):
+        return base**exp
+
+    assert await FunctionTool(power).execute("i", {"exp": 5}) == "32"  # a gap takes its default, not the next value
+    with pytest.raises(TypeError):
+        await FunctionTool(math.sqrt).execute("i", {})
+    with pytest.raises(TypeError):
+        await FunctionTool(math.sqrt).execute("i", {"x": 4, "y": 1})
+    # a builtin without a signature runs with the schema its YAML gives
+    schema = {"type": "function", "function": {"name": "hypot", "description": "h", "parameters": {"type": "object"}}}
+    hypot = FunctionTool(math.hypot, tool_schema=schema)
+    assert hypot.name == "hypot"
 
 
 async def test_tool_result_passthrough():

@@ -274,12 +274,18 @@ async def test_a_replica_restarted_between_stage_and_commit_is_not_committed_to_
     await controller.shutdown()
 
 
-async def test_replicas_added_before_a_launch_serve_the_boot_weights_as_version_0():
+async def test_replicas_are_added_after_the_launch_that_versions_the_boot_weights():
     """Added before launch() (no current version), a replica booted syncing, skipped its catch-up
     and was marked healthy: routable, and refusing every request ('state is syncing')."""
+    from rollfleet.errors import InvalidRequest
+
     controller, replicas = fleet(config(1.0), Faults())
+    with pytest.raises(InvalidRequest, match="after launch"):
+        await controller.add_replicas(1)
+    assert controller._records == {}
+    await controller.launch(1, initial_version=5)  # what launch says still holds
     (info,) = await controller.add_replicas(1)
-    assert info.weight_version == 0 and controller.current_version == 0
-    out = await asyncio.wait_for(replicas["replica-0"].generate("x", [1, 2, 3], {"max_tokens": 4}), 5)
+    assert info.weight_version == 5
+    out = await asyncio.wait_for(replicas[info.replica_id].generate("x", [1, 2, 3], {"max_tokens": 4}), 5)
     assert len(out.token_ids) >= 1
     await controller.shutdown()

@@ -150,22 +150,43 @@ class FunctionTool(BaseTool):
     ) -> None:
         super().__init__(tool_schema or function_schema(fn, name, description))
         self.fn = fn
-        self.signature = inspect.signature(fn)
+        try:
+            self.signature: Optional[inspect.Signature] = inspect.signature(fn)
+        except ValueError:  # a builtin without one (math.hypot): its YAML tool_schema describes it
+            if tool_schema is None:
+                raise
+            self.signature = None
         # an object whose __call__ is async is a coroutine function too (iscoroutinefunction says no)
         self.is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
-        self._positional = [
-            n for n, p in self.signature.parameters.items() if p.kind is inspect.Parameter.POSITIONAL_ONLY
-        ]
+        params = self.signature.parameters.values() if self.signature is not None else ()
+        self._positional = [p for p in params if p.kind is inspect.Parameter.POSITIONAL_ONLY]
+
+    def _arguments(self, parameters: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
+        """The model names every argument: positional-only ones (math.sqrt's x) go by position, a
+        gap before the last one given taking its default (it shifted the next one into its place).
+        A TypeError (missing, unexpected) is reported to the model."""
+        given = [i for i, p in enumerate(self._positional) if p.name in parameters]
+        args = []
+        for p in self._positional[: given[-1] + 1] if given else ():
+            if p.name in parameters:
+                args.append(parameters[p.name])
+            elif p.default is not inspect.Parameter.empty:
+                args.append(p.default)
+            else:
+                raise TypeError(f"missing a required argument: '{p.name}'")
+        names = {p.name for p in self._positional}
+        rest = {k: v for k, v in parameters.items() if k not in names}
+        if self.signature is None:
+            return args, rest
+        bound = self.signature.bind(*args, **rest)
+        return list(bound.args), dict(bound.kwargs)
 
     async def execute(self, instance_id: str, parameters: dict[str, Any]) -> ToolResult | str:
-        # the model names every argument: positional-only ones (math.sqrt's x) go by position
-        args = [parameters[n] for n in self._positional if n in parameters]
-        rest = {k: v for k, v in parameters.items() if k not in self._positional}
-        bound = self.signature.bind(*args, **rest)  # TypeError -> reported to the model
+        args, kwargs = self._arguments(parameters)
         if self.is_async:
-            value = await self.fn(*bound.args, **bound.kwargs)
+            value = await self.fn(*args, **kwargs)
         else:
-            call = functools.partial(self.fn, *bound.args, **bound.kwargs)
+            call = functools.partial(self.fn, *args, **kwargs)
             value = await asyncio.get_running_loop().run_in_executor(_THREADS, call)
         if inspect.isawaitable(value):  # a sync wrapper that returns a coroutine: its result, not its repr
             value = await value

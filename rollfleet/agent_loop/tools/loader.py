@@ -31,6 +31,8 @@ def load_tool_config(path: str) -> list[BaseTool]:
     for entry in entries:
         if "function" in entry and isinstance(entry["function"], str):
             unused = set(entry) - {"function", "name", "description", "tool_schema"}
+            if entry.get("tool_schema") is not None:  # the schema names and describes the tool
+                unused |= {"name", "description"} & set(entry)
             if unused:
                 raise ValueError(f"{path}: a function tool entry takes function, name, description and tool_schema, "
                                  f"not {sorted(unused)}")  # fmt: skip
