@@ -25,6 +25,14 @@ def was_aborted(output: Any) -> bool:
     return extra.get("stop_reason") == "aborted" or extra.get("termination") == "aborted"
 
 
+def spans_versions(output: Any) -> bool:
+    """Whether ``output`` was sampled by more than one weight version: a multi-turn trajectory
+    whose turns fell either side of a sync, none of them aborted (its first turn on v, its next
+    on v+1), or one turn continued across a keep-mode commit."""
+    lo, hi = output.extra_fields.get("min_global_steps"), output.extra_fields.get("max_global_steps")
+    return lo is not None and hi is not None and lo != hi
+
+
 class Rollouter:
     def __init__(
         self,
@@ -112,7 +120,8 @@ class Rollouter:
             while True:
                 samples = self.agent_manager.expand([sample], self.n)
                 outputs = await gather_or_cancel(self.agent_manager.generate_sequences_single(s) for s in samples)
-                if not self.partial_rollout and any(was_aborted(o) for o in outputs):
+                # without partial rollout a response is one policy's: interrupted, or across a sync
+                if not self.partial_rollout and any(was_aborted(o) or spans_versions(o) for o in outputs):
                     self.regenerated += 1
                     started = self._version()
                     continue

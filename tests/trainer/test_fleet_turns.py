@@ -46,3 +46,29 @@ def test_a_learner_step_that_fails_leaves_the_fleet_serving(tmp_path, mode):
             await trainer.close()
 
     assert virtual_time.run(go()) == {ReplicaState.SERVING}
+
+
+async def test_a_pause_that_fails_is_resumed_when_the_fleet_is_handed_back():
+    """The fleet's hold is set before its replicas are asked to pause; a pause none of them did
+    (every one timed out) raised after it, and the turns, marked held only after a pause that
+    returned, never resumed: the fleet stayed on hold, restarted replicas paused again too."""
+    from rollfleet.errors import FleetOperationFailed
+    from rollfleet.trainer.modes.turns import FleetTurns
+
+    class Manager:
+        hold: Any = None
+
+        async def pause(self) -> None:
+            self.hold = "paused"
+            raise FleetOperationFailed("pause", {"replica-0": "ControlTimeout()"})
+
+        async def resume(self) -> None:
+            self.hold = None
+
+        async def wake_up(self) -> None: ...
+
+    manager, turns = Manager(), FleetTurns()
+    with pytest.raises(FleetOperationFailed):
+        await turns.hand_to_learner(manager)
+    await turns.hand_back(manager)
+    assert manager.hold is None

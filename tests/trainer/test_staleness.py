@@ -250,3 +250,35 @@ def test_a_config_number_that_is_not_finite_is_refused_naming_the_field(key, val
     with a bare OverflowError from math.ceil."""
     with pytest.raises(ValidationError, match=rf"(?s){re.escape(key)}.*finite number"):
         load_config(None, {key: value})
+
+
+async def test_without_partial_rollout_a_group_a_sync_split_between_turns_is_generated_again():
+    """A multi-turn trajectory whose first turn ran on version 0 and second on 1, neither
+    aborted (the sync fell between them): delivered and trained as one policy's response."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from rollfleet.trainer.rollouter import Rollouter
+    from rollfleet.trainer.tasks import make_task
+
+    calls = [0]
+
+    class TwoTurnAgents:
+        def expand(self, batch, n):
+            return [{**batch[0], "uid": f"u{batch[0]['task_index']}", "k": k} for k in range(n)]
+
+        async def generate_sequences_single(self, sample):
+            await asyncio.sleep(0)
+            calls[0] += 1
+            lo = 0 if calls[0] <= 2 else 1  # the first group's turns fell either side of a sync
+            fields = {"min_global_steps": lo, "max_global_steps": 1, "termination": "no_tool_call"}
+            return SimpleNamespace(extra_fields=fields, metrics=SimpleNamespace(num_resumes=0),
+                                   response_mask=[1, 0, 1], response_ids=[1, 2, 3])  # fmt: skip
+
+    buffer = GroupBuffer(capacity=4, max_off_policy_steps=4, strategy="drop", groups_per_version=2, version=lambda: 1)
+    rollouter = Rollouter(TwoTurnAgents(), make_task("count"), buffer, n=2, max_inflight_groups=1,
+                          partial_rollout=False, version=lambda: 1)  # fmt: skip
+    rollouter.start()
+    groups, _ = await buffer.take(1)
+    await rollouter.stop()
+    assert (groups[0].min_version, groups[0].max_version, rollouter.regenerated) == (1, 1, 1)

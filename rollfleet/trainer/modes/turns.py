@@ -26,8 +26,10 @@ class FleetTurns:
         self.held = False
 
     async def hand_to_learner(self, manager: Any) -> None:
-        await manager.pause()
+        # held before the call: a pause that fails (no replica answered) or is cancelled has set
+        # the fleet's hold already, and the hand back must resume it (it stayed paused for good)
         self.held = True
+        await manager.pause()
         if not self.sleep_supported:
             return
         try:
