@@ -174,6 +174,16 @@ class GatewayConfig(_Section):
     )
 
     @model_validator(mode="after")
+    def _secrets_as_compared(self) -> "GatewayConfig":
+        """A token read from a file usually ends in a newline; the credential a caller sends is
+        stripped, so such a token turned the admin routes on and let no request through."""
+        for name in ("admin_token", "session_secret"):
+            value = getattr(self, name)
+            if value is not None and (not value.strip() or value != value.strip()):
+                raise ValueError(f"gateway.{name} must not be blank or begin or end with whitespace")
+        return self
+
+    @model_validator(mode="after")
     def _port_with_its_file(self) -> "GatewayConfig":
         """A reload port reloads what the file says: without a file nothing is written or reloaded
         (as ``rollout.prometheus`` refuses an ``enable`` without its ``file``)."""

@@ -62,8 +62,8 @@ class _Body(BaseModel):
 def _log_ignored(model: type[BaseModel], data: dict[Any, Any]) -> None:
     """Say which fields a body had that the gateway ignores, as vLLM's server does: a misspelled
     ``temprature`` otherwise samples at the default without a word anywhere."""
-    if len(_IGNORED_LOGGED) >= _MAX_IGNORED_LOGGED:
-        return
+    if len(_IGNORED_LOGGED) >= _MAX_IGNORED_LOGGED or model.model_config.get("extra") == "allow":
+        return  # a model that takes any field (the profile options) ignores none
     for key in data.keys() - model.model_fields.keys():
         seen = (model.__name__, str(key)[:64])
         if seen not in _IGNORED_LOGGED and len(_IGNORED_LOGGED) < _MAX_IGNORED_LOGGED:

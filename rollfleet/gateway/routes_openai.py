@@ -46,10 +46,10 @@ class OpenAIRoutes(ChatRoutes):
         return [
             Route("/v1/models", wrap("/v1/models", self.models), methods=["GET"]),
             # an agent handed a session's base URL may list the models first, as against any other
-            Route("/sessions/{session_id}/v1/models", wrap("/v1/models", self.models), methods=["GET"]),
+            Route("/sessions/{session_id:path}/v1/models", wrap("/v1/models", self.models), methods=["GET"]),
             *(Route(path, wrap(path, handler), methods=["POST"]) for path, handler in generation),
             *(
-                Route("/sessions/{session_id}" + path, wrap(path, handler), methods=["POST"])
+                Route("/sessions/{session_id:path}" + path, wrap(path, handler), methods=["POST"])
                 for path, handler in generation
             ),
             Route("/health", wrap("/health", self.health), methods=["GET"]),

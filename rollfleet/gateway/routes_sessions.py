@@ -54,13 +54,13 @@ class SessionRoutes:
     def routes(self) -> list[Route]:
         wrap = self.instrument
         return [
-            Route("/v1/sessions/{session_id}", wrap("/v1/sessions", self.finish), methods=["DELETE"]),
+            Route("/v1/sessions/{session_id:path}", wrap("/v1/sessions", self.finish), methods=["DELETE"]),
             Route(
-                "/v1/sessions/{session_id}/trajectory",
+                "/v1/sessions/{session_id:path}/trajectory",
                 wrap("/v1/sessions/trajectory", self.trajectory),
                 methods=["GET"],
             ),
-            Route("/v1/sessions/{session_id}/reward", wrap("/v1/sessions/reward", self.reward), methods=["POST"]),
+            Route("/v1/sessions/{session_id:path}/reward", wrap("/v1/sessions/reward", self.reward), methods=["POST"]),
         ]
 
     def _session(self, request: Request) -> str:

@@ -160,6 +160,12 @@ def read_config_file(config_path: str) -> Optional[dict[str, Any]]:
         return None
     if not isinstance(data, dict):
         raise PrometheusConfigError(f"{config_path} does not hold a Prometheus config (a mapping); not overwriting it")
+    jobs = data.get("scrape_configs")
+    if jobs is not None and not (isinstance(jobs, list) and all(isinstance(j, dict) for j in jobs)):
+        # merged job by job: anything else was a bare AttributeError in a task nobody awaited
+        raise PrometheusConfigError(
+            f"{config_path}: scrape_configs is not a list of jobs (mappings); not overwriting it"
+        )
     return data
 
 

@@ -603,3 +603,7 @@ def test_serve_refuses_an_unknown_tool_call_parser_and_an_empty_admin_token_env_
     monkeypatch.setattr(launch, "serve", record)
     assert main(["serve", "--config", str(path)]) == 0
     assert seen["token"] == "s3cret"
+    # a token read from a file keeps its newline: the admin routes were on, and refused every caller
+    monkeypatch.setenv("ROLLFLEET_ADMIN_TOKEN", "s3cret\n")
+    assert main(["serve", "--config", str(path)]) == 2
+    assert "gateway.admin_token must not be blank or begin or end with whitespace" in capsys.readouterr().err

@@ -441,3 +441,24 @@ async def test_a_turn_served_without_logprobs_records_none_and_the_http_agent_pa
         loop = HttpAgentLoop.__new__(HttpAgentLoop)
         loop.prompt_length, loop.response_length = 256, 64
         assert loop._output(s.gateway.trajectories.trajectory("s1")).response_logprobs is None
+
+
+async def test_a_session_id_with_a_slash_can_be_read_rewarded_and_ended():
+    """OpenAI's ``user`` is free text (``team/alice``): the turn was served and recorded, but the
+    session routes matched no id with a slash (404 no route), so its trajectory could not be read
+    and its record stayed until evicted."""
+    async with stack() as s:
+        sid = "team/alice"
+        client = s.client()
+        await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, user=sid
+        )
+        base = s.client(sid.replace("/", "%2F"))  # the session's base URL
+        await base.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "again"}], max_tokens=4)
+        got = await s.http.get("/v1/sessions/team%2Falice/trajectory", headers=s.key(sid))
+        assert got.status_code == 200, got.text
+        assert got.json()["session_id"] == sid and got.json()["num_requests"] == 2
+        reward = await s.http.post("/v1/sessions/team%2Falice/reward", json={"reward": 1.0}, headers=s.key(sid))
+        assert reward.status_code == 200
+        ended = await s.http.delete("/v1/sessions/team%2Falice", headers=s.key(sid))
+        assert ended.status_code == 200 and ended.json()["trajectory_freed"] is True

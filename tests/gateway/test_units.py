@@ -167,6 +167,10 @@ def test_a_body_field_the_gateway_ignores_is_logged_once_by_name(caplog, monkeyp
     said = [r.getMessage() for r in caplog.records if "temprature" in r.getMessage()]
     assert len(said) == 1 and "CompletionRequest" in said[0]
     assert not any("echo" in r.getMessage() for r in caplog.records)
+    from rollfleet.gateway.protocol import ProfileRequest
+
+    ProfileRequest.model_validate({"trace_dir": "/tmp/t"})  # takes any field: none is ignored, none logged
+    assert not any("trace_dir" in r.getMessage() for r in caplog.records)
 
 
 def test_budget_and_sampling_params(codec):

@@ -107,6 +107,18 @@ async def test_an_unwritable_path_is_logged_and_remembered_not_raised(tmp_path, 
     assert w.writes == 0
 
 
+async def test_scrape_configs_that_are_not_a_list_of_jobs_are_remembered_not_raised(tmp_path):
+    """A mapping or a list of strings under scrape_configs was a bare AttributeError out of refresh,
+    in a task nobody awaited: no warning, no last_error, the file never updated."""
+    for text in ("scrape_configs:\n  job_name: node\n", "scrape_configs:\n  - node-exporter\n"):
+        path = tmp_path / "prometheus.yml"
+        path.write_text(text)
+        w = writer(path)
+        assert await w.refresh(["http://10.0.0.1:8001"]) is False
+        assert isinstance(w.last_error, PrometheusConfigError) and "not a list of jobs" in str(w.last_error)
+        assert path.read_text() == text  # not overwritten
+
+
 async def test_a_failed_reload_is_remembered_and_the_file_still_written(tmp_path):
     path = tmp_path / "prometheus.yml"
     w = writer(path, port=free_port())  # nothing listens there
