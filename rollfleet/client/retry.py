@@ -66,15 +66,17 @@ class RetryPolicy:
     def backoff(self, attempt: int) -> float:
         """Seconds to wait before attempt ``attempt + 1`` (``attempt`` counts from 1)."""
         c = self.config
-        base = min(c.max_backoff_s, c.initial_backoff_s * (c.multiplier ** max(0, attempt - 1)))
+        # the power capped before it is taken: 2.0 ** 1024 overflows, and a wait for a routable
+        # replica counts more attempts than that with a short max_backoff_s (a bare OverflowError)
+        base = min(c.max_backoff_s, c.initial_backoff_s * (c.multiplier ** min(max(0, attempt - 1), 64)))
         if c.jitter:
             base *= 1.0 + self._rng.uniform(-c.jitter, c.jitter)
         return max(0.0, base)
 
     async def wait(self, attempt: int) -> None:
-        delay = self.backoff(attempt)
-        if delay > 0:
-            await asyncio.sleep(delay)
+        """Sleep the backoff; a zero one still yields to the loop (a retry loop that never awaited
+        held the loop: no restart or probe ran, and a virtual clock never reached its deadline)."""
+        await asyncio.sleep(self.backoff(attempt))
 
 
 __all__ = ["RetryPolicy", "unwrap", "is_replica_failure", "is_retryable"]

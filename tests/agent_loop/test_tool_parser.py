@@ -103,3 +103,24 @@ def test_a_stray_opening_tag_before_a_call_does_not_swallow_it():
     assert [(c.name, c.arguments, c.error) for c in parsed.tool_calls] == [
         ("echo", {"s": "say <tool_call> literally"}, None)
     ]
+
+
+def test_a_run_of_stray_tags_is_tried_a_few_at_a_time_not_each(monkeypatch):
+    """Trying every stray tag as a call's start cost the text's length each (a failed decode works
+    out its line and column): a reply of 32,000 repeated tags took 5.6 s on the gateway's loop."""
+    import json
+
+    from rollfleet.tool_parser import hermes
+
+    decoded: list[int] = []
+
+    class Counting(json.JSONDecoder):
+        def raw_decode(self, s, idx=0):
+            decoded.append(idx)
+            return super().raw_decode(s, idx)
+
+    monkeypatch.setattr(hermes, "_DECODER", Counting())
+    text = "<tool_call>{" * 5000 + '<tool_call>{"name": "a", "arguments": {}}</tool_call>'
+    parsed = get_tool_parser("hermes").parse(text)
+    assert [c.name for c in parsed.tool_calls] == ["a"]  # the last tag starts it
+    assert len(decoded) <= hermes._MAX_STRAY_TAGS + 2

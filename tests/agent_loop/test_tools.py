@@ -198,7 +198,7 @@ def test_load_tools_from_yaml(tmp_path):
         "tools:\n  - function: rollfleet.reward.rules.exact_match\n    name: other\n    tool_schema:\n"
         "      type: function\n      function: {name: judge_it, parameters: {type: object}}\n"
     )
-    with pytest.raises(ValueError, match=r"not \['name'\]"):
+    with pytest.raises(ValueError, match=r"remove \['name'\]"):
         load_tools(tool_config_path=str(path))
 
 
@@ -222,10 +222,13 @@ async def test_an_async_callable_object_and_a_positional_only_function_run_as_to
         await FunctionTool(math.sqrt).execute("i", {})
     with pytest.raises(TypeError):
         await FunctionTool(math.sqrt).execute("i", {"x": 4, "y": 1})
-    # a builtin without a signature runs with the schema its YAML gives
-    schema = {"type": "function", "function": {"name": "hypot", "description": "h", "parameters": {"type": "object"}}}
+    # a builtin without a signature (no keywords either) runs with the schema its YAML gives
+    params = {"type": "object", "properties": {"x": {"type": "number"}, "y": {"type": "number"}}}
+    schema = {"type": "function", "function": {"name": "hypot", "description": "h", "parameters": params}}
     hypot = FunctionTool(math.hypot, tool_schema=schema)
-    assert hypot.name == "hypot"
+    assert await hypot.execute("i", {"y": 4, "x": 3}) == "5.0"
+    with pytest.raises(TypeError, match="unexpected"):
+        await hypot.execute("i", {"z": 1})
 
 
 async def test_tool_result_passthrough():

@@ -30,3 +30,31 @@ def test_full_determinism_seeds_the_backoff_from_the_rollout_seed():
         return [LLMServerClient(config).retry.backoff(a) for a in range(1, 9)]
 
     assert waits(3) == waits(3) != waits(4)
+
+
+async def test_a_long_wait_backs_off_at_the_cap_and_a_zero_backoff_still_yields():
+    """The power was taken before the cap: 2.0 ** 1024 overflowed, and a wait for a routable
+    replica with a short max_backoff_s reached that many attempts in 51 s (a bare OverflowError).
+    A zero backoff did not await at all: the retry loop held the event loop."""
+    import asyncio
+
+    from rollfleet.client.retry import RetryPolicy
+    from rollfleet.config import RetryConfig
+
+    capped = RetryPolicy(RetryConfig(max_backoff_s=0.05, jitter=0.0))
+    assert capped.backoff(5000) == 0.05
+    zero = RetryPolicy(RetryConfig(initial_backoff_s=0.0, jitter=0.0))
+    beats = 0
+
+    async def heartbeat() -> None:
+        nonlocal beats
+        while True:
+            beats += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.ensure_future(heartbeat())
+    await asyncio.sleep(0)
+    for attempt in range(1, 4):
+        await zero.wait(attempt)
+    task.cancel()
+    assert beats >= 3

@@ -176,8 +176,12 @@ class FunctionTool(BaseTool):
                 raise TypeError(f"missing a required argument: '{p.name}'")
         names = {p.name for p in self._positional}
         rest = {k: v for k, v in parameters.items() if k not in names}
-        if self.signature is None:
-            return args, rest
+        if self.signature is None:  # a builtin that takes no keywords (math.hypot): by position, in the schema's order
+            order = list((self.tool_schema.get("function", {}).get("parameters") or {}).get("properties") or {})
+            unknown = sorted(set(parameters) - set(order))
+            if unknown:
+                raise TypeError(f"unexpected argument(s) {unknown}; the tool takes {order}")
+            return [parameters[k] for k in order if k in parameters], {}
         bound = self.signature.bind(*args, **rest)
         return list(bound.args), dict(bound.kwargs)
 

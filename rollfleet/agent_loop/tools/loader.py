@@ -31,11 +31,13 @@ def load_tool_config(path: str) -> list[BaseTool]:
     for entry in entries:
         if "function" in entry and isinstance(entry["function"], str):
             unused = set(entry) - {"function", "name", "description", "tool_schema"}
-            if entry.get("tool_schema") is not None:  # the schema names and describes the tool
-                unused |= {"name", "description"} & set(entry)
             if unused:
                 raise ValueError(f"{path}: a function tool entry takes function, name, description and tool_schema, "
                                  f"not {sorted(unused)}")  # fmt: skip
+            beside = sorted({"name", "description"} & set(entry)) if entry.get("tool_schema") is not None else []
+            if beside:  # one of the two would be dropped
+                raise ValueError(f"{path}: with tool_schema, the tool's name and description come from the schema; "
+                                 f"remove {beside}")  # fmt: skip
             tools.append(
                 FunctionTool(
                     resolve(entry["function"]),
