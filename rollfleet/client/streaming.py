@@ -180,6 +180,11 @@ async def stream_generate(
                 sofar.cut(before, exc)
                 if not is_retryable(exc):
                     raise exc from (None if exc is raw else raw)
+                if _ends_on_a_stop(params, sofar.token_ids):
+                    # cut between its stop token's delta and its output: resumed, it ran past the stop
+                    logger.debug("request %s: %r after a stop token; the output stands", request_id, exc)
+                    stop_reason = "stop"
+                    break
                 if isinstance(exc, NoServerAvailable):
                     no_server_since = no_server_since or virtual_time.now()
                     if virtual_time.now() - no_server_since > client.config.retry.no_server_wait_s:
@@ -281,6 +286,15 @@ async def _attempt(
         if not observed:  # cut short: what it delivered still binds the session (no step back)
             client.balancer.observe_version(server_id, request_id, newest)
         await client._release(server_id, len(prompt), request_id, ended, handle)
+
+
+def _ends_on_a_stop(params: SamplingParams, token_ids: list[int]) -> bool:
+    """Whether the last token delivered is one of the caller's ``stop_token_ids`` (past
+    ``min_tokens``): the generation ended there. (The model's EOS is the engine's to know: a cut
+    right after it is resumed, and resends the turn's end.)"""
+    stops = params.get("stop_token_ids") or ()
+    floor = params.get("min_tokens") or params.get("min_new_tokens") or 0
+    return bool(token_ids) and token_ids[-1] in stops and len(token_ids) > floor
 
 
 def _whole(sofar: _Sofar, last: Optional[TokenOutput], stop_reason: str, budget: int, exhausted: bool) -> TokenOutput:

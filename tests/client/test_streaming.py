@@ -196,6 +196,27 @@ async def test_a_failure_after_the_output_ends_nothing_and_resends_nothing():
     assert client.balancer.get_total_inflight() == 0
 
 
+async def test_a_failure_between_a_stop_token_and_the_output_resends_nothing():
+    """The stop token's delta arrived, then the connection dropped before the output: the stream
+    resumed from prompt + [..., stop] and generated past the stop, returned as stopped."""
+
+    class CutAfterTheStop:
+        calls: list[list[int]] = []
+
+        async def stream_generate(self, request_id: str, prompt_ids: list[int], params: Any, **kwargs: Any):
+            self.calls.append(list(prompt_ids))
+            yield TokenDelta([11, 12, 299], [-0.1] * 3, [0] * 3)
+            raise ReplicaUnavailable("a", "connection dropped before the output frame")
+
+    config = RolloutConfig(response_length=64, retry={"initial_backoff_s": 0.0, "jitter": 0.0})
+    client = LLMServerClient(config, servers={"a": CutAfterTheStop(), "b": CutAfterTheStop()})
+    params = {"max_tokens": 64, "stop_token_ids": [299]}
+    _, final, _ = await collect(client.generate_stream("r", prompt_ids=[1, 2], sampling_params=params))
+    assert CutAfterTheStop.calls == [[1, 2]]
+    assert final.token_ids == [11, 12, 299] and final.stop_reason == "stop"
+    assert client.balancer.get_total_inflight() == 0
+
+
 async def test_a_stream_makes_up_no_logprob_or_version_that_generate_would_not_give():
     # (a) no logprobs at all, from a handle that does not stream: None, as generate() gives
     client = LLMServerClient(
