@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -379,6 +380,22 @@ async def test_a_server_too_starved_to_answer_health_is_busy_while_it_completes_
     monkeypatch.setattr(http_engine, "BUSY_GRACE_S", 0.0)  # no response for longer than the grace
     stuck = await engine.health()
     assert not stuck.healthy
+    await engine.abort_all()
+    await task
+
+
+async def test_a_server_starved_as_it_gets_its_first_work_after_idling_is_busy_not_dead(fake, engine):
+    """Busy time was counted from the last response, idle time included: an engine given work
+    after starting, or after 30 s idle, was past its busy grace at once, so a /health timeout
+    under load made it dead."""
+    engine.health_timeout_s = 0.2
+    fake.token_delay_s = 0.01
+    fake.health_delay_s = 1.0
+    engine._last_progress -= 3600.0  # an hour without a response: idle, not hung
+    task = long_request(engine, "first")
+    await wait_until(running_with_tokens(fake))
+    busy = await engine.health()
+    assert busy.healthy and busy.detail.startswith("busy")
     await engine.abort_all()
     await task
 
@@ -796,3 +813,21 @@ async def test_weights_checksum_digests_vllms_weight_checker_and_changes_with_a_
     assert after is not None and after != before
     assert fake.bodies("/weight_checker")[-1] == {"action": "checksum"}
     assert await engine.weights_checksum() is None  # no RL routes: the engine cannot tell
+
+
+async def test_a_streamed_request_aborted_at_the_gate_is_counted_as_aborted(fake, rl):
+    """Held while paused and aborted there, a whole request counted in num_aborted and a
+    streamed one did not."""
+
+    async def drain(stream: Any) -> list[Any]:
+        return [item async for item in stream]
+
+    await rl.pause()
+    whole = asyncio.ensure_future(rl.generate("whole", PROMPT, {"max_tokens": 5}))
+    streamed = asyncio.ensure_future(drain(rl.generate_stream("streamed", PROMPT, {"max_tokens": 5})))
+    await asyncio.sleep(0.2)
+    await rl.abort("whole")
+    await rl.abort("streamed")
+    assert (await whole).stop_reason == "aborted" and (await streamed)[-1].stop_reason == "aborted"
+    assert rl.stats()["num_aborted"] == 2
+    await rl.resume()

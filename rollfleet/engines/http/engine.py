@@ -228,6 +228,8 @@ class HTTPEngine(Engine):
         self._check_alive()
         extras = {k: v for k, v in kwargs.items() if v is not None}
         body, budget = self._build_request(prompt_ids, sampling_params, extras)
+        if not len(self._table):  # busy from now: the idle time before is not time the server spent busy
+            self._last_progress = time.monotonic()  # (a fresh or long-idle engine read as past its grace at once)
         call = self._table.add(Inflight(request_id, self._wire_id(request_id), len(prompt_ids) + (budget or 0)))
         self._load_cache = None
         try:

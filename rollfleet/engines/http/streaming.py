@@ -65,7 +65,7 @@ class StreamingGenerate(_Base):
             try:
                 if call.aborted.is_set():
                     done = True
-                    yield TokenOutput(token_ids=[], log_probs=[], stop_reason="aborted")
+                    yield self._counted(TokenOutput(token_ids=[], log_probs=[], stop_reason="aborted"))
                     return
                 self._check_alive()
                 call.sent = True
