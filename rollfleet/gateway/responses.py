@@ -281,11 +281,13 @@ def chat_chunks(
             if message.get("content"):
                 delta["content"] = message["content"]
             yield {**base, "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}]}
-        pieces = codec.pieces(out.token_ids, chunk_tokens) if not calls else iter(())
-        for text, start, end in pieces:
+        # with calls, the pieces carry their token ids and logprobs only (the text went in the
+        # calls' delta): without them a stream that called tools held none of either
+        carries = not calls or logprobs or return_token_ids
+        for text, start, end in codec.pieces(out.token_ids, chunk_tokens) if carries else ():
             choice: dict[str, Any] = {
                 "index": i,
-                "delta": {"content": text},
+                "delta": {} if calls else {"content": text},
                 "logprobs": chat_logprobs(codec, out, start, end) if logprobs else None,
                 "finish_reason": None,
             }

@@ -182,6 +182,8 @@ def _strings(value: Any, field: str) -> list[str]:
                 raise bad_request(field, f"is nested deeper than {MAX_JSON_DEPTH} levels")
             children = item.values() if isinstance(item, dict) else item
             stack.extend((child, depth + 1) for child in reversed(list(children)))
+            if isinstance(item, dict):  # keys are rendered too (a schema's property names): counted
+                out.extend(k for k in item if isinstance(k, str))
     return out
 
 

@@ -126,6 +126,10 @@ async def test_prompt_text_generations_and_session_ids_have_limits():
         big_tool = {"type": "function", "function": {"name": "f", "description": "x" * 1001, "parameters": {}}}
         tools = {**CHAT, "tools": [big_tool]}  # the tools' schemas are rendered into the prompt too
         assert_error(await http.post("/v1/chat/completions", json=tools), 400, "tools", "gateway.max_prompt_chars")
+        # a schema's property names are rendered too: a key was never counted
+        keyed = {"type": "function", "function": {"name": "f", "parameters": {"properties": {"x" * 1001: {}}}}}
+        resp = await http.post("/v1/chat/completions", json={**CHAT, "tools": [keyed]})
+        assert_error(resp, 400, "tools", "gateway.max_prompt_chars")
         extra = {**CHAT, "messages": [{"role": "user", "content": "hi", "reasoning_content": "x" * 1001}]}
         assert_error(await http.post("/v1/chat/completions", json=extra), 400, "messages", "gateway.max_prompt_chars")
         batch = {"model": MODEL, "prompt": ["a b c"] * 3, "n": 3, "max_tokens": 2}

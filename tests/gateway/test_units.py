@@ -349,3 +349,22 @@ async def test_alternatives_the_fleet_does_not_return_are_refused_naming_the_fie
         await http.aclose()
         await server.stop()
         await replica.shutdown()
+
+
+def test_a_replayed_chat_stream_that_calls_tools_carries_its_token_ids_and_logprobs(codec):
+    """A replayed stream (a tool-call format without a call marker) sent the calls in one delta and
+    no content chunks: those were the only ones with token ids and logprobs, so the stream had
+    none of either, where the whole answer has every one."""
+    from rollfleet.gateway import responses
+    from rollfleet.types import TokenOutput
+
+    ids = codec.encode('<tool_call>{"name":"f","arguments":{}}</tool_call>', add_special_tokens=False)
+    out = TokenOutput(token_ids=ids, log_probs=[-0.1] * len(ids), stop_reason="stop", token_versions=[0] * len(ids))
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    reply = ({"role": "assistant", "content": None, "tool_calls": [call]}, True)
+    events = list(responses.chat_chunks("m", codec, [out], [1, 2, 3], chunk_tokens=4, logprobs=True,
+                                        return_token_ids=True, include_usage=False, replies=[reply]))  # fmt: skip
+    choices = [c for e in events for c in e["choices"]]
+    assert [t for c in choices for t in c.get("token_ids") or []] == ids
+    assert sum(len(c["logprobs"]["content"]) for c in choices if c.get("logprobs")) == len(ids)
+    assert not any(c["delta"].get("content") for c in choices if "token_ids" in c)  # the text is the calls'
