@@ -52,6 +52,18 @@ async def calibrate(
     longest = max(p.prompt_tokens + p.output_tokens for p in grid)
     if rollout.max_model_len is not None and longest > rollout.max_model_len:
         raise ValueError(f"rollout.max_model_len ({rollout.max_model_len}) must be >= {longest} for this grid")
+    # The fit prices a probe's batch as one running batch: one run in waves, or preempted for KV,
+    # is timed as something else, and fitted all the same (5x the per-sequence cost at 8 slots)
+    widest = max(p.batch for p in grid)
+    seqs = getattr(getattr(rollout, rollout.name, None), "max_num_seqs", None)
+    if seqs is not None and widest > seqs:
+        raise ValueError(f"rollout.{rollout.name}.max_num_seqs ({seqs}) must be >= {widest}: the grid's widest batch")
+    kv_needed = max(p.batch * (p.prompt_tokens + p.output_tokens) for p in grid)
+    if rollout.name == "sim" and rollout.sim.kv_capacity_tokens < kv_needed:
+        raise ValueError(
+            f"rollout.sim.kv_capacity_tokens ({rollout.sim.kv_capacity_tokens}) must be >= {kv_needed}: "
+            "the grid's largest batch, whole, without preemption"
+        )
     engine = build_engine(rollout, replica_index=0)
     await engine.start()
     try:

@@ -205,6 +205,12 @@ _FLAG_OF = {
 }
 
 
+def _profile(name: str) -> dict[str, Any]:
+    from rollfleet.plan.profiles import load_profile
+
+    return load_profile(name)
+
+
 def _model_costs(args: argparse.Namespace, model: dict[str, Any], tp: int) -> dict[str, Any]:
     """The learner's and (unless a profile prices them) the engines' costs of ``--model-params-b``."""
     out: dict[str, Any] = {}
@@ -230,6 +236,8 @@ def _model_costs(args: argparse.Namespace, model: dict[str, Any], tp: int) -> di
     if args.profile is None:
         out.update({f"rollout.sim.{k}": v for k, v in costs.items()})
         out["rollout.sim.tensor_parallel_size"] = tp  # the replica these costs price
+    elif "kv_capacity_tokens" not in _profile(args.profile):  # a calibrated profile times steps, not memory
+        out["rollout.sim.kv_capacity_tokens"] = costs["kv_capacity_tokens"]
     return out
 
 

@@ -71,7 +71,9 @@ class Profile:
         """The ``rollout.sim`` keys this profile sets. The per-request overhead (the client's and
         the HTTP hop's, not the engine's steps) is reported, not set: measured on an idle machine,
         it is not what a loaded one pays (set ``rollout.sim.request_overhead_ms`` to price one)."""
-        return {k: round(self.constants[k], 6) for k in TERMS if k != "overhead_ms"}
+        # significant digits, not decimals of a millisecond: a GPU's per-context-token cost is
+        # 1e-6 ms to 1e-5 ms (rounded to 6 decimals, -20%; under 5e-7, written as 0)
+        return {k: float(f"{self.constants[k]:.6g}") for k in TERMS if k != "overhead_ms"}
 
 
 def default_grid() -> list[Probe]:

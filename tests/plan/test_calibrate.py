@@ -87,6 +87,15 @@ def test_what_calibration_cannot_measure_or_write_is_refused_before_an_engine_st
     ):
         assert main(["calibrate", "--engine", "sim", "--out", str(out)]) == 2
         assert "rollfleet calibrate: --out: " in (err := capsys.readouterr().err) and says in err, err
+    # a probe's batch run in waves or preempted is timed as something else and fitted all the same
+    for text, says in (
+        ("rollout: {name: sim, sim: {max_num_seqs: 8}}", "rollout.sim.max_num_seqs (8) must be >= 32"),
+        ("rollout: {name: sim, sim: {kv_capacity_tokens: 4096}}", "rollout.sim.kv_capacity_tokens (4096) must be >="),
+    ):
+        narrow = tmp_path / "narrow.yaml"
+        narrow.write_text(text + "\n")
+        assert main(["calibrate", "--config", str(narrow), "--out", str(tmp_path / "p.yaml")]) == 2
+        assert says in capsys.readouterr().err
 
 
 def test_a_profile_file_that_is_not_engine_costs_is_refused_naming_it(tmp_path):
@@ -150,6 +159,11 @@ def test_profiles_ship_and_round_trip(tmp_path):
     path = write_profile(tmp_path / "p.yaml", {"step_base_ms": 1.5}, "measured\nhere")
     assert path.read_text().startswith("# measured\n# here\n")
     assert load_profile(str(path)) == {"step_base_ms": 1.5}
+    from rollfleet.plan.calibrate import TERMS, Profile
+
+    # a GPU's per-context-token cost survives the write (rounded to 6 decimals of a ms, it was 0)
+    tiny = Profile(dict.fromkeys(TERMS, 1.0) | {"step_per_context_token_ms": 4e-7})
+    assert tiny.sim_section()["step_per_context_token_ms"] == 4e-7
     with pytest.raises(ValueError, match="unknown profile 'nope'"):
         load_profile("nope")
 
@@ -166,6 +180,15 @@ def test_plan_takes_a_profile_and_refuses_an_unknown_one(tmp_path, capsys):
     fast = _step_s(tmp_path)
     assert main([*args, "--profile", str(slow)]) == 0
     assert _step_s(tmp_path) > 3 * fast  # the profile's costs are what the plan ran on
+    # a calibrated profile (step costs, no KV size) beside a model: the KV cache is the roofline's
+    import argparse
+
+    from rollfleet.cli.plan import add_arguments, overrides_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    model = parser.parse_args([*args[1:], "--profile", str(slow), "--model-params-b", "7"])
+    assert overrides_from_args(model)["rollout.sim.kv_capacity_tokens"] > 100_000
 
 
 def _step_s(out) -> float:
