@@ -9,6 +9,7 @@ routable replica for a moment (``NoServerAvailable``), a timed-out attempt. Bad 
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 from typing import Optional
 
@@ -66,9 +67,13 @@ class RetryPolicy:
     def backoff(self, attempt: int) -> float:
         """Seconds to wait before attempt ``attempt + 1`` (``attempt`` counts from 1)."""
         c = self.config
-        # the power capped before it is taken: 2.0 ** 1024 overflows, and a wait for a routable
-        # replica counts more attempts than that with a short max_backoff_s (a bare OverflowError)
-        base = min(c.max_backoff_s, c.initial_backoff_s * (c.multiplier ** min(max(0, attempt - 1), 64)))
+        # 2.0 ** 1024 overflows, and a wait for a routable replica counts more attempts than that
+        # with a short max_backoff_s (a bare OverflowError): past what a float holds, the cap
+        try:
+            grow = c.multiplier ** max(0, attempt - 1)
+        except OverflowError:
+            grow = math.inf
+        base = min(c.max_backoff_s, c.initial_backoff_s * grow)
         if c.jitter:
             base *= 1.0 + self._rng.uniform(-c.jitter, c.jitter)
         return max(0.0, base)

@@ -153,6 +153,8 @@ class PlanSpec:
             trainer["task"] = "synthetic"  # prompts of rollout.prompt_length tokens, nothing to score
         trainer["sim_learner"] = {**trainer.get("sim_learner", {}), "enabled": True, "resource_share": learner_share}
         rollout = doc["rollout"]
+        if self.config.rollout.name != "sim":  # the sim planned serves the config's context, not its own
+            rollout["sim"]["max_model_len"] = rollout["max_model_len"]
         rollout.update(name="sim", num_replicas=replicas)
         rollout["routing"]["seed"] = seed
         rollout["sim"].update(seed=seed, time_scale=1.0, tensor_parallel_size=self.tp)

@@ -43,6 +43,9 @@ async def test_a_long_wait_backs_off_at_the_cap_and_a_zero_backoff_still_yields(
 
     capped = RetryPolicy(RetryConfig(max_backoff_s=0.05, jitter=0.0))
     assert capped.backoff(5000) == 0.05
+    slow = RetryPolicy(RetryConfig(multiplier=1.05, initial_backoff_s=0.01, max_backoff_s=1.0, jitter=0.0))
+    assert slow.backoff(200) == 1.0  # a slow multiplier still reaches the cap
+    assert RetryPolicy(RetryConfig(multiplier=1e5, jitter=0.0)).backoff(100) == RetryConfig().max_backoff_s
     zero = RetryPolicy(RetryConfig(initial_backoff_s=0.0, jitter=0.0))
     beats = 0
 

@@ -400,6 +400,24 @@ async def test_a_server_starved_as_it_gets_its_first_work_after_idling_is_busy_n
     await task
 
 
+async def test_a_request_held_through_a_long_pause_is_busy_after_the_resume_not_dead(fake, rl):
+    """Held while paused (a weight sync), the request kept the table non-empty, so the pause
+    counted as busy time: past the grace, the first slow /health after the resume made it dead."""
+    rl.health_timeout_s = 0.2
+    fake.token_delay_s = 0.01
+    await rl.pause()
+    task = long_request(rl, "held")
+    await asyncio.sleep(0.05)
+    rl._last_progress -= 60.0  # a 60 s sync with the request held
+    await rl.resume()
+    await wait_until(running_with_tokens(fake))
+    fake.health_delay_s = 1.0
+    busy = await rl.health()
+    assert busy.healthy and busy.detail.startswith("busy")
+    await rl.abort_all()
+    await task
+
+
 class LaunchedFakeVLLM(VLLMEngine):
     """vLLM's launch path, with the fake server as the launched process (the real command is kept)."""
 

@@ -757,3 +757,18 @@ def test_a_run_that_fails_stops_the_runs_still_going(tmp_path):
     metrics = list((tmp_path / "long").rglob("metrics.jsonl"))
     trained = len(metrics[0].read_text().splitlines()) if metrics else 0
     assert trained < 2000  # stopped, not waited for
+
+
+def test_a_plan_of_another_engines_config_with_its_own_sim_context_builds_its_runs():
+    """A vLLM config may give rollout.sim.max_model_len its own value (it is not the engine's
+    context then); planned as the sim, the dump made both lengths given and they differed: the
+    first run's config failed, telling the user to give one of them, though they gave one."""
+    from rollfleet.config import RollfleetConfig
+    from rollfleet.plan.spec import PlanSpec
+
+    config = RollfleetConfig.model_validate({
+        "rollout": {"name": "vllm", "sim": {"max_model_len": 4096}, "prompt_length": 100, "response_length": 100},
+        "trainer": {"total_steps": 3},
+    })  # fmt: skip
+    planned = PlanSpec(config=config, gpus=2).config_for("sync", 0)
+    assert planned.rollout.name == "sim" and planned.rollout.max_model_len == planned.rollout.sim.max_model_len == 200

@@ -336,7 +336,14 @@ class HTTPEngine(Engine):
 
     async def resume(self) -> None:
         await self._resume_server()
-        self._table.release("pause")
+        self._release("pause")
+
+    def _release(self, hold: str) -> None:
+        """Let the requests held by ``hold`` go; busy time starts again from now (the pause, a
+        sleep or a commit, was no time the server spent on them: past the grace, the first slow
+        /health after a long sync marked it dead)."""
+        self._last_progress = time.monotonic()
+        self._table.release(hold)
 
     # ------------------------------------------------------------------ control plane
     async def _request(self, method: str, path: str, *, op: str, **kw: Any) -> httpx.Response:

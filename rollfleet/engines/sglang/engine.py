@@ -276,13 +276,13 @@ class SGLangEngine(SGLangLaunch, SGLangWeights, HTTPEngine):
             resp = await self._control("POST", "/release_memory_occupation", op="sleep", ok=False, json={})
             self._raise_unless_memory_saver(resp, "sleep", "/release_memory_occupation")
         except BaseException:
-            self._table.release("sleep")
+            self._release("sleep")
             raise
 
     async def wake_up(self) -> None:
         resp = await self._control("POST", "/resume_memory_occupation", op="wake_up", ok=False, json={})
         self._raise_unless_memory_saver(resp, "wake_up", "/resume_memory_occupation")
-        self._table.release("sleep")
+        self._release("sleep")
 
     def _raise_unless_memory_saver(self, resp: Any, op: str, route: str) -> None:
         if resp.status_code in (400, 404):

@@ -118,6 +118,8 @@ class SGLangWeights:
 
         def _check_alive(self) -> None: ...
 
+        def _release(self, hold: str) -> None: ...
+
         def _raise_for(self, resp: httpx.Response, op: str) -> None: ...
 
         async def clear_kv_cache(self) -> None: ...
@@ -213,7 +215,7 @@ class SGLangWeights:
                 if not failed:
                     raise
             finally:
-                self._table.release("commit")
+                self._release("commit")
         resumed = time.monotonic()
         return {"pause_s": resumed - started, "pause_call_s": paused - started, "load_s": loaded - paused,
                 "continue_call_s": resumed - loaded, "window": (paused_at, time.time())}  # fmt: skip

@@ -92,6 +92,8 @@ class VLLMWeights:
 
         def _check_alive(self) -> None: ...
 
+        def _release(self, hold: str) -> None: ...
+
         async def _control(self, method: str, path: str, *, op: str, ok: bool = True, **kw: Any) -> httpx.Response: ...
 
         async def clear_kv_cache(self) -> None: ...
@@ -169,7 +171,7 @@ class VLLMWeights:
                 steps = await self._commit_by_steps(files, version)
             resumed, resumed_at = time.monotonic(), time.time()
         finally:
-            self._table.release("commit")
+            self._release("commit")
         self.last_commit = {"version": version, "mode": "keep", "pause_s": resumed - started,
                             **steps, "window": (paused_at, resumed_at)}  # fmt: skip
 
