@@ -61,21 +61,27 @@ def test_a_call_whose_arguments_quote_the_closing_tag_is_one_valid_call():
     assert bad.content == "then"
 
 
-def test_each_call_is_decoded_once_however_many_closing_tags_follow(monkeypatch):
-    """Retrying the JSON at every later closing tag made malformed calls cost the rest of the text
-    each: 800 of them, 1.7 s on the gateway's event loop."""
+@pytest.fixture
+def decoded(monkeypatch) -> list[int]:
+    """Where the hermes parser starts each JSON decode, in order."""
     import json
 
     from rollfleet.tool_parser import hermes
 
-    decoded: list[int] = []
+    starts: list[int] = []
 
     class Counting(json.JSONDecoder):
         def raw_decode(self, s, idx=0):
-            decoded.append(idx)
+            starts.append(idx)
             return super().raw_decode(s, idx)
 
     monkeypatch.setattr(hermes, "_DECODER", Counting())
+    return starts
+
+
+def test_each_call_is_decoded_once_however_many_closing_tags_follow(decoded):
+    """Retrying the JSON at every later closing tag made malformed calls cost the rest of the text
+    each: 800 of them, 1.7 s on the gateway's event loop."""
     text = "<tool_call>{oops</tool_call> " * 800
     parsed = get_tool_parser("hermes").parse(text)
     assert len(parsed.tool_calls) == 800 and all(c.error for c in parsed.tool_calls)
@@ -105,21 +111,11 @@ def test_a_stray_opening_tag_before_a_call_does_not_swallow_it():
     ]
 
 
-def test_a_run_of_stray_tags_is_tried_a_few_at_a_time_not_each(monkeypatch):
+def test_a_run_of_stray_tags_is_tried_a_few_at_a_time_not_each(decoded):
     """Trying every stray tag as a call's start cost the text's length each (a failed decode works
     out its line and column): a reply of 32,000 repeated tags took 5.6 s on the gateway's loop."""
-    import json
-
     from rollfleet.tool_parser import hermes
 
-    decoded: list[int] = []
-
-    class Counting(json.JSONDecoder):
-        def raw_decode(self, s, idx=0):
-            decoded.append(idx)
-            return super().raw_decode(s, idx)
-
-    monkeypatch.setattr(hermes, "_DECODER", Counting())
     text = "<tool_call>{" * 5000 + '<tool_call>{"name": "a", "arguments": {}}</tool_call>'
     parsed = get_tool_parser("hermes").parse(text)
     assert [c.name for c in parsed.tool_calls] == ["a"]  # the last tag starts it
