@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import random
 import tempfile
@@ -31,6 +32,8 @@ from rollfleet.types import SamplingParams, TokenDelta, TokenOutput
 #: A script maps (request_id, prompt_ids, sampling_params) to the exact response tokens. The
 #: response ends with ``stop`` after those tokens unless ``max_tokens`` cuts it first.
 ResponseScript = Callable[[str, list[int], SamplingParams], Sequence[int]]
+
+logger = logging.getLogger(__name__)
 
 
 class SimEngine(StepLoop, Engine):
@@ -108,7 +111,10 @@ class SimEngine(StepLoop, Engine):
 
     async def shutdown(self) -> None:
         if self._started:  # the steps a fast-forward finished by now count, as one at a time they did
-            self._catch_up()
+            try:
+                self._catch_up()
+            except Exception:  # counting is not worth a shutdown that leaves its loop running
+                logger.exception("sim-%d: settling the last steps at shutdown failed", self.replica_index)
         self._fail_all(EngineDead(f"sim-{self.replica_index}", "engine shut down"))
         if self._loop_task is not None:
             self._loop_task.cancel()
