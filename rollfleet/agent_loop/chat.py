@@ -35,8 +35,8 @@ class ChatRenderer:
         self.tokenizer = tokenizer
         self.eos_token_id: Optional[int] = tokenizer.eos_token_id
         self.eos_text: str = tokenizer.eos_token or ""
-        self._base_cache: dict[Any, tuple[str, str]] = {}
-        self._head_cache: dict[Any, str] = {}
+        self._base_cache: dict[tuple[str, ...], tuple[str, str]] = {}
+        self._head_cache: dict[tuple[str, ...], str] = {}
 
     def render(
         self,
@@ -96,14 +96,14 @@ class ChatRenderer:
     def _head(self, tools: Optional[list[dict]]) -> str:
         """The base's first message (and the tools' system block) as it renders: a prefix of any
         longer conversation."""
-        key = ("head", tuple(t.get("function", t).get("name", "") for t in tools) if tools else ())
+        key = _tools_key(tools)
         cached = self._head_cache.get(key)
         if cached is None:
             cached = self._head_cache[key] = self.render(_BASE[:1], tools)
         return cached
 
     def _base(self, tools: Optional[list[dict]]) -> tuple[str, str]:
-        key = tuple(t.get("function", t).get("name", "") for t in tools) if tools else ()
+        key = _tools_key(tools)
         cached = self._base_cache.get(key)
         if cached is None:
             base_text = self.render(_BASE, tools)
@@ -111,6 +111,11 @@ class ChatRenderer:
             tail = base_text[idx + len(self.eos_text) :] if idx >= 0 else ""
             cached = self._base_cache[key] = (base_text, tail)
         return cached
+
+
+def _tools_key(tools: Optional[list[dict]]) -> tuple[str, ...]:
+    """What a cached rendering depends on beside the fixed base: the tools' names."""
+    return tuple(t.get("function", t).get("name", "") for t in tools) if tools else ()
 
 
 __all__ = ["ChatRenderer", "ChatTemplateError"]
