@@ -101,6 +101,36 @@ def test_a_replica_takes_the_groups_it_caches_first_and_steals_the_longest_when_
     assert virtual_time.run(main())[-1] == "B2"
 
 
+def test_a_replica_with_no_group_of_its_own_probes_a_new_prompt_before_it_steals():
+    """Past the pool's target no new prompt is probed, except by a replica that would otherwise
+    steal: the new prompt's prefill is due anyway, the stolen group's is one more."""
+
+    async def main() -> str:
+        slots = Slots(r0=1, r1=1)
+        gate = LongestGroupFirstGate(room=slots, limit=1)  # 2 replicas x 1 slot
+        order: list[str] = []
+        sample = sampler(gate, slots, order, {})
+        tasks = [asyncio.ensure_future(sample(g, i)) for g, n in (("A", 5), ("B", 2), ("C", 2)) for i in range(n)]
+        await asyncio.sleep(1)
+        assert order == ["A0", "B0"]
+        gate.finished("A0")  # 1 s
+        await asyncio.sleep(1)
+        gate.finished("B0")  # 2 s: 1.33 waves x 2 slots, a target of 2.7 held; 5 are
+        for _ in range(2):
+            slots.free["r1"] = 1
+            gate.wake(everyone=False)
+            await asyncio.sleep(0)
+        nxt = order[-1]
+        assert order[-2] == "B1"  # r1's own group first
+        slots.free.update(r0=9, r1=9)
+        gate.wake(everyone=True)
+        await asyncio.gather(*tasks)
+        assert gate.waiting == 0
+        return nxt
+
+    assert virtual_time.run(main()) == "C0"  # not A1, r0's group
+
+
 @pytest.mark.parametrize("lookahead, expected", [(10.0, "C0"), (1.0, "B1")])
 def test_new_prompts_are_probed_only_while_the_held_siblings_are_too_few_to_rank(lookahead: float, expected: str):
     async def main() -> str:

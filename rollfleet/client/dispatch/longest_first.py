@@ -1,20 +1,7 @@
-"""Late binding: requests held in the client until a replica has room (``routing.max_inflight_per_replica``).
+"""``routing.dispatch_order: longest_group_first``: the probe of each prompt first, then the
+siblings of the prompts whose probes ran longest.
 
-Without a limit a client sends every request at once and each replica's engine queues what it
-cannot run yet: a GRPO batch of thousands of samples is committed to replicas at t=0, by counts,
-before anyone knows how long the samples will be. With a limit, a request that would start a new
-placement waits here until some replica it may go to has fewer requests in flight than the limit,
-and then goes to the policy's choice among those: work lands on the replica that frees up first.
-
-Which held request goes next is ``routing.dispatch_order`` (:data:`DISPATCH_ORDERS`):
-
-* ``fifo`` (:class:`DispatchGate`): arrival order. Requests that follow an earlier placement (a
-  session's next turn, a sibling of a prompt the policy has placed) are never held: their prefix
-  cache is where it is.
-* ``longest_group_first`` (:class:`LongestGroupFirstGate`): one sample of each prompt goes first
-  (a probe), then the siblings of the prompts whose probes ran longest. Only session turns pass.
-
-Why the second: once every slot is busy, a rollout's makespan is decided by its drain, the samples
+Why: once every slot is busy, a rollout's makespan is decided by its drain, the samples
 that start last. A long one started late runs alone at a small batch size while the rest of the
 fleet idles. Response lengths are unknown in advance, but the samples of one prompt have related
 lengths (a hard prompt makes every sample long). The probe's run time estimates its group's:
@@ -32,102 +19,13 @@ import heapq
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from itertools import count
-from typing import Callable, ClassVar, Optional, Sequence
+from typing import ClassVar, Optional, Sequence
 
 from cachetools import LRUCache
 
+from rollfleet.client.dispatch.fifo import DispatchGate, RoomFn
 from rollfleet.routing.policies.prefix_affinity import prefix_key
 from rollfleet.utils import virtual_time
-
-#: Free dispatch slots per replica a new placement may go to (None: nothing would be held, e.g. no
-#: replica is routable; waiters then try, and fail with NoServerAvailable, which the client's retry
-#: policy waits out).
-RoomFn = Callable[[], Optional[dict[str, int]]]
-
-
-class DispatchGate:
-    """The FIFO waiting room: one waiter woken per finished request of this client (one slot
-    freed), all of them when a load report or a membership change may have freed more. Waiters
-    that find no room again go back to the front of the line, in the order they had."""
-
-    #: Siblings of a placed prompt wait here too (the balancer holds them back).
-    holds_placed: ClassVar[bool] = False
-
-    def __init__(self, room: Optional[RoomFn] = None, limit: int = 0, lookahead: float = 1.0) -> None:
-        """Every order is built with the balancer's free slots (``room``), its dispatch ``limit``
-        and ``routing.dispatch_lookahead``; this one needs none of them."""
-        #: The line, by arrival: (arrival, entry, future, request id). A waiter cancelled in line
-        #: stays until it reaches the top (its future is done), so ``_live`` counts the line.
-        self._line: list[tuple[int, int, asyncio.Future[None], str]] = []
-        self._live = 0
-        self._arrivals = count()
-        #: Woken waiters' arrivals by request id: one that finds no room goes back to its place
-        #: (put back at the very front one by one, those woken together came out reversed, and
-        #: every load refresh wakes them all).
-        self._places: dict[str, int] = {}
-        #: Waiters woken that have not tried yet: a woken one runs a loop step later, and a request
-        #: arriving meanwhile must not take the slot it was woken for.
-        self._woken = 0
-
-    @property
-    def waiting(self) -> int:
-        return self._live
-
-    def may_try(self, placed: bool) -> bool:
-        """Whether a request that just arrived may try for a replica before it waits (``placed``:
-        it is a session's next turn): at once only while nobody waits or is woken ahead of it."""
-        return placed or not (self._live or self._woken)
-
-    async def wait(
-        self, front: bool = False, *, request_id: str = "", prompt_ids: Optional[Sequence[int]] = None
-    ) -> None:
-        """Until :meth:`wake` picks this waiter (``front``: it was woken before and found no room:
-        it keeps its place in the line)."""
-        place = self._places.pop(request_id, None) if front else None
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        arrival = next(self._arrivals)  # also the entry's own number: two entries never tie
-        if place is None:  # new, or sent to the front without a place of its own here: the very front
-            place = -arrival if front else arrival
-        heapq.heappush(self._line, (place, arrival, future, request_id))
-        self._live += 1
-        try:
-            await future
-        except asyncio.CancelledError:
-            if future.cancelled():  # still in line
-                self._live -= 1
-            else:  # it was picked, then cancelled: the slot goes to the next
-                self._woken -= 1
-                self._places.pop(request_id, None)
-                self.wake(everyone=False)
-            raise
-        self._woken -= 1  # its caller tries now, before anything else runs
-
-    def wake(self, everyone: bool) -> None:
-        """Let the first waiter (``everyone``: all of them) try again."""
-        while self._line:
-            place, _, future, request_id = heapq.heappop(self._line)
-            if future.done():  # cancelled in line
-                continue
-            future.set_result(None)
-            self._live -= 1
-            self._woken += 1
-            self._places[request_id] = place
-            if not everyone:
-                return
-
-    def dispatched(self, request_id: str, prompt_ids: Sequence[int], replica_id: str) -> None:
-        """A request woken here got ``replica_id``. The next waiter tries too: two slots may have
-        freed in one tick while one request was held, and one that arrived meanwhile queued
-        behind it (:meth:`may_try`); no release would wake it for the second."""
-        self._places.pop(request_id, None)
-        if self._live:
-            self.wake(everyone=False)
-
-    def finished(self, request_id: str, ended: bool = True) -> None:
-        """An attempt of a request of this client is over, whatever its outcome (``ended``: it
-        returned an output that was not aborted; an aborted or failed attempt may be resumed or
-        retried under the same id)."""
-        self._places.pop(request_id, None)
 
 
 @dataclass(eq=False)
@@ -169,7 +67,9 @@ class LongestGroupFirstGate(DispatchGate):
     every prompt first holds the shortest groups for most of the rollout, and by then their
     prompts have left the prefix cache (measured on ``grpo capacity``: 1.19x the group prompt
     prefilled at twice the default lookahead, 1.15x at it; 1.41x and 1.19x when the sim engine's
-    prefix cache was an LRU apart from its KV blocks).
+    prefix cache was an LRU apart from its KV blocks). A replica with none of its own groups
+    waiting probes a new prompt even past that target before it steals: that prompt's prefill is
+    due anyway, a stolen group's is one more.
 
     Heap entries go stale when a group's waiters run out, its probe finishes or it moves home;
     stale ones are skipped when they reach the top. A wake hands out each replica's free slots
@@ -353,21 +253,17 @@ class LongestGroupFirstGate(DispatchGate):
     def _pick(self, replica_id: Optional[str], steal: bool, target: float) -> Optional[_Waiter]:
         """The next waiter for a free slot on ``replica_id`` (``steal``: from any replica's groups
         when none of its own waits; ``target``: :meth:`_pool_target`)."""
-        while self._fresh and (self._pool_samples < target or not self._pool):
-            group = self._fresh.popleft()
-            if not group.waiters or group.probe_start is not None:
-                if group.waiters:  # its probe went since
-                    self._enqueue(group)
-                continue
-            waiter = group.waiters.popleft()
-            group.probe_start = virtual_time.now()  # its siblings now rank by the probe's age
-            self._probes[waiter.request_id] = group
-            if group.waiters:
-                self._enqueue(group)
+        waiter = self._probe(target)
+        if waiter is not None:
             return waiter
         now = virtual_time.now()
         own = self._best(self._queues.get(replica_id), replica_id, now) if replica_id is not None else None
-        if own is None and steal:  # nothing cached here waits: the longest anywhere
+        if own is None and steal:
+            # nothing cached here waits: a new prompt's probe first, past the pool's target (that
+            # prefill is due anyway), then the longest group anywhere (one more prefill of it)
+            waiter = self._probe(float("inf"))
+            if waiter is not None:
+                return waiter
             tops = (self._best(queue, home, now) for home, queue in self._queues.items())
             own = max((top for top in tops if top is not None), key=lambda top: top[0], default=None)
         if own is None:
@@ -380,6 +276,23 @@ class LongestGroupFirstGate(DispatchGate):
             heapq.heappop(heap)
             self._pool.discard(group)
         return waiter
+
+    def _probe(self, target: float) -> Optional[_Waiter]:
+        """The first sample of the next unprobed prompt, while the siblings held behind probed
+        groups are fewer than ``target`` (or none is)."""
+        while self._fresh and (self._pool_samples < target or not self._pool):
+            group = self._fresh.popleft()
+            if not group.waiters or group.probe_start is not None:
+                if group.waiters:  # its probe went since
+                    self._enqueue(group)
+                continue
+            waiter = group.waiters.popleft()
+            group.probe_start = virtual_time.now()  # its siblings now rank by the probe's age
+            self._probes[waiter.request_id] = group
+            if group.waiters:
+                self._enqueue(group)
+            return waiter
+        return None
 
     @staticmethod
     def _best(queue: Optional[_Queue], home: Optional[str], now: float) -> Optional[tuple[float, list[_Entry]]]:
@@ -403,8 +316,4 @@ class LongestGroupFirstGate(DispatchGate):
         return best
 
 
-#: ``routing.dispatch_order`` -> the gate that implements it.
-DISPATCH_ORDERS: dict[str, type[DispatchGate]] = {"fifo": DispatchGate, "longest_group_first": LongestGroupFirstGate}
-
-
-__all__ = ["DISPATCH_ORDERS", "DispatchGate", "LongestGroupFirstGate"]
+__all__ = ["LongestGroupFirstGate"]
