@@ -252,8 +252,8 @@ async def test_longest_group_first_on_vllm_serves_every_sample_and_prefills_each
     every group (2 prefills per group on 2 servers): a replica left with none of its groups waiting
     steals one at the drain, a timing-dependent share: 1.06-1.25 prefills per group over three runs
     here, since a replica probes a new prompt before it steals and each test starts from quiet
-    load reports (:func:`serving`); 1.13-1.31 before, and 1.56 once in CI. Issue 15's target, in
-    ``benchmarks/routing_vllm.py``'s 48 groups, is at most 1.25."""
+    load reports (:func:`serving`); 1.06-1.31 over nine before, and 1.56 once in CI. Issue 15's
+    target, in ``benchmarks/routing_vllm.py``'s 48 groups, is at most 1.25."""
     await serving(fleet)
     addresses = [r.address for r in await fleet.get_replicas()]
     prompt_len, groups, samples = 384, 16, 8
