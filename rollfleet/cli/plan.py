@@ -162,10 +162,12 @@ def overrides_from_args(args: argparse.Namespace, tp: Optional[int] = None) -> d
     out: dict[str, Any] = {"rollout.name": "sim"}
     if args.steps is not None:
         out["trainer.total_steps"] = args.steps
+    profile: Optional[dict[str, Any]] = None
     if args.profile is not None:
         from rollfleet.plan.profiles import load_profile
 
-        out.update({f"rollout.sim.{k}": v for k, v in load_profile(args.profile).items()})
+        profile = load_profile(args.profile)
+        out.update({f"rollout.sim.{k}": v for k, v in profile.items()})
     model = {k: getattr(args, k) for k in _MODEL_FLAGS}
     given = [f"--{k.replace('_', '-')}" for k, v in model.items() if v is not None]
     if args.model_params_b is None and given:  # nothing would read them: the config's costs price the plan
@@ -179,7 +181,7 @@ def overrides_from_args(args: argparse.Namespace, tp: Optional[int] = None) -> d
         raise ValueError("--model-layers and --model-hidden go together (attention's cost needs both)")
     if args.model_params_b is not None:
         try:
-            out.update(_model_costs(args, model, tp))
+            out.update(_model_costs(args, model, tp, profile))
         except ValueError as exc:  # the pricing functions name their arguments: name the flags instead
             said = str(exc)
             name = re.match(r"\w+", said)
@@ -205,14 +207,11 @@ _FLAG_OF = {
 }
 
 
-def _profile(name: str) -> dict[str, Any]:
-    from rollfleet.plan.profiles import load_profile
-
-    return load_profile(name)
-
-
-def _model_costs(args: argparse.Namespace, model: dict[str, Any], tp: int) -> dict[str, Any]:
-    """The learner's and (unless a profile prices them) the engines' costs of ``--model-params-b``."""
+def _model_costs(
+    args: argparse.Namespace, model: dict[str, Any], tp: int, profile: Optional[dict[str, Any]]
+) -> dict[str, Any]:
+    """The learner's and (unless ``profile``, the ``--profile`` read, prices them) the engines'
+    costs of ``--model-params-b``."""
     out: dict[str, Any] = {}
     device = accelerator(model["accelerator"])
     tflops = args.tflops_per_gpu if args.tflops_per_gpu is not None else device.tflops
@@ -233,10 +232,10 @@ def _model_costs(args: argparse.Namespace, model: dict[str, Any], tp: int) -> di
         layers=args.model_layers,
         hidden=args.model_hidden,
     )
-    if args.profile is None:
+    if profile is None:
         out.update({f"rollout.sim.{k}": v for k, v in costs.items()})
         out["rollout.sim.tensor_parallel_size"] = tp  # the replica these costs price
-    elif "kv_capacity_tokens" not in _profile(args.profile):  # a calibrated profile times steps, not memory
+    elif "kv_capacity_tokens" not in profile:  # a calibrated profile times steps, not memory
         out["rollout.sim.kv_capacity_tokens"] = costs["kv_capacity_tokens"]
     return out
 
