@@ -105,9 +105,9 @@ def _fewer_collections(young: int = 200_000, middle: int = 20, old: int = 100) -
     wall time of a 128-accelerator ``sync`` plan (``plan_speed.py``'s workload, 8 steps: 1.25 s a
     step, 0.92 s with the collector off, 0.97 s with a young threshold of 50,000). Even a young
     collection walks every list made since the last one, and a step's responses are 2.3 million
-    token ids in lists still alive when it runs: at 50,000 that was 11-12% of a ``sync`` or
-    ``separate_async`` plan of 15 steps (0.8-0.9 s of 6.5 and 8.3), at 200,000 it is 1-3%, with the
-    same peak memory. Reference cycles are still freed."""
+    token ids in lists still alive when it runs: at 50,000 that was 10-12% of a ``sync`` or
+    ``separate_async`` plan of 15 steps (0.7 s of 6.5 and 0.9 s of 8.3); at 200,000 it is 0-3%,
+    with the same peak memory. Reference cycles are still freed."""
     before = gc.get_threshold()
     gc.set_threshold(young, middle, old)
     try:
