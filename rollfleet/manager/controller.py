@@ -9,8 +9,8 @@ Placement: each replica is a placement group on one node (:mod:`rollfleet.manage
 kept across restarts while the node lives. Health and restarts live in
 :mod:`rollfleet.manager.supervision`, a replica's start-up in :mod:`rollfleet.manager.joining`,
 the control fan-out in :mod:`rollfleet.manager.fanout`, weight updates in
-:mod:`rollfleet.manager.weight_updates`; this module holds
-membership and what clients read. On every
+:mod:`rollfleet.manager.weight_updates`, the snapshots clients route by in
+:mod:`rollfleet.manager.publishing`; this module holds membership. On every
 membership change the Prometheus scrape config follows (``rollout.prometheus``).
 """
 
@@ -24,14 +24,14 @@ from typing import Any, Callable, Optional
 
 from rollfleet.config import RolloutConfig
 from rollfleet.errors import FleetShutDown, InsufficientResources, InvalidRequest
-from rollfleet.health import FleetSnapshot, HealthState, ReplicaRecord
+from rollfleet.health import HealthState, ReplicaRecord
 from rollfleet.manager.joining import ReplicaStarter, replica_info
 from rollfleet.manager.placement import Placer, ReplicaPlacement, WorkerPlacement
 from rollfleet.manager.prometheus import ScrapeConfigWriter
+from rollfleet.manager.publishing import SnapshotPublisher
 from rollfleet.manager.supervision import STOP_TIMEOUT_DEAD_S, HealthSupervisor
 from rollfleet.manager.weight_updates import WeightUpdates
 from rollfleet.records import FleetEvent, FleetStatus, ReplicaInfo, ReplicaStatus
-from rollfleet.server.direct import DirectHandle
 from rollfleet.utils.aio import run_to_end
 from rollfleet.utils.ids import unique_hex
 
@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 ReplicaFactory = Callable[[str, int], Any]
 
 
-class FleetController(HealthSupervisor, ReplicaStarter, WeightUpdates):
+class FleetController(SnapshotPublisher, HealthSupervisor, ReplicaStarter, WeightUpdates):
     def __init__(self, config: RolloutConfig, replica_factory: Optional[ReplicaFactory] = None) -> None:
         self.config = config
         self._factory = replica_factory
@@ -222,57 +222,6 @@ class FleetController(HealthSupervisor, ReplicaStarter, WeightUpdates):
             pass
         _kill(handle)
 
-    # ------------------------------------------------------------------ snapshot (polled by clients)
-    async def snapshot(self, known_epoch: int = -1, client_id: Optional[str] = None) -> FleetSnapshot:
-        """What clients route by; loads carry ``client_id``'s share of each replica's in-flight
-        requests only (each client needs its own; all clients' would grow with the fleet)."""
-        records = self._records
-        snap = FleetSnapshot(
-            membership_epoch=self._membership_epoch,
-            current_version=self.current_version,
-            states={rid: r.state.value for rid, r in records.items()},
-            versions={rid: r.weight_version for rid, r in records.items()},
-            loads={rid: r.load.for_client(client_id) for rid, r in records.items() if r.load is not None},
-            rolling_version=self._rolling_version,
-            details={rid: r.detail for rid, r in records.items() if r.detail},
-            seq=self._changes,
-        )
-        if known_epoch != self._membership_epoch:
-            snap.handles = {rid: _route_handle(r, self.config.data_plane_pickle) for rid, r in records.items()}
-        return snap
-
-    async def watch(
-        self,
-        known_epoch: int = -1,
-        known_signature: Optional[tuple] = None,
-        timeout_s: float = 1.0,
-        client_id: Optional[str] = None,
-    ) -> FleetSnapshot:
-        """Long poll: the snapshot as soon as what routing depends on (membership, states,
-        versions) differs from ``known_signature``, else after ``timeout_s`` (with fresh loads).
-
-        Clients watch instead of polling: a change reaches every client at once, and a quiet fleet
-        costs one call per client per ``timeout_s`` (a snapshot call costs the controller and
-        the caller milliseconds of CPU; hundreds of workers polling 4 times a second would
-        saturate this actor).
-        """
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + max(0.0, min(timeout_s, 60.0))
-        while True:
-            snap = await self.snapshot(known_epoch, client_id)
-            remaining = deadline - loop.time()
-            if snap.signature() != known_signature or remaining <= 0:
-                return snap
-            try:
-                await asyncio.wait_for(self._change_event().wait(), remaining)
-            except asyncio.TimeoutError:
-                pass
-
-    def _change_event(self) -> asyncio.Event:
-        if self._changed is None:
-            self._changed = asyncio.Event()
-        return self._changed
-
     def _membership_changed(self) -> None:
         """A replica was added, removed or got a new actor: clients must fetch handles again, and
         Prometheus must scrape the new addresses."""
@@ -286,14 +235,6 @@ class FleetController(HealthSupervisor, ReplicaStarter, WeightUpdates):
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-
-    def _notify(self) -> None:
-        """Wake every watcher (they compare signatures and go back to waiting if nothing that
-        matters changed)."""
-        event, self._changed = self._changed, None
-        self._changes = (self._changes[0], self._changes[1] + 1)
-        if event is not None:
-            event.set()
 
     async def get_replicas(self) -> list[ReplicaInfo]:
         return [replica_info(r) for r in self._records.values()]
@@ -372,15 +313,6 @@ class FleetController(HealthSupervisor, ReplicaStarter, WeightUpdates):
             self._placer.release_all()  # the learner's own bundle too: the placer reserved it
         self._learner_group = None
         self._membership_changed()
-
-
-def _route_handle(record: ReplicaRecord, allow_pickle: bool = False) -> Any:
-    """The handle clients route requests to: generate over the replica's data plane when it has
-    one, every other call through its Ray actor."""
-    if record.data_plane:
-        token = record.data_plane_token
-        return DirectHandle(record.handle, record.data_plane, record.replica_id, token, allow_pickle)
-    return record.handle
 
 
 def _kill(handle: Any) -> None:

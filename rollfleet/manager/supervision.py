@@ -37,6 +37,11 @@ logger = logging.getLogger(__name__)
 
 #: Grace given to a replica declared dead to stop its engine before its actor is killed.
 STOP_TIMEOUT_DEAD_S = 10.0
+#: A new client's first snapshot asks afresh for loads older than this (s): clients that start
+#: one right after another share answers (see :meth:`HealthSupervisor.fresh_loads`).
+FIRST_VIEW_LOAD_AGE_S = 0.01
+#: ... and waits this long at most (s) for them; what comes later reaches it with its next refresh.
+FIRST_VIEW_WAIT_S = 0.5
 
 
 class HealthSupervisor:
@@ -89,6 +94,45 @@ class HealthSupervisor:
         for record, (handle, outcome) in zip(records, outcomes):
             self._judge(record, handle, outcome, fleet_stalled=stalled)
         self._notify()  # a safety net: whatever changed without a notification shows now
+
+    #: The load probe a new client's first snapshot waits on, shared by every client that starts
+    #: meanwhile (see :meth:`fresh_loads`).
+    _load_query: Optional[asyncio.Future[None]] = None
+
+    async def fresh_loads(self) -> None:
+        """Ask every healthy replica whose load is older than :data:`FIRST_VIEW_LOAD_AGE_S` for its
+        load now, and wait for the answers (at most :data:`FIRST_VIEW_WAIT_S`).
+
+        For a client's first snapshot. A client takes what a replica reports beyond its own
+        requests as other clients' load until its next refresh; the load the rounds left behind is
+        up to ``health.probe_interval_s`` old, and right after another client's burst it still
+        counts that burst's finished requests. A new client used to send its first requests away
+        from those replicas for a whole refresh (and split GRPO groups over replicas on the way).
+        One probe at a time, however many clients start: they wait on the same answers. Only
+        answers count here; a replica that fails this probe is judged by the rounds.
+        """
+        query = self._load_query
+        if query is None or query.done():
+            stale = time.monotonic() - FIRST_VIEW_LOAD_AGE_S
+            records = [
+                r
+                for r in self._records.values()
+                if r.state == HealthState.HEALTHY and not r.probing and r.answered_at < stale
+            ]
+            if not records:
+                return
+            query = self._load_query = asyncio.ensure_future(self._take_loads(records))
+        limit = min(FIRST_VIEW_WAIT_S, self.config.health.probe_timeout_s)
+        try:
+            await asyncio.wait_for(asyncio.shield(query), limit)
+        except asyncio.TimeoutError:
+            pass  # the first view keeps the rounds' loads for the replicas that are slow to say
+
+    async def _take_loads(self, records: list[ReplicaRecord]) -> None:
+        outcomes = await asyncio.gather(*(self._ask(r) for r in records))
+        for record, (handle, outcome) in zip(records, outcomes):
+            if not isinstance(outcome, BaseException):
+                self._judge(record, handle, outcome)
 
     #: The query of Ray's node table in flight, shared by whoever asks meanwhile (see :meth:`_dead_nodes`).
     _node_query: Optional[asyncio.Future[set[str]]] = None
