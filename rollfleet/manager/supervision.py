@@ -108,17 +108,14 @@ class HealthSupervisor:
         up to ``health.probe_interval_s`` old, and right after another client's burst it still
         counts that burst's finished requests. A new client used to send its first requests away
         from those replicas for a whole refresh (and split GRPO groups over replicas on the way).
-        One probe at a time, however many clients start: they wait on the same answers. Only
-        answers count here; a replica that fails this probe is judged by the rounds.
+        One query at a time, however many clients start: they wait on the same answers. Only
+        answers count here; a replica that fails to answer is judged by the rounds, which this
+        query never holds off (it is not the one probe in flight that makes a round skip one).
         """
         query = self._load_query
         if query is None or query.done():
             stale = time.monotonic() - FIRST_VIEW_LOAD_AGE_S
-            records = [
-                r
-                for r in self._records.values()
-                if r.state == HealthState.HEALTHY and not r.probing and r.answered_at < stale
-            ]
+            records = [r for r in self._records.values() if r.state == HealthState.HEALTHY and r.answered_at < stale]
             if not records:
                 return
             query = self._load_query = asyncio.ensure_future(self._take_loads(records))
@@ -129,10 +126,21 @@ class HealthSupervisor:
             pass  # the first view keeps the rounds' loads for the replicas that are slow to say
 
     async def _take_loads(self, records: list[ReplicaRecord]) -> None:
-        outcomes = await asyncio.gather(*(self._ask(r) for r in records))
+        async def ask(record: ReplicaRecord) -> tuple[Any, Any]:
+            # Not marked ``probing``: a round that comes meanwhile asks too, and judges what it gets.
+            # (A hung replica would otherwise dodge the rounds while clients keep starting.)
+            handle = record.handle
+            try:
+                return handle, await asyncio.wait_for(handle.load.remote(), self.config.health.probe_timeout_s)
+            except Exception as exc:
+                return handle, exc
+
+        outcomes = await asyncio.gather(*(ask(r) for r in records))
         for record, (handle, outcome) in zip(records, outcomes):
-            if not isinstance(outcome, BaseException):
-                self._judge(record, handle, outcome)
+            if isinstance(outcome, BaseException):
+                continue
+            if record.load is None or record.handle is not handle or outcome.timestamp >= record.load.timestamp:
+                self._judge(record, handle, outcome)  # not over a round's answer taken after it
 
     #: The query of Ray's node table in flight, shared by whoever asks meanwhile (see :meth:`_dead_nodes`).
     _node_query: Optional[asyncio.Future[set[str]]] = None

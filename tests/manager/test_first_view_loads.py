@@ -6,6 +6,7 @@ whatever is not its own as others' load until its next refresh. In-process sim r
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 
 import pytest
@@ -72,4 +73,26 @@ async def test_clients_starting_together_share_one_probe_and_later_views_ask_non
     await handle.snapshot.remote(first.membership_epoch, client_id="c0")  # a client's later refresh
     await handle.watch.remote(first.membership_epoch, first.signature(), 0.05, client_id="c0")
     assert asked == {"replica-0": 1, "replica-1": 1}
+    await controller.shutdown()
+
+
+async def test_a_hung_replica_is_found_dead_while_clients_keep_starting():
+    """Clients starting one after another ask for fresh loads all the time; a replica whose
+    ``load`` hangs must still be judged by the probe rounds (a first view that marked its probe as
+    the one in flight made every round skip that replica)."""
+    faults = Faults()
+    faults.hung_methods = {"load"}
+    controller, _ = fleet(config(probe_interval_s=0.05, probe_timeout_s=0.2, failures_to_dead=2), faults)
+    await controller.launch(2)
+    faults.hung.add("replica-1")
+    await asyncio.sleep(2 * FIRST_VIEW_LOAD_AGE_S)  # the loads from its start are old enough to ask again
+    handle = LocalHandle(controller)
+    states = []
+    deadline = time.monotonic() + 5.0  # 2 failed rounds take 0.5 s
+    while time.monotonic() < deadline:  # a client starts as soon as the last one has its view
+        snapshot = await handle.snapshot.remote(-1, client_id=f"c{len(states)}")
+        states.append(snapshot.states["replica-1"])
+        if states[-1] not in ("healthy", "suspect"):
+            break
+    assert states[-1] not in ("healthy", "suspect"), f"replica-1 still {states[-1]} after {len(states)} clients"
     await controller.shutdown()
