@@ -27,6 +27,7 @@ from rollfleet.errors import InsufficientResources
 from rollfleet.health import HealthState, ReplicaRecord, can_transition
 from rollfleet.manager.fanout import ControlTimeout
 from rollfleet.records import FleetEvent
+from rollfleet.types import LoadReport
 
 if TYPE_CHECKING:
     from rollfleet.config import RolloutConfig
@@ -98,10 +99,12 @@ class HealthSupervisor:
     #: The load probe a new client's first snapshot waits on, shared by every client that starts
     #: meanwhile (see :meth:`fresh_loads`).
     _load_query: Optional[asyncio.Future[None]] = None
+    _loads_asked_at = float("-inf")  # when it was sent (monotonic)
 
     async def fresh_loads(self) -> None:
-        """Ask every healthy replica whose load is older than :data:`FIRST_VIEW_LOAD_AGE_S` for its
-        load now, and wait for the answers (at most :data:`FIRST_VIEW_WAIT_S`).
+        """Ask every healthy replica for its load now, and wait for the answers (at most
+        :data:`FIRST_VIEW_WAIT_S`), unless a round or such a query asked less than
+        :data:`FIRST_VIEW_LOAD_AGE_S` ago.
 
         For a client's first snapshot. A client takes what a replica reports beyond its own
         requests as other clients' load until its next refresh; the load the rounds left behind is
@@ -113,12 +116,14 @@ class HealthSupervisor:
         query never holds off (it is not the one probe in flight that makes a round skip one).
         """
         query = self._load_query
-        if query is None or query.done():
-            stale = time.monotonic() - FIRST_VIEW_LOAD_AGE_S
+        now = time.monotonic()
+        if query is None or (query.done() and now - self._loads_asked_at >= FIRST_VIEW_LOAD_AGE_S):
+            stale = now - FIRST_VIEW_LOAD_AGE_S
             records = [r for r in self._records.values() if r.state == HealthState.HEALTHY and r.answered_at < stale]
             if not records:
                 return
             query = self._load_query = asyncio.ensure_future(self._take_loads(records))
+            self._loads_asked_at = now
         limit = min(FIRST_VIEW_WAIT_S, self.config.health.probe_timeout_s)
         try:
             await asyncio.wait_for(asyncio.shield(query), limit)
@@ -126,21 +131,22 @@ class HealthSupervisor:
             pass  # the first view keeps the rounds' loads for the replicas that are slow to say
 
     async def _take_loads(self, records: list[ReplicaRecord]) -> None:
-        async def ask(record: ReplicaRecord) -> tuple[Any, Any]:
+        """Each answer as it comes (a slow replica must not hold the others' back past the wait),
+        as a load only: health is the rounds' to judge (an answer asked for before a round's
+        probe failed must not make the replica healthy again, nor count as heard from since)."""
+
+        async def take(record: ReplicaRecord) -> None:
             # Not marked ``probing``: a round that comes meanwhile asks too, and judges what it gets.
             # (A hung replica would otherwise dodge the rounds while clients keep starting.)
             handle = record.handle
             try:
-                return handle, await asyncio.wait_for(handle.load.remote(), self.config.health.probe_timeout_s)
-            except Exception as exc:
-                return handle, exc
+                report = await asyncio.wait_for(handle.load.remote(), self.config.health.probe_timeout_s)
+            except Exception:
+                return
+            if record.handle is handle and record.state in (HealthState.HEALTHY, HealthState.SUSPECT):
+                record.load = newer_load(record.load, report)
 
-        outcomes = await asyncio.gather(*(ask(r) for r in records))
-        for record, (handle, outcome) in zip(records, outcomes):
-            if isinstance(outcome, BaseException):
-                continue
-            if record.load is None or record.handle is not handle or outcome.timestamp >= record.load.timestamp:
-                self._judge(record, handle, outcome)  # not over a round's answer taken after it
+        await asyncio.gather(*(take(r) for r in records))
 
     #: The query of Ray's node table in flight, shared by whoever asks meanwhile (see :meth:`_dead_nodes`).
     _node_query: Optional[asyncio.Future[set[str]]] = None
@@ -197,7 +203,7 @@ class HealthSupervisor:
         if record.handle is not handle or record.state not in (HealthState.HEALTHY, HealthState.SUSPECT):
             return  # restarted or declared dead meanwhile: this answer is about an old actor
         if not isinstance(outcome, BaseException):
-            record.load = outcome
+            record.load = newer_load(record.load, outcome)  # a first view's may be newer (fresh_loads)
             record.consecutive_failures = 0
             record.answered_at = time.monotonic()
             if record.state == HealthState.SUSPECT:
@@ -332,6 +338,12 @@ class HealthSupervisor:
 def _log_failed_query(query: "asyncio.Future[set[str]]") -> None:
     if not query.cancelled() and query.exception() is not None:
         logger.warning("listing the cluster's nodes failed: %r", query.exception())
+
+
+def newer_load(current: Optional[LoadReport], report: LoadReport) -> LoadReport:
+    """The newer of two load reports of one replica process (one clock): answers to two probes
+    in flight at once may come back in either order."""
+    return report if current is None or report.timestamp >= current.timestamp else current
 
 
 def _actor_died(exc: BaseException) -> bool:

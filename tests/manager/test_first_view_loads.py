@@ -96,3 +96,58 @@ async def test_a_hung_replica_is_found_dead_while_clients_keep_starting():
             break
     assert states[-1] not in ("healthy", "suspect"), f"replica-1 still {states[-1]} after {len(states)} clients"
     await controller.shutdown()
+
+
+async def test_a_replica_slow_to_answer_does_not_hold_back_the_others_loads():
+    """replica-2's ``load`` hangs (no round has noticed yet). The first view waits its 0.5 s at
+    most, and gets the fresh loads of the others: it used to wait for all of them, time out, and
+    keep the burst as load on replica-0."""
+    faults = Faults()
+    faults.hung_methods = {"load"}
+    controller, replicas = fleet(config(probe_interval_s=60.0, probe_timeout_s=2.0), faults)
+    await controller.launch(3)
+    await burst_seen_then_over(controller, replicas["replica-0"])
+    faults.hung.add("replica-2")
+    balancer = GlobalRequestLoadBalancer({}, policy="least_inflight", seed=0)
+    started = time.monotonic()
+    await FleetView(balancer, controller=LocalHandle(controller)).refresh()
+    assert time.monotonic() - started < 1.5
+    assert balancer.get_status()["estimated_load"]["replica-0"] == 0
+    faults.hung.clear()
+    await controller.shutdown()
+
+
+async def test_a_first_view_answer_does_not_undo_a_failed_round():
+    """replica-1 answers a first view's query, asked before a round's probe of it failed, after
+    that failure: the answer is a load, not a verdict; the replica stays suspect, its failure
+    counted (it used to be made healthy again, its failures reset)."""
+    faults = Faults()
+    faults.hung_methods = {"load"}
+    controller, replicas = fleet(config(probe_interval_s=60.0, probe_timeout_s=0.3, failures_to_dead=2), faults)
+    await controller.launch(2)
+    replica = replicas["replica-1"]
+    answer = asyncio.Event()
+    load = replica.load
+    calls = []
+
+    async def hung_then_slow():
+        calls.append(1)
+        if len(calls) == 1:  # the round's: hangs
+            await asyncio.Event().wait()
+        await answer.wait()  # the first view's: answered once the round has failed
+        return await load()
+
+    replica.load = hung_then_slow
+    await asyncio.sleep(2 * FIRST_VIEW_LOAD_AGE_S)
+    round_ = asyncio.ensure_future(controller.probe_all())
+    await asyncio.sleep(0.1)
+    view = asyncio.ensure_future(LocalHandle(controller).snapshot.remote(-1, client_id="c"))
+    await round_
+    record = controller._records["replica-1"]
+    assert (record.state.value, record.consecutive_failures) == ("suspect", 1)
+    answer.set()
+    await view
+    await asyncio.sleep(0.05)
+    assert len(calls) == 2 and record.load is not None and record.load.inflight == 0  # the answer came
+    assert (record.state.value, record.consecutive_failures) == ("suspect", 1)
+    await controller.shutdown()
