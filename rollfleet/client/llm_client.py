@@ -255,7 +255,7 @@ class LLMServerClient:
                     self.fleet.quarantine(server_id, repr(exc))
                     self.balancer.unstick(request_id)  # re-route the session
                 raise
-            self.balancer.report_load(response.load)
+            self.balancer.report_load(response.load, handle)
             self.balancer.observe_output(server_id, request_id, response.output)
             ended = response.output.stop_reason != "aborted"
             return response

@@ -245,7 +245,7 @@ async def _attempt(
             if stream_call is None:
                 ref = handle.generate_with_load.remote(request_id, prompt, params, **kwargs)
                 response = await within(ref, timeout)  # gone or out of time: the replica's request stops too
-                client.balancer.report_load(response.load)
+                client.balancer.report_load(response.load, handle)
                 client.balancer.observe_output(server_id, request_id, response.output)
                 observed = True
                 ended = response.output.stop_reason != "aborted"
@@ -264,7 +264,7 @@ async def _attempt(
                     if left is not None:
                         left = max(0.0, left - (loop.time() - began))
                     if isinstance(item, ReplicaResponse):
-                        client.balancer.report_load(item.load)
+                        client.balancer.report_load(item.load, handle)
                         client.balancer.observe_output(server_id, request_id, item.output)
                         observed = True
                         ended = item.output.stop_reason != "aborted"

@@ -216,7 +216,8 @@ class GlobalRequestLoadBalancer(ReplicaMembership):
         ``handle``, the one its acquire returned, tells a request sent before its replica was
         removed (uncounted there) from one sent to a replica re-added under the same id since."""
         state = self._servers.get(server_id)
-        if self._departed.release(server_id, handle, state.handle if state is not None else None) or state is None:
+        current = state.handle if state is not None else None
+        if self._departed.release(server_id, handle, current, prompt_len) or state is None:
             if self.on_room is not None:
                 self.on_room(False)
             return

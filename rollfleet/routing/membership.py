@@ -34,10 +34,14 @@ class ReplicaMembership:
 
         def _placeable(self) -> tuple[list[ReplicaView], bool]: ...
 
-    def report_load(self, report: LoadReport) -> None:
-        """Fold in a replica's own report (piggybacked on a response, or polled)."""
+    def report_load(self, report: LoadReport, handle: Any = None) -> None:
+        """Fold in a replica's own report (piggybacked on a response, or polled). ``handle``: the
+        one the response came from; a report of a replica restarted since (another handle now) is
+        the dead process's, not the new one's load, and its clock is not the new one's either."""
         state = self._servers.get(report.replica_id)
         if state is None or report.timestamp < state.reported_at:
+            return
+        if handle is not None and state.handle is not handle and state.handle != handle:
             return
         state.reported_at = report.timestamp
         others_before = state.others

@@ -59,7 +59,7 @@ class Departed:
             self._drop(server_id, state)
         return state
 
-    def release(self, server_id: str, handle: Any, current: Any = None) -> bool:
+    def release(self, server_id: str, handle: Any, current: Any = None, prompt_len: int = 0) -> bool:
         """Uncount one request on a removed incarnation of ``server_id``: the one that is
         ``handle``; without a handle, or with one that is neither a removed one's nor ``current``
         (the handle of the replica there now): the oldest (over for a while, never under). Such a
@@ -71,6 +71,8 @@ class Departed:
         if state is None:
             return False
         state.local -= 1
+        # its tokens too: re-added as the very same actor, what is left is that replica's load
+        state.local_tokens = max(0, state.local_tokens - prompt_len)
         if state.local <= 0:
             self._drop(server_id, state)
         return True

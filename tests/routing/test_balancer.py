@@ -388,6 +388,35 @@ def test_a_request_sent_before_its_replica_left_never_uncounts_the_one_readded_u
     assert lb.get_inflight_count("s0") == 1
 
 
+def test_the_same_actor_readded_carries_only_the_tokens_still_in_flight_there():
+    """Two requests of 1,000 prompt tokens on s0; s0 removed, one ends, s0 re-added as the very
+    same actor, the other ends. Releasing on the removed replica used to uncount the request but
+    not its tokens: 1,000 tokens stayed on s0 for good, which ``least_tokens`` routes by."""
+    lb = GlobalRequestLoadBalancer({"s0": "h0", "s1": "h1"}, policy="least_tokens", seed=0)
+    lb.set_routable("s1", False)
+    taken = [lb.acquire_server(f"q{i}", prompt_len=1000) for i in range(2)]
+    assert [sid for sid, _ in taken] == ["s0", "s0"]
+    lb.remove_servers(["s0"])
+    lb.release_server("s0", 1000, taken[0][1])
+    lb.add_servers({"s0": "h0"})
+    assert lb.get_status()["estimated_load"]["s0"] == 1
+    lb.release_server("s0", 1000, taken[1][1])
+    state = lb._servers["s0"]
+    assert (state.local, state.local_tokens, state.view.inflight_tokens) == (0, 0, 0)
+
+
+def test_a_late_report_of_a_replicas_earlier_actor_is_not_the_new_ones():
+    """s0 restarted in place (a new handle); a response of its dead actor, sent before, arrives
+    now with that actor's load (40 requests of others, 30 waiting). It used to be taken as the new
+    actor's, and its clock set the bar the new actor's own reports had to pass."""
+    lb = GlobalRequestLoadBalancer({"s0": "old", "s1": "h1"}, policy="least_inflight", seed=0)
+    lb.set_handle("s0", "new")
+    lb.report_load(LoadReport("s0", inflight=40, waiting=30, kv_usage=0.99, timestamp=1_000.0), "old")
+    assert lb.get_status()["estimated_load"]["s0"] == 0
+    lb.report_load(LoadReport("s0", inflight=2, timestamp=5.0), "new")  # another node's clock, behind
+    assert lb.get_status()["estimated_load"]["s0"] == 2
+
+
 def test_a_session_stays_placed_when_no_replica_is_left_to_place_its_turn_on():
     """Its replica quarantined and none other routable: the turn fails with NoServerAvailable, and
     the session used to be forgotten, its retried turn then held like a new placement."""
