@@ -73,6 +73,52 @@ def test_a_request_that_arrives_during_a_weight_load_misses_the_old_weights_bloc
     virtual_time.run(run())
 
 
+def test_a_load_given_up_leaves_its_salt_to_no_other_weights():
+    """A commit cancelled during its load (a caller's timeout): the request that arrived meanwhile
+    ran on the old weights under the salt of the new ones, and the retried commit took that very
+    salt: the new weights' requests hit 96 tokens the old weights computed."""
+
+    async def run() -> None:
+        engine = await started(weight_load_ms=100.0)
+        await engine.stage_weights({"w": 1}, 1)
+        commit = asyncio.ensure_future(engine.commit_weights(1, mode="keep"))
+        await asyncio.sleep(0.01)
+        early = asyncio.ensure_future(engine.generate("early", PROMPT, {"max_tokens": 4, "ignore_eos": True}))
+        await asyncio.sleep(0.01)
+        commit.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await commit
+        assert (await early).token_versions == [None] * 4  # the old weights
+        await engine.commit_weights(1, mode="keep")  # still staged: the retry loads them
+        before = hits(engine)
+        out = await engine.generate("new", PROMPT, {"max_tokens": 4, "ignore_eos": True})
+        assert out.token_versions == [1] * 4 and hits(engine) == before
+        await engine.shutdown()
+
+    virtual_time.run(run())
+
+
+def test_weights_staged_during_a_load_are_the_next_commits():
+    """Staging version 2 while version 1 loads (staging drops older versions) made the load of 1
+    fail at its end (KeyError), its engine left on the old weights."""
+
+    async def run() -> None:
+        engine = await started(weight_load_ms=100.0)
+        await engine.stage_weights({"w": 1}, 1)
+        commit = asyncio.ensure_future(engine.commit_weights(1, mode="keep"))
+        await asyncio.sleep(0.01)
+        await engine.stage_weights({"w": 2}, 2)
+        await commit
+        out = await engine.generate("a", PROMPT, {"max_tokens": 2, "ignore_eos": True})
+        assert out.token_versions == [1, 1]
+        await engine.commit_weights(2, mode="keep")
+        out = await engine.generate("b", PROMPT, {"max_tokens": 2, "ignore_eos": True})
+        assert out.token_versions == [2, 2]
+        await engine.shutdown()
+
+    virtual_time.run(run())
+
+
 @pytest.mark.parametrize("reset", ["update_weights", "clear_kv_cache"])
 def test_after_a_cache_reset_a_queued_request_does_not_find_the_blocks_of_before(reset):
     """A request running through the reset put its blocks, computed before it, back in the cache
@@ -176,6 +222,39 @@ def test_a_prefill_is_cached_only_if_its_step_ran(resume_after_s, cache_on_prefi
         assert engine.stats()["sim_busy_s"] == pytest.approx(busy)
         await engine.generate("c", prompt, {"max_tokens": 10, "ignore_eos": True})
         assert hits(engine) == (992 if ran else 0) + 992  # what b computed is cached
+        await engine.shutdown()
+
+    virtual_time.run(run())
+
+
+@pytest.mark.parametrize("spw", [1, 1000])
+@pytest.mark.parametrize("resume_after_s", [1.0, 0.1])
+def test_siblings_sharing_a_prefill_cache_it_only_if_its_step_ran(resume_after_s, spw):
+    """Two requests of one prompt admitted together: the second hits the first's blocks while the
+    first's prefill computes them (as in vLLM). A pause half-way through that step aborts both; the
+    second, whose whole context had hit, left its blocks cached as if computed, and with the step
+    thrown away a third request hit 992 tokens nobody computed."""
+
+    async def run() -> None:
+        engine = await started(
+            step_base_ms=10.0,
+            step_per_seq_ms=0.0,
+            prefill_per_token_ms=1.0,
+            cache_on_prefill=True,
+            max_steps_per_wake=spw,
+        )
+        prompt = [5] * 992  # whole blocks: the sibling's context hits whole
+        params = {"max_tokens": 10, "ignore_eos": True}
+        both = [asyncio.ensure_future(engine.generate(f"s{i}", prompt, params)) for i in range(2)]
+        await asyncio.sleep(0.5)  # half-way through their 1.002 s prefill step
+        await engine.pause()
+        assert [(await f).token_ids for f in both] == [[], []]
+        assert hits(engine) == 992  # the sibling's, on the first's blocks in flight
+        await asyncio.sleep(resume_after_s)
+        await engine.resume()
+        ran = resume_after_s < 0.5
+        await engine.generate("c", prompt, params)
+        assert hits(engine) == 992 + (992 if ran else 0)
         await engine.shutdown()
 
     virtual_time.run(run())

@@ -168,7 +168,7 @@ class BatchModel:
         if req.cache_hold[0]:
             # Its prefill not done (the step doing it has not ended), only the blocks the cache
             # served it hold KV yet; the rest are cached if that step ends (see _leave).
-            computed = req.hit_blocks if unpaid else None
+            computed = req.hit_blocks if unpaid is not None else None
             self._prefix_cache.release(req.hashes, req.cache_hold, self._kv_blocks_free, computed)
             req.cache_hold = (0, 0)
 
@@ -178,7 +178,9 @@ class BatchModel:
         weight load throws away computed nothing). A waiting request's blocks were never computed,
         or were freed when it was preempted: caching them would serve hits nobody computed."""
         running = req in self._running
-        in_prefill = running and bool(self._unpaid.get(req))
+        # admitted for a step that has not ended (one whose whole context hit the cache too: what
+        # it hit may be another's prefill in that very step)
+        in_prefill = running and req in self._unpaid
         if running:
             self._running.remove(req)
         else:
@@ -284,7 +286,7 @@ class BatchModel:
             self._unpaid[req] = len(context) - cached
             req.cache_epoch = self._prefix_cache.epoch
             if self.config.cache_on_prefill:  # its blocks are computed now: later requests reuse them
-                req.cache_hold = self._prefix_cache.hold(hashes)
+                req.cache_hold = self._prefix_cache.hold(hashes, req.hit_blocks)
             self._evict()  # after the lookup, as vLLM takes the blocks it hit before allocating
             self._admit_counter += 1
             req.admitted_seq = self._admit_counter

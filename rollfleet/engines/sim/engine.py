@@ -1,7 +1,7 @@
 """SimEngine: the simulated engine's :class:`~rollfleet.engines.base.Engine` face.
 
-The data plane, the control ops (pause, sleep, weights, profile) and the fault hooks for tests
-live here; the step loop is :mod:`.steps`, the batching model :mod:`.batch`. Every op that reads or
+The data plane, the control ops (pause, sleep, profile) and the fault hooks for tests live here;
+weight loads are :mod:`.weights`, the step loop :mod:`.steps`, the batching model :mod:`.batch`. Every op that reads or
 changes the batch first settles the steps a fast-forward has finished by then
 (:meth:`~rollfleet.engines.sim.steps.StepLoop._catch_up`). See the package docstring for the model.
 """
@@ -19,14 +19,15 @@ from collections import deque
 from typing import Any, AsyncIterator, Callable, Optional, Sequence, Union
 
 from rollfleet.config import RolloutConfig, SimEngineConfig
-from rollfleet.engines.base import CommitMode, Engine, EngineHealth, EngineLimits, EngineLoad
+from rollfleet.engines.base import Engine, EngineHealth, EngineLimits, EngineLoad
 from rollfleet.engines.sim.batch import _Request
 from rollfleet.engines.sim.continuations import Continuations
 from rollfleet.engines.sim.cost import StepCost
 from rollfleet.engines.sim.prefix import PrefixCache
-from rollfleet.engines.sim.steps import StepLoop, _Run
-from rollfleet.engines.sim.tokens import _fingerprint, _mix
-from rollfleet.errors import EngineDead, InvalidRequest, NotSupported
+from rollfleet.engines.sim.steps import _Run
+from rollfleet.engines.sim.tokens import _mix
+from rollfleet.engines.sim.weights import WeightLoads
+from rollfleet.errors import EngineDead, InvalidRequest
 from rollfleet.types import SamplingParams, TokenDelta, TokenOutput
 
 #: A script maps (request_id, prompt_ids, sampling_params) to the exact response tokens. The
@@ -36,7 +37,7 @@ ResponseScript = Callable[[str, list[int], SamplingParams], Sequence[int]]
 logger = logging.getLogger(__name__)
 
 
-class SimEngine(StepLoop, Engine):
+class SimEngine(WeightLoads, Engine):
     """Simulated continuous-batching engine; see the package docstring for the model."""
 
     name = "sim"
@@ -57,6 +58,7 @@ class SimEngine(StepLoop, Engine):
         self._prefix_cache = PrefixCache(config.prefix_cache_blocks)
         self._weights_seed = _mix(config.seed, 0)
         self._num_updates = 0
+        self._salt = self._loading_salt = self._salts_taken = 0  # see WeightLoads
         self._weights_fp = 0  # the fingerprint of the weights last loaded (0: the boot weights)
         self._corrupt_next_load = False
         self._version_label: Optional[int] = None
@@ -201,7 +203,7 @@ class SimEngine(StepLoop, Engine):
             raise InvalidRequest("sampling_params.temperature", "temperature >= 0", sampling_params["temperature"])
         req = _Request(request_id, list(prompt_ids), max_tokens)
         # the weights it runs under (see _load): arriving during a load, those being loaded
-        req.cache_salt = self._num_updates + self._loading
+        req.cache_salt = self._loading_salt if self._loading else self._salt
         req.stop_ids = frozenset(sampling_params.get("stop_token_ids") or ())
         req.ignore_eos = bool(sampling_params.get("ignore_eos", False))
         req.min_tokens = int(sampling_params.get("min_tokens") or sampling_params.get("min_new_tokens") or 0)
@@ -264,61 +266,6 @@ class SimEngine(StepLoop, Engine):
         self._sleeping = False
         if self._work is not None:
             self._work.set()
-
-    async def update_weights(self, weights: Any) -> None:
-        await self._load(weights, clear_cache=True)
-
-    async def _load(self, weights: Any, clear_cache: bool) -> None:
-        """Load ``weights``. Requests that arrive from now on salt their block hashes with them, as
-        rollfleet's vLLM engine salts each request with the weights' label: none hits a block
-        computed by other weights, whether or not the cache is cleared (``clear_cache``: a reset,
-        after which not even the requests already queued find their old blocks)."""
-        self._check_alive()
-        self._catch_up()
-        self._materialize_all()  # the tokens counted so far came from the weights before these
-        self._num_updates += 1
-        self._weights_fp = _fingerprint(weights)
-        if self._corrupt_next_load:
-            self._corrupt_next_load = False
-            self._weights_fp = _mix(self._weights_fp, 0xBAD)
-        self._weights_seed = _mix(self.config.seed, self._weights_fp, self._num_updates)
-        for req in self._requests.values():  # in flight: the rest comes from the new weights
-            req.token_seed = _mix(self._weights_seed, *req.sample_key)
-        if clear_cache:
-            self._prefix_cache.clear()
-
-    async def commit_weights(self, version: int, mode: CommitMode = "abort") -> None:
-        """As a real engine: ``abort`` loads on a paused engine; ``keep`` stops stepping (the
-        running requests keep their KV), loads, and lets them continue on the new weights (their
-        next tokens come from the new weights' stream). Either way the load takes
-        ``weight_load_ms`` of simulated time, and tokens are labelled ``version`` from now on."""
-        if mode not in self.update_modes:
-            raise NotSupported(self.name, f"commit_weights(mode={mode!r})", f"modes: {sorted(self.update_modes)}")
-        staged = self.__dict__.get("_staged_weights", {})
-        if version not in staged:
-            raise KeyError(f"no weights staged under version {version} (staged: {sorted(staged)})")
-        self._catch_up()
-        self._materialize_all()
-        self._loading += 1  # the step loop emits nothing until the load is done (a pause or resume
-        try:  # meanwhile is the operator's: it holds after the load)
-            if self.config.weight_load_ms:
-                await asyncio.sleep(self.config.weight_load_ms / 1000.0 / self.config.time_scale)
-            # keep: the running requests hold their blocks (computed by the old weights, as in
-            # vLLM, whose prefix cache cannot be reset while blocks are in use); the new salt keeps
-            # every later request off them. abort: the replica resets the cache after the load.
-            await self._load(staged.pop(version), clear_cache=mode != "keep")
-            self._version_label = version
-        finally:
-            self._loading -= 1
-            if self._work is not None:
-                self._work.set()
-
-    async def weights_checksum(self) -> Optional[str]:
-        """The fingerprint of the weights last loaded: equal on replicas that loaded the same ones."""
-        return f"{self._weights_fp:016x}"
-
-    async def clear_kv_cache(self) -> None:
-        self._prefix_cache.clear()
 
     async def start_profile(self, **kwargs: Any) -> None:
         self._profile = []

@@ -31,6 +31,10 @@ class PrefixCache:
         self.bound = bound  # most free blocks kept (None: as many as the KV cache has free; 0: no cache)
         self._free: OrderedDict[int, None] = OrderedDict()  # least recently used first
         self._held: dict[int, int] = {}  # block -> how many running requests hold it
+        #: Held blocks whose prefill no step has done yet (:meth:`hold`, :meth:`prefilled`): a
+        #: request admitted beside the one computing them shares them, as in vLLM, but if every
+        #: holder leaves before that step ends (a pause throws the step away), nothing computed them.
+        self._pending: set[int] = set()
         self._epoch = 0  # a clear starts a new one: what was held before it is not released into it
 
     @property
@@ -60,15 +64,21 @@ class PrefixCache:
                 free.move_to_end(h)
         return hits
 
-    def hold(self, hashes: list[int]) -> tuple[int, int]:
-        """A running request holds ``hashes``; returns the handle :meth:`release` takes back."""
+    def hold(self, hashes: list[int], hits: int) -> tuple[int, int]:
+        """A running request holds ``hashes``, of which the first ``hits`` were cached (the rest
+        its prefill computes); returns the handle :meth:`release` takes back."""
         if not self.enabled:
             return (0, 0)
         held = self._held
         for h in hashes:
             held[h] = held.get(h, 0) + 1
             self._free.pop(h, None)
+        self._pending.update(hashes[hits:])
         return (len(hashes), self._epoch)
+
+    def prefilled(self) -> None:
+        """A step ended: it did the prefill of every request admitted for it."""
+        self._pending.clear()
 
     def release(self, hashes: list[int], handle: tuple[int, int], kv_free: int, computed: Optional[int] = None) -> None:
         """The request that :meth:`hold` returned ``handle`` to stopped running: the blocks no other
@@ -77,7 +87,7 @@ class PrefixCache:
         count, epoch = handle
         if not count or epoch != self._epoch:
             return
-        held = self._held
+        held, pending = self._held, self._pending
         limit = count if computed is None else computed
         freed = []
         for i, h in enumerate(hashes[:count]):
@@ -86,7 +96,9 @@ class PrefixCache:
                 held[h] = left
             else:
                 del held[h]
-                if i < limit:
+                if h in pending:
+                    pending.discard(h)  # its holders all left before a step computed it
+                elif i < limit:
                     freed.append(h)
         self.insert(freed, kv_free)
 
@@ -114,6 +126,7 @@ class PrefixCache:
         """Forget every cached block, held ones too (new weights make them all stale)."""
         self._free.clear()
         self._held.clear()
+        self._pending.clear()
         self._epoch += 1
 
 

@@ -188,6 +188,7 @@ class StepLoop(BatchModel):
             return
         if run.done == 0:
             self._unpaid.clear()  # the first step ended: it did every admitted request's prefill,
+            self._prefix_cache.prefilled()
             for req in self._left_in_prefill:  # those that left the batch meanwhile too
                 self._cache_computed(req)
             self._left_in_prefill.clear()
