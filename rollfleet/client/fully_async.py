@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from rollfleet.client.budget import StallCount, resumed_params, room_after, token_budget
-from rollfleet.client.llm_client import LLMServerClient
+from rollfleet.client.llm_client import LLMServerClient, WeightsMoved
 from rollfleet.client.prompt import checked_prompt
 from rollfleet.types import SamplingParams, StopReason, TokenOutput
 
@@ -33,8 +33,10 @@ from rollfleet.types import SamplingParams, StopReason, TokenOutput
 class FullyAsyncLLMServerClient(LLMServerClient):
     """Same signature as :class:`LLMServerClient`; resumes aborted requests transparently.
 
-    ``partial_rollout=False`` turns resuming off: an aborted request comes back ``aborted`` so
-    the caller regenerates it rather than training on a truncated sample.
+    ``partial_rollout=False`` keeps every response one policy's: an aborted request is resumed
+    only on a replica serving the weights that sampled its tokens so far (a pause with no weight
+    sync after it), else it comes back ``aborted`` so the caller regenerates it rather than
+    training on a truncated or mixed sample.
     """
 
     def __init__(self, *args: Any, partial_rollout: bool = True, **kwargs: Any) -> None:
@@ -64,11 +66,17 @@ class FullyAsyncLLMServerClient(LLMServerClient):
         last_extra: dict[str, Any] = {}
         attempt = 0
         stalls = StallCount(self.retry.max_attempts)
+        pinned: Optional[int] = None  # partial_rollout off: the one version a resume may run on
 
         while True:
             attempt += 1
             attempt_params = resumed_params(params, key, budget, len(token_ids))
-            out = await self._generate(request_id, prompt + token_ids, attempt_params, kwargs)
+            try:
+                out = await self._generate(request_id, prompt + token_ids, attempt_params, kwargs, pinned)
+            except WeightsMoved:
+                break  # back aborted, as it was: the caller regenerates it
+            if pinned is not None and not _sampled_by(out, pinned):
+                break  # other weights after all (a commit after it was routed): dropped, back aborted
             new = out.token_ids[: budget - len(token_ids)]  # defensive: an engine never gets more
             token_ids.extend(new)
             if log_probs is not None and out.log_probs is not None:
@@ -91,8 +99,15 @@ class FullyAsyncLLMServerClient(LLMServerClient):
                 if stop_reason == "aborted":
                     stop_reason = "length"
                 break
-            if stop_reason != "aborted" or not self.partial_rollout:
+            if stop_reason != "aborted":
                 break
+            if not self.partial_rollout and token_ids:
+                # Its tokens must stay one policy's: resumed only on the weights that sampled them
+                # (an abort with no weight sync after it: every step of colocate_async pauses the
+                # fleet), else returned aborted. A version not known: returned as before.
+                if last_version is None:
+                    break
+                pinned = last_version
             version = out.extra_fields.get("global_steps")
             stalled = stalls.after_abort(bool(new), attempt > 1, version, self.fleet.current_version)
             if stalls.exhausted:
@@ -118,6 +133,16 @@ class FullyAsyncLLMServerClient(LLMServerClient):
             token_versions=versions if versions is not None and len(versions) == len(token_ids) else None,
             extra_fields=extra,
         )
+
+
+def _sampled_by(out: TokenOutput, version: int) -> bool:
+    """Every token of ``out`` was sampled by ``version`` (an output with none was: nothing to mix)."""
+    if not out.token_ids:
+        return True
+    if out.token_versions is not None:
+        return all(v == version for v in out.token_versions)
+    extra = out.extra_fields
+    return extra.get("min_global_steps") == version == extra.get("max_global_steps")
 
 
 __all__ = ["FullyAsyncLLMServerClient"]

@@ -52,6 +52,14 @@ def rollout_config_of(config: ConfigLike) -> RolloutConfig:
     raise TypeError(f"config must be a RolloutConfig, RollfleetConfig or dict, got {type(config).__name__}")
 
 
+class WeightsMoved(Exception):
+    """A resume pinned to one weight version found its replica on another (or on one not known):
+    the tokens so far must not be continued by other weights (``partial_rollout`` off)."""
+
+    def __init__(self, request_id: str, wanted: int, found: Optional[int]) -> None:
+        super().__init__(f"{request_id}: its tokens are version {wanted}'s, the replica serves {found}")
+
+
 class LLMServerClient:
     """Routes generation requests to the fleet's replicas.
 
@@ -164,9 +172,16 @@ class LLMServerClient:
         return await self._generate(request_id, checked_prompt(prompt_ids), sampling_params, kwargs)
 
     async def _generate(
-        self, request_id: str, prompt_ids: list[int], sampling_params: Optional[SamplingParams], kwargs: dict[str, Any]
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling_params: Optional[SamplingParams],
+        kwargs: dict[str, Any],
+        same_weights_as: Optional[int] = None,
     ) -> TokenOutput:
-        """:meth:`generate` of a checked prompt (the resuming client sends its attempts here)."""
+        """:meth:`generate` of a checked prompt (the resuming client sends its attempts here).
+        ``same_weights_as``: send it only to a replica known to serve that weight version, else
+        raise :class:`WeightsMoved` (a resume that must not mix two policies' tokens)."""
         await self.fleet.ensure_started()
         prompt_len = len(prompt_ids)
         attempt = 0
@@ -175,7 +190,9 @@ class LLMServerClient:
         while True:
             attempt += 1
             try:
-                response = await self._generate_once(request_id, prompt_ids, sampling_params, prompt_len, kwargs)
+                response = await self._generate_once(
+                    request_id, prompt_ids, sampling_params, prompt_len, kwargs, same_weights_as
+                )
             except asyncio.CancelledError:
                 raise
             except Exception as raw:
@@ -238,12 +255,15 @@ class LLMServerClient:
         sampling_params: Optional[SamplingParams],
         prompt_len: int,
         kwargs: dict[str, Any],
+        same_weights_as: Optional[int] = None,
     ) -> ReplicaResponse:
         server_id: Optional[str] = None
         handle: Any = None
         ended = False
         try:
             server_id, handle = await self._acquire(request_id, prompt_len, prompt_ids)
+            if same_weights_as is not None and self.balancer.version_of(server_id) != same_weights_as:
+                raise WeightsMoved(request_id, same_weights_as, self.balancer.version_of(server_id))
             ref = handle.generate_with_load.remote(
                 request_id, prompt_ids, sampling_params, client_id=self.balancer.client_id, **kwargs
             )
@@ -346,4 +366,4 @@ def _rebuild_client(
     return cls(config, controller=controller, **init_kwargs)
 
 
-__all__ = ["LLMServerClient", "rollout_config_of"]
+__all__ = ["LLMServerClient", "WeightsMoved", "rollout_config_of"]

@@ -248,6 +248,11 @@ class GlobalRequestLoadBalancer(ReplicaMembership):
     def _version_of(self, server_id: str) -> Optional[int]:
         return self._servers[server_id].version
 
+    def version_of(self, server_id: str) -> Optional[int]:
+        """The newest weight version ``server_id`` is known to serve (None: not known, or no such replica)."""
+        state = self._servers.get(server_id)
+        return state.version if state is not None else None
+
     def set_version(self, server_id: str, version: Optional[int]) -> None:
         """A weight version a replica is known to serve: the fleet's snapshot label, or an output's.
         Labels may lag a commit (they move when the version is published), so an older one never

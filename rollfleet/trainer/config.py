@@ -77,9 +77,9 @@ class TrainConfig(BaseModel):
     )
     partial_rollout: bool = Field(
         True,
-        description="Resume aborted requests on the new weights; off: regenerate them from scratch. In "
-        "colocate_async every learner step pauses the fleet, weights changed or not, so off there every group still "
-        "generating at a step starts over, and one longer than a step's generation window is never trained.",
+        description="Resume aborted requests on the new weights; off: every response stays one policy's (an "
+        "aborted request is resumed only on the weights that sampled its tokens, as after colocate_async's pause of "
+        "a step with no weight sync; across a sync its group is regenerated from scratch).",
     )
     max_queue_groups: Optional[int] = Field(
         None, ge=1, description="Bound of finished-but-untrained groups; default 2 x train_batch_size."

@@ -3,8 +3,9 @@
 It runs in the trainer's event loop; the trajectories themselves run in the agent-loop workers,
 so a learner step (run in a thread) never stops generation. It keeps at most
 ``max_inflight_groups`` groups in flight and starts a new one only when the buffer allows it
-(queue room, staleness bound). With ``partial_rollout`` off, a group with an aborted trajectory is
-regenerated from scratch: nothing truncated by a weight update is ever trained on.
+(queue room, staleness bound). With ``partial_rollout`` off, the client resumes an aborted
+trajectory only on the weights that sampled it, and a group with one still aborted (or spanning
+versions) is regenerated from scratch: nothing truncated or mixed by a weight update is trained on.
 """
 
 from __future__ import annotations

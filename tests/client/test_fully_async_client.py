@@ -155,11 +155,40 @@ def test_aborts_that_make_no_progress_are_bounded_and_flagged():
     assert len(out.token_ids) == 2
 
 
-def test_partial_rollout_off_returns_aborted():
+def test_partial_rollout_off_returns_aborted_once_the_weights_changed():
+    """The replica serves new weights after the abort (the client's view still says the old ones,
+    so the resume is sent): what the new weights sampled is dropped, and the output comes back
+    aborted with the old weights' tokens only, never a mix of two policies."""
     server = FakeServer([3])
     out = asyncio.run(
         client(server, partial_rollout=False).generate("r", prompt_ids=[1], sampling_params={"max_tokens": 50})
     )
+    assert out.stop_reason == "aborted" and len(out.token_ids) == 3 and out.token_versions == [0, 0, 0]
+    assert out.extra_fields["max_global_steps"] == 0 and len(server.calls) == 2
+
+
+def test_partial_rollout_off_resumes_on_the_same_weights():
+    """An abort with no weight change after it (every step of colocate_async pauses the fleet) used
+    to throw the response away: the caller regenerated the whole group."""
+    server = FakeServer([3, 4], natural_len=20, new_weights=False)
+    out = asyncio.run(
+        client(server, partial_rollout=False).generate("r", prompt_ids=[1], sampling_params={"max_tokens": 50})
+    )
+    assert out.stop_reason == "stop" and len(out.token_ids) == 20 and set(out.token_versions) == {0}
+    assert len(server.calls) == 3
+
+
+def test_partial_rollout_off_routes_a_resume_only_to_the_weights_that_sampled_it():
+    """The fleet says the replica moved on (its label is 1): the resume is not sent at all."""
+    server = FakeServer([3], new_weights=False)
+    c = client(server, partial_rollout=False)
+    sent = c.balancer.set_version
+
+    def moved_on(server_id, version):
+        sent(server_id, 1 if version is not None else None)  # the snapshot's label: newer weights
+
+    c.balancer.set_version = moved_on
+    out = asyncio.run(c.generate("r", prompt_ids=[1], sampling_params={"max_tokens": 50}))
     assert out.stop_reason == "aborted" and len(out.token_ids) == 3 and len(server.calls) == 1
 
 

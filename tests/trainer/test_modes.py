@@ -10,6 +10,7 @@ from trainer_support import sim_train_config
 
 from rollfleet.client import FullyAsyncLLMServerClient
 from rollfleet.trainer import Trainer, get_trainer_cls, register_trainer
+from rollfleet.trainer.rollouter import spans_versions, was_aborted
 
 pytestmark = pytest.mark.ray
 
@@ -142,7 +143,7 @@ async def test_no_trajectory_exceeds_response_length_across_syncs(ray_session, t
     assert sum(r["resumes"] for r in trainer.tracker.history) > 0
 
 
-async def test_partial_rollout_off_regenerates_instead_of_training_on_truncated(ray_session, tmp_path):
+async def test_partial_rollout_off_regenerates_instead_of_training_on_truncated(ray_session, tmp_path, monkeypatch):
     cfg = config(
         tmp_path,
         "separate_async",
@@ -154,10 +155,20 @@ async def test_partial_rollout_off_regenerates_instead_of_training_on_truncated(
     )
     cfg.rollout.sim.time_scale = 0.2
     cfg.rollout.sim.mean_response_tokens = 200
+    trained: list = []
+    train_on = Trainer._train_on
+
+    async def recorded(self, groups):
+        trained.extend(o for g in groups for o in g.outputs)
+        return await train_on(self, groups)
+
+    monkeypatch.setattr(Trainer, "_train_on", recorded)
     trainer = await run(cfg)
     assert trainer.step == 6
     assert trainer.tracker.history[-1]["rollout/regenerated"] > 0
-    assert sum(r["resumes"] for r in trainer.tracker.history) == 0
+    # Resumed only on the weights that sampled them (if at all): every trained response is whole
+    # and one version's.
+    assert trained and not any(was_aborted(o) or spans_versions(o) for o in trained)
 
 
 async def test_resume_continues_step_count_and_reissues_inflight_prompts(ray_session, tmp_path):
