@@ -11,6 +11,7 @@ import pytest
 from rollfleet.client import LLMServerClient
 from rollfleet.client.dispatch import DispatchGate
 from rollfleet.config import RolloutConfig, SimEngineConfig
+from rollfleet.errors import RetriesExhausted
 from rollfleet.plan import VirtualFleet
 from rollfleet.routing import GlobalRequestLoadBalancer
 from rollfleet.server.local import LocalHandle
@@ -271,3 +272,32 @@ def test_on_a_virtual_fleet_held_requests_all_finish_and_cancelled_ones_leak_not
     assert held == 24  # 30 requests, 2 replicas x 3 in flight
     assert peak == 3  # never more than the limit on a replica (distinct prompts: no sibling passes)
     assert inflight == 0 and waiting == 0  # the 25 done, the 5 cancelled while waiting: nothing leaked
+
+
+def test_requests_held_when_the_last_replica_leaves_end_in_the_retry_policy_not_in_the_line():
+    """One replica, one slot: X runs, W1 is held, N1 and N2 arrive in the tick the replica is
+    removed. The removal woke W1, N1 and N2 queued behind it, W1's try failed (no replica) and it
+    went back into the line, which only a release wakes: after X they all waited for good, never
+    reaching ``retry.no_server_wait_s``."""
+
+    async def main() -> None:
+        client = _one_slot_each(["A"], [], lambda request_id: 1.0)
+        params = {"max_tokens": 1}
+
+        def send(name: str, prompt: list[int]) -> asyncio.Future:
+            return asyncio.ensure_future(client.generate(name, prompt_ids=prompt, sampling_params=params))
+
+        x = send("X", [1])
+        await asyncio.sleep(0.1)
+        w1 = send("W1", [2])
+        await asyncio.sleep(0.1)
+        assert client._gate.waiting == 1
+        held = [w1, send("N1", [3]), send("N2", [4])]
+        client.balancer.remove_servers(["A"])
+        await x
+        done, pending = await asyncio.wait(held, timeout=2 * client.config.retry.no_server_wait_s)
+        assert not pending, f"{len(pending)} requests still held, {client._gate.waiting} in the gate"
+        assert all(isinstance(t.exception(), RetriesExhausted) for t in done)
+        assert client._gate.waiting == 0 and client.balancer.get_total_inflight() == 0
+
+    virtual_time.run(main())

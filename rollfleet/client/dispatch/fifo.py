@@ -23,7 +23,8 @@ class DispatchGate:
 
     def __init__(self, room: Optional[RoomFn] = None, limit: int = 0, lookahead: float = 1.0) -> None:
         """Every order is built with the balancer's free slots (``room``), its dispatch ``limit``
-        and ``routing.dispatch_lookahead``; this one needs none of them."""
+        and ``routing.dispatch_lookahead``; this one reads only whether any replica is routable."""
+        self._room_fn = room
         #: The line, by arrival: (arrival, entry, future, request id). A waiter cancelled in line
         #: stays until it reaches the top (its future is done), so ``_live`` counts the line.
         self._line: list[tuple[int, int, asyncio.Future[None], str]] = []
@@ -43,14 +44,25 @@ class DispatchGate:
 
     def may_try(self, placed: bool) -> bool:
         """Whether a request that just arrived may try for a replica before it waits (``placed``:
-        it is a session's next turn): at once only while nobody waits or is woken ahead of it."""
-        return placed or not (self._live or self._woken)
+        it is a session's next turn): at once only while nobody waits or is woken ahead of it, or
+        while no replica is routable (see :meth:`_unroutable`)."""
+        return placed or not (self._live or self._woken) or self._unroutable()
+
+    def _unroutable(self) -> bool:
+        """No replica a new placement may go to: nothing is held then. Each request tries, fails
+        with NoServerAvailable, and waits in the retry policy (bounded by ``retry.no_server_wait_s``):
+        held here, a request whose woken turn failed came back to a line that only a release
+        wakes, and once the requests in flight had drained it waited for good."""
+        return self._room_fn is not None and self._room_fn() is None
 
     async def wait(
         self, front: bool = False, *, request_id: str = "", prompt_ids: Optional[Sequence[int]] = None
     ) -> None:
         """Until :meth:`wake` picks this waiter (``front``: it was woken before and found no room:
-        it keeps its place in the line)."""
+        it keeps its place in the line). Not at all while nothing is routable."""
+        if self._unroutable():
+            self._places.pop(request_id, None)
+            return
         place = self._places.pop(request_id, None) if front else None
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         arrival = next(self._arrivals)  # also the entry's own number: two entries never tie
