@@ -74,6 +74,7 @@ class FullyAsyncLLMServerClient(LLMServerClient):
             try:
                 out = await self._generate(request_id, prompt + token_ids, attempt_params, kwargs, pinned)
             except WeightsMoved:
+                attempt -= 1  # not sent
                 break  # back aborted, as it was: the caller regenerates it
             if pinned is not None and not _sampled_by(out, pinned):
                 break  # other weights after all (a commit after it was routed): dropped, back aborted

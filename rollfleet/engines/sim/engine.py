@@ -1,9 +1,10 @@
 """SimEngine: the simulated engine's :class:`~rollfleet.engines.base.Engine` face.
 
 The data plane, the control ops (pause, sleep, profile) and the fault hooks for tests live here;
-weight loads are :mod:`.weights`, the step loop :mod:`.steps`, the batching model :mod:`.batch`. Every op that reads or
-changes the batch first settles the steps a fast-forward has finished by then
-(:meth:`~rollfleet.engines.sim.steps.StepLoop._catch_up`). See the package docstring for the model.
+weight loads are :mod:`.weights`, the step loop :mod:`.steps`, the batching model :mod:`.batch`.
+Every op that reads or changes the batch first settles the steps a fast-forward has finished by
+then (:meth:`~rollfleet.engines.sim.steps.StepLoop._catch_up`). See the package docstring for the
+model.
 """
 
 from __future__ import annotations
