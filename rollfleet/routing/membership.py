@@ -73,8 +73,13 @@ class ReplicaMembership:
     def set_preferred(self, server_ids: Optional[Iterable[str]]) -> None:
         """Replicas that new assignments go to while any of them is routable (None: no preference).
         A rolling weight update sets the replicas already on the new version: new trajectories
-        start there, sticky sessions stay where their prefix cache is."""
-        self._preferred = frozenset(server_ids) if server_ids is not None else None
+        start there, sticky sessions stay where their prefix cache is. A set that changes may
+        give held requests room (those held only because the preferred replicas were full)."""
+        preferred = frozenset(server_ids) if server_ids is not None else None
+        if preferred != self._preferred:
+            self._preferred = preferred
+            if self.on_room is not None:
+                self.on_room(True)
 
     def is_routable(self, server_id: str) -> bool:
         state = self._servers.get(server_id)

@@ -301,3 +301,26 @@ def test_requests_held_when_the_last_replica_leaves_end_in_the_retry_policy_not_
         assert client._gate.waiting == 0 and client.balancer.get_total_inflight() == 0
 
     virtual_time.run(main())
+
+
+def test_a_held_request_goes_where_a_wider_preferred_set_has_room():
+    """Only A preferred (a rolling update's first wave), A full: W is held. The update ends and
+    every replica may take new work: W used to wait for A's request to end (1 s), with B free."""
+
+    async def main() -> list[tuple[str, float]]:
+        log: list[tuple[str, float]] = []
+        client = _one_slot_each(["A", "B"], log, lambda request_id: 1.0)
+        client.balancer.set_preferred(["A"])
+        params = {"max_tokens": 1}
+        x = asyncio.ensure_future(client.generate("X", prompt_ids=[1], sampling_params=params))
+        await asyncio.sleep(0.1)
+        w = asyncio.ensure_future(client.generate("W", prompt_ids=[2], sampling_params=params))
+        await asyncio.sleep(0.1)
+        assert client._gate.waiting == 1
+        client.balancer.set_preferred(None)
+        await asyncio.gather(x, w)
+        return log
+
+    log = virtual_time.run(main())
+    assert [request_id for request_id, _ in log] == ["X", "W"]
+    assert log[1][1] == pytest.approx(0.2)  # at once, on B
