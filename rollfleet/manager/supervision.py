@@ -136,15 +136,11 @@ class HealthSupervisor:
         probe failed must not make the replica healthy again, nor count as heard from since)."""
 
         async def take(record: ReplicaRecord) -> None:
-            # Not marked ``probing``: a round that comes meanwhile asks too, and judges what it gets.
-            # (A hung replica would otherwise dodge the rounds while clients keep starting.)
-            handle = record.handle
-            try:
-                report = await asyncio.wait_for(handle.load.remote(), self.config.health.probe_timeout_s)
-            except Exception:
+            handle, outcome = await self._ask(record, probe=False)
+            if isinstance(outcome, BaseException):
                 return
             if record.handle is handle and record.state in (HealthState.HEALTHY, HealthState.SUSPECT):
-                record.load = newer_load(record.load, report)
+                record.load = newer_load(record.load, outcome)
 
         await asyncio.gather(*(take(r) for r in records))
 
@@ -182,11 +178,15 @@ class HealthSupervisor:
                 self._set_state(record, HealthState.DEAD, f"node {record.node_id[:12]} died", force=True)
                 self._schedule_restart(record)
 
-    async def _ask(self, record: ReplicaRecord) -> tuple[Any, Any]:
+    async def _ask(self, record: ReplicaRecord, probe: bool = True) -> tuple[Any, Any]:
         """``(handle, load report or the exception)``; one probe in flight per replica, so failures
-        reported by many clients at once cannot count one stall several times."""
+        reported by many clients at once cannot count one stall several times. ``probe`` False: a
+        first view's query (:meth:`fresh_loads`), not that probe: a round that comes meanwhile asks
+        too, and judges what it gets (a hung replica would otherwise dodge the rounds while
+        clients keep starting)."""
         handle = record.handle
-        record.probing = True
+        if probe:
+            record.probing = True
         try:
             return handle, await asyncio.wait_for(handle.load.remote(), self.config.health.probe_timeout_s)
         except asyncio.CancelledError:
@@ -194,7 +194,8 @@ class HealthSupervisor:
         except Exception as exc:
             return handle, exc
         finally:
-            record.probing = False
+            if probe:
+                record.probing = False
 
     def _judge(self, record: ReplicaRecord, handle: Any, outcome: Any, *, fleet_stalled: bool = False) -> None:
         """Act on one probe's answer: ``failures_to_dead`` failures in a row make the replica dead
