@@ -14,6 +14,7 @@ import logging
 from typing import Any, Optional
 
 from rollfleet.routing import FleetSnapshot, GlobalRequestLoadBalancer
+from rollfleet.routing.server_state import same_handle
 from rollfleet.utils import virtual_time
 
 logger = logging.getLogger(__name__)
@@ -124,7 +125,7 @@ class FleetView:
             for sid, handle in snapshot.handles.items():
                 if sid not in known:
                     bal.add_servers({sid: handle})
-                elif known[sid] is not handle and known[sid] != handle:
+                elif not same_handle(known[sid], handle):
                     bal.set_handle(sid, handle)  # restarted: a new actor behind the same id
                     self._quarantined.pop(sid, None)
                     restarted.add(sid)

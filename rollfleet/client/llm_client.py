@@ -262,8 +262,8 @@ class LLMServerClient:
         ended = False
         try:
             server_id, handle = await self._acquire(request_id, prompt_len, prompt_ids)
-            if same_weights_as is not None and self.balancer.version_of(server_id) != same_weights_as:
-                raise WeightsMoved(request_id, same_weights_as, self.balancer.version_of(server_id))
+            if same_weights_as is not None and (serves := self.balancer.version_of(server_id)) != same_weights_as:
+                raise WeightsMoved(request_id, same_weights_as, serves)
             ref = handle.generate_with_load.remote(
                 request_id, prompt_ids, sampling_params, client_id=self.balancer.client_id, **kwargs
             )

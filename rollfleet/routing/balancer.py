@@ -166,7 +166,7 @@ class GlobalRequestLoadBalancer(ReplicaMembership):
                 raise NoServerAvailable()
             floor = self._floors.get(request_id)
             if floor is not None:  # a session going on: never held (like a sticky turn)
-                candidates, reason, chosen = at_or_above(floor, candidates, self._version_of, reason, sticky_id)
+                candidates, reason, chosen = at_or_above(floor, candidates, self.version_of, reason, sticky_id)
                 hold = False
         if chosen is None:
             key = prefix_key(prompt_ids) if self._policy.uses_prefix and prompt_ids is not None else None
@@ -244,9 +244,6 @@ class GlobalRequestLoadBalancer(ReplicaMembership):
             return
         self.set_version(server_id, version)
         self._floors.raise_to(request_id, version)
-
-    def _version_of(self, server_id: str) -> Optional[int]:
-        return self._servers[server_id].version
 
     def version_of(self, server_id: str) -> Optional[int]:
         """The newest weight version ``server_id`` is known to serve (None: not known, or no such replica)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 from rollfleet.routing.policies import ReplicaView, RoutingPolicy
-from rollfleet.routing.server_state import Departed, ServerState
+from rollfleet.routing.server_state import Departed, ServerState, same_handle
 from rollfleet.types import LoadReport
 
 
@@ -41,7 +41,7 @@ class ReplicaMembership:
         state = self._servers.get(report.replica_id)
         if state is None or report.timestamp < state.reported_at:
             return
-        if handle is not None and state.handle is not handle and state.handle != handle:
+        if handle is not None and not same_handle(state.handle, handle):
             return
         state.reported_at = report.timestamp
         others_before = state.others
@@ -105,7 +105,7 @@ class ReplicaMembership:
         for server_id, handle in servers.items():
             present = self._servers.get(server_id)
             if present is not None:  # its count stays (it was overwritten: releases went negative)
-                if present.handle is not handle and present.handle != handle:
+                if not same_handle(present.handle, handle):
                     self.set_handle(server_id, handle)
                 continue
             state = self._servers[server_id] = ServerState(server_id, handle)

@@ -39,6 +39,12 @@ class ServerState:
         view.kv_usage = self.kv_usage
 
 
+def same_handle(a: Any, b: Any) -> bool:
+    """Whether two handles are one replica actor: the very object, or an equal copy (a handle
+    that came through Ray or a snapshot is a new object for the same actor)."""
+    return a is b or a == b
+
+
 class Departed:
     """This client's requests still in flight on replicas removed from the fleet, per incarnation
     (a replica's handle): a replica re-added under the same id starts from its own count, and a
@@ -66,7 +72,7 @@ class Departed:
         handle is an earlier one of a replica restarted in place (a new handle, the same id) and
         removed since. False: the request was not sent to a removed one."""
         state = self._find(server_id, handle)
-        if state is None and handle is not None and handle is not current and handle != current:
+        if state is None and handle is not None and not same_handle(handle, current):
             state = self._find(server_id, None)
         if state is None:
             return False
@@ -83,7 +89,7 @@ class Departed:
             return None
         if handle is None:
             return states[0]
-        return next((s for s in states if s.handle is handle or s.handle == handle), None)
+        return next((s for s in states if same_handle(s.handle, handle)), None)
 
     def _drop(self, server_id: str, state: ServerState) -> None:
         states = self._by_id[server_id]
@@ -92,4 +98,4 @@ class Departed:
             del self._by_id[server_id]
 
 
-__all__ = ["Departed", "ServerState"]
+__all__ = ["Departed", "ServerState", "same_handle"]
