@@ -23,6 +23,11 @@ async def started(**kw) -> SimEngine:
     return engine
 
 
+async def prefill_timed(**kw) -> SimEngine:
+    """An engine whose steps cost 10 ms plus 1 ms per prefill token (a 1,000-token prefill: 1.01 s)."""
+    return await started(step_base_ms=10.0, step_per_seq_ms=0.0, prefill_per_token_ms=1.0, **kw)
+
+
 def hits(engine: SimEngine) -> int:
     return int(engine.stats()["prefix_cache_hit_tokens"])
 
@@ -200,13 +205,7 @@ def test_a_prefill_is_cached_only_if_its_step_ran(resume_after_s, cache_on_prefi
     step in progress ends), and what it computed is cached."""
 
     async def run() -> None:
-        engine = await started(
-            step_base_ms=10.0,
-            step_per_seq_ms=0.0,
-            prefill_per_token_ms=1.0,
-            cache_on_prefill=cache_on_prefill,
-            max_steps_per_wake=spw,
-        )
+        engine = await prefill_timed(cache_on_prefill=cache_on_prefill, max_steps_per_wake=spw)
         prompt = [5] * 1000
         first = asyncio.ensure_future(engine.generate("a", prompt, {"max_tokens": 10, "ignore_eos": True}))
         await asyncio.sleep(0.5)  # half-way through its 1.01 s prefill step
@@ -236,13 +235,7 @@ def test_siblings_sharing_a_prefill_cache_it_only_if_its_step_ran(resume_after_s
     thrown away a third request hit 992 tokens nobody computed."""
 
     async def run() -> None:
-        engine = await started(
-            step_base_ms=10.0,
-            step_per_seq_ms=0.0,
-            prefill_per_token_ms=1.0,
-            cache_on_prefill=True,
-            max_steps_per_wake=spw,
-        )
+        engine = await prefill_timed(cache_on_prefill=True, max_steps_per_wake=spw)
         prompt = [5] * 992  # whole blocks: the sibling's context hits whole
         params = {"max_tokens": 10, "ignore_eos": True}
         both = [asyncio.ensure_future(engine.generate(f"s{i}", prompt, params)) for i in range(2)]
@@ -266,7 +259,7 @@ def test_a_request_aborted_while_its_engine_hangs_after_a_thrown_away_step_cache
     running), it was queued to be cached when the next step ended, which was someone else's."""
 
     async def run() -> None:
-        engine = await started(step_base_ms=10.0, step_per_seq_ms=0.0, prefill_per_token_ms=1.0, max_steps_per_wake=spw)
+        engine = await prefill_timed(max_steps_per_wake=spw)
         prompt = [5] * 1000
         first = asyncio.ensure_future(engine.generate("a", prompt, {"max_tokens": 10, "ignore_eos": True}))
         await asyncio.sleep(0.5)
