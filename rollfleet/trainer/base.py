@@ -32,8 +32,7 @@ import math
 import os
 import statistics
 from pathlib import Path
-from types import MappingProxyType
-from typing import Any, ClassVar, Mapping, Optional
+from typing import Any, ClassVar, Optional
 
 from rollfleet.agent_loop import FullyAsyncAgentLoopManager
 from rollfleet.client import FullyAsyncLLMServerClient, LLMServerClient
@@ -43,13 +42,14 @@ from rollfleet.trainer.config import TrainConfig
 from rollfleet.trainer.remote_learner import LearnerSpec, RemoteLearner
 from rollfleet.trainer.runtime import RayRuntime, TrainerRuntime
 from rollfleet.trainer.staleness import Group
+from rollfleet.trainer.step_log import StepLog
 from rollfleet.trainer.tasks import make_task
 from rollfleet.trainer.tracking import RunTracker
 
 logger = logging.getLogger(__name__)
 
 
-class Trainer(abc.ABC):
+class Trainer(StepLog, abc.ABC):
     """Subclass, implement :meth:`sample`, register with ``@register_trainer(name)``."""
 
     mode_name: ClassVar[str] = "base"
@@ -130,11 +130,6 @@ class Trainer(abc.ABC):
         self.agent_manager = await self.runtime.create_agent_manager(self.config, self.get_llm_client(), self.manager)
         if self.train.resume:
             await self._resume()
-
-    #: Run totals the checkpoint resumed from had counted (see :meth:`run_totals`; replaced on a
-    #: resume, never changed in place), and this session's first row of the history.
-    _totals_before: Mapping[str, Any] = MappingProxyType({})
-    _session_rows_from = 0
 
     async def _resume(self) -> None:
         assert self.manager is not None and self.learner is not None and self.tracker is not None  # made by init()
@@ -300,58 +295,6 @@ class Trainer(abc.ABC):
         self._last_sync = result
         await self.on_sync_end()
 
-    def _log_step(
-        self,
-        groups: list[Group],
-        info: dict[str, Any],
-        metrics: dict[str, Any],
-        tokens: int,
-        *,
-        wait_s: float,
-        synced: bool,
-    ) -> None:
-        assert self.tracker is not None
-        now = self.runtime.clock()
-        step_s = now - self._last_step_end
-        self._last_step_end = now
-        self.trained_tokens += tokens
-        stale = [self.version_at_train(g) for g in groups]
-        self.trained_log.append(
-            {
-                "step": self.step,
-                "staleness": stale,
-                "task_indices": [g.task_index for g in groups],
-                "max_response_len": max((len(o.response_ids) for g in groups for o in g.outputs), default=0),
-            }
-        )
-        self.idle_s += wait_s
-        row = {
-            "step": self.step,
-            "version": self.version,
-            "syncs": self.syncs,
-            "step_s": step_s,
-            "wait_s": wait_s,
-            "idle_frac": wait_s / step_s if step_s > 0 else 0.0,
-            "perf/tokens_per_s": tokens / step_s if step_s > 0 else 0.0,
-            "staleness/mean": statistics.fmean(stale) if stale else 0.0,
-            "staleness/max": max(stale) if stale else 0,
-            "resumes": sum(g.resumes for g in groups),
-            **info,
-            **metrics,
-        }
-        if synced and getattr(self, "_last_sync", None):
-            for key in ("total_s", "stage_s", "commit_s", "verify_s", "pause_s"):  # where a sync's time went
-                if key in self._last_sync:
-                    row[f"sync/{key}"] = self._last_sync[key]
-        self.tracker.log(row)
-        if self.progress is not None:
-            self.progress(row)
-
-    def version_at_train(self, group: Group) -> int:
-        """Staleness of a group for the step being trained (the version before this step's sync)."""
-        trained_version = self.version if self.step % self.train.parameter_sync_step else self.version - 1
-        return max(0, trained_version - group.min_version)
-
     async def save_checkpoint(self) -> Path:
         assert self.learner is not None
         state = {
@@ -364,36 +307,6 @@ class Trainer(abc.ABC):
             "run_totals": self.run_totals(),
         }
         return await self.learner.save(self.run_dir / "checkpoints", state)
-
-    def session_totals(self) -> dict[str, Any]:
-        """Counters a mode logs as totals of the run (dropped groups, regenerations): this
-        session's own. A mode with any overrides this."""
-        return {}
-
-    def run_totals(self) -> dict[str, Any]:
-        """:meth:`session_totals` plus what the checkpoint resumed from had counted: a resumed
-        run's totals go on, where they started again from 0 in the same ``metrics.jsonl``."""
-        return {k: self._totals_before.get(k, 0) + v for k, v in self.session_totals().items()}
-
-    def summary(self) -> dict[str, Any]:
-        """The run's rewards and steps; its times (``wall_s``, ``step_s_mean``, ``idle_frac``) are
-        this session's, over its ``session_steps`` (a resumed run's earlier sessions are not timed here)."""
-        rows = self.tracker.history if self.tracker else []
-        first = [r["reward/mean"] for r in rows[: max(1, len(rows) // 5)] if "reward/mean" in r]
-        last = [r["reward/mean"] for r in rows[-max(1, len(rows) // 5) :] if "reward/mean" in r]
-        step_times = [r["step_s"] for r in rows[self._session_rows_from :]]
-        return {
-            "mode": self.mode_name,
-            "steps": self.step,
-            "session_steps": len(step_times),
-            "syncs": self.syncs,
-            "wall_s": self.wall_s,
-            "step_s_mean": statistics.fmean(step_times) if step_times else 0.0,
-            "idle_frac": self.idle_s / self.wall_s if self.wall_s else 0.0,
-            "reward_first": statistics.fmean(first) if first else 0.0,
-            "reward_last": statistics.fmean(last) if last else 0.0,
-            "run_dir": str(self.run_dir),
-        }
 
     async def close(self) -> None:
         if self.learner is not None:  # before the fleet: it may hold the learner's bundle
