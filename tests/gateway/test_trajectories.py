@@ -343,6 +343,39 @@ def test_a_session_keeps_its_last_branches_only():
     assert store.trajectory("u1")["num_requests"] == 10  # what the caller sent, dropped branches too
 
 
+def test_a_long_session_holds_its_tokens_once_not_once_per_turn():
+    """Each turn used to hold its whole prompt: 400 turns adding 10 tokens each took 6.9 MB for a
+    4,400-token trajectory (0.5 MB now, its turns' replies and messages included), growing with
+    the square of the turns. Now each turn holds its new ids, and the trajectory is still every
+    token in place."""
+    import tracemalloc
+
+    store = TrajectoryStore(max_sessions=10, ttl_s=60.0)
+    prompt = list(range(1000, 1010))
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        base = None
+        for turn_no in range(400):
+            reply = [turn_no % 50] * 1
+            sampled = Sampled(reply, [-0.5], [turn_no], "stop", {"role": "assistant", "content": str(turn_no)})
+            reused = len(prompt) - 9 if base is not None else 0
+            turn = Turn(list(prompt), [sampled], reused=reused)
+            store.record("long", [], None, turn, new_branch=None if base is not None else "first turn", base=base)
+            base = turn
+            prompt = prompt + reply + list(range(2000 + turn_no, 2009 + turn_no))
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert held < 1_500_000, f"{held:,} bytes held for a 4,400-token session"
+    view = store.trajectory("long")["branches"][-1]
+    assert len(view["turns"]) == 400
+    assert view["token_ids"] == prompt[:-9]  # the last turn's prompt and its reply
+    assert sum(view["mask"]) == 400 and view["weight_versions"][-1] == 399
+    last = store.get("long").last_turn  # type: ignore[union-attr]
+    assert last is not None and last.prompt_ids == prompt[:-10]
+
+
 async def test_two_turns_extending_one_turn_at_once_fork_a_branch_each_consistent():
     """Two requests of one session both extend turn 1 and run at the same time: the one recorded
     second forks a branch at turn 1 (it was appended after the first, as if it had extended it,
