@@ -16,7 +16,11 @@ worker's own fleet client (so weight updates mid-run are resumed inside, as for 
    ``{"reward": x}``), else the sample's verifiable reward scores the model's text as usual.
 
 A run that fails or outlives ``agent.http_agent.timeout_s`` keeps what it recorded, with reward 0
-and the error in ``extra_fields["agent_error"]``; a run that recorded nothing raises.
+and the error in ``extra_fields["agent_error"]``; a run that recorded nothing raises. When a run
+ends, however it ends, its session is closed: a request the agent still sends is refused (409
+``session_ended``) before it generates. A command's whole process group is killed then; a
+synchronous callable cannot be stopped (it runs on a thread), so it should honour a deadline
+of its own.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import json
 import math
 import os
 import re
+import signal
 import sys
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -131,21 +136,22 @@ class HttpAgentLoop(AgentLoopBase):
         error: Optional[str] = None
         reward: Optional[float] = None
         try:
-            reward = await asyncio.wait_for(self._start(run), self.timeout_s)
-        except asyncio.TimeoutError:
-            error = f"the agent ran over agent.http_agent.timeout_s={self.timeout_s:g}s"
-        except Exception as exc:  # the agent's own failure: keep what it recorded, score it 0
-            error = f"{type(exc).__name__}: {exc}"
-        try:
+            try:
+                reward = await asyncio.wait_for(self._start(run), self.timeout_s)
+            except asyncio.TimeoutError:
+                error = f"the agent ran over agent.http_agent.timeout_s={self.timeout_s:g}s"
+            except Exception as exc:  # the agent's own failure: keep what it recorded, score it 0
+                error = f"{type(exc).__name__}: {exc}"
             recorded = store.get(session)
             if recorded is None or recorded.last_turn is None:
                 raise RuntimeError(
                     f"http_agent: the agent made no chat request in its session{f' ({error})' * bool(error)}"
                 )
             record = store.trajectory(session)
-        finally:
-            store.end(session)
+        finally:  # cancelled too: closed, so an agent still running (on a thread) generates no more
+            store.close(session, "its http_agent run ended")
             self.client.finish_session(session)
+            gateway.session_keys.forget(session)
         if reward is None and record["reward"] is not None:
             reward = float(record["reward"])
         output = self._output(record)
@@ -241,15 +247,16 @@ async def run_command(argv: list[str], run: AgentRun) -> Optional[float]:
         "ROLLFLEET_REWARD_URL": run.reward_url,
     }
     argv = [sys.executable if a == "{python}" else a for a in argv]
+    # Its own process group: the program and whatever it started (a shell, workers) are stopped
+    # together when the run ends; killing the program alone left its children sending requests.
     proc = await asyncio.create_subprocess_exec(
-        *argv, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+        *argv, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True
     )
     try:
         out, err = await proc.communicate()
-    except asyncio.CancelledError:  # timed out: stop the program, not just stop waiting for it
-        proc.kill()
+    finally:  # timed out (cancelled), or done: nothing it started outlives the run
+        _kill_group(proc.pid)
         await proc.wait()
-        raise
     if proc.returncode != 0:
         tail = err.decode(errors="replace").strip().splitlines()[-3:]
         raise RuntimeError(f"agent command exited {proc.returncode}: {' | '.join(tail)}")
@@ -260,6 +267,13 @@ async def run_command(argv: list[str], run: AgentRun) -> Optional[float]:
         return None
     value = last.get("reward") if isinstance(last, dict) else None
     return finite_reward(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # every process of it has exited already
+        pass
 
 
 def finite_reward(value: Any) -> float:

@@ -163,6 +163,8 @@ class RoutesBase:
                              ("user", req.user)):  # fmt: skip
             if value:
                 self.limits.check_session_id(value, param)
+                if self.trajectories is not None:  # a closed one generates nothing more
+                    self.trajectories.check_open(value, param)
                 return value
         return None
 

@@ -199,6 +199,7 @@ class TrajectoryStore:
         self._clock = clock
         self._sessions: OrderedDict[str, Session] = OrderedDict()
         self._ended: OrderedDict[str, str] = OrderedDict()  # id -> why (tombstones, same bound)
+        self._closed: OrderedDict[str, None] = OrderedDict()  # ids never to be opened again (same bound)
         self.evicted = {"capacity": 0, "ttl": 0, "branches": 0}
         self.late_turns = 0  #: turns that finished after their session ended (not recorded)
 
@@ -231,7 +232,8 @@ class TrajectoryStore:
         planned on) is not given a turn of the old one. Returns whether the turn was recorded."""
         now = self._clock()
         session = self.get(session_id)
-        if (session is None and base is not None) or (planned_on is not None and session is not planned_on):
+        closed = session_id in self._closed
+        if closed or (session is None and base is not None) or (planned_on is not None and session is not planned_on):
             logger.info("session %r ended while a turn ran: the turn is not recorded", session_id)
             self.late_turns += 1
             return False
@@ -281,6 +283,25 @@ class TrajectoryStore:
             return False
         self._tombstone(session_id, "ended (DELETE)")
         return True
+
+    def close(self, session_id: str, why: str) -> None:
+        """End the session for good: a chat request under its id is refused before it generates
+        (:meth:`check_open`), and a turn still running is not recorded. For ids nobody may use
+        again (``http_agent``'s, one per run): an agent that outlived its run (a synchronous one
+        on a thread cannot be stopped) went on generating on the fleet and opened its session
+        again, a record nobody would read."""
+        self._sessions.pop(session_id, None)
+        self._tombstone(session_id, why)
+        self._closed[session_id] = None
+        self._closed.move_to_end(session_id)
+        while len(self._closed) > self.max_sessions:
+            self._closed.popitem(last=False)
+
+    def check_open(self, session_id: str, param: str = "session_id") -> None:
+        """Raise 409 ``session_ended`` if the session was closed (:meth:`close`)."""
+        if session_id in self._closed:
+            why = self._ended.get(session_id, "closed")
+            raise GatewayError(409, f"session {session_id!r} is closed: {why}", param=param, code="session_ended")
 
     def _known(self, session_id: str) -> Session:
         session = self.get(session_id)

@@ -192,3 +192,71 @@ async def test_request_ids_a_url_path_misreads_rewards_that_are_not_finite_and_t
         assert out.reward_score == 0.0 and "finite" in out.extra_fields["agent_error"], agent
         await worker.close()
         await fleet.shutdown()
+
+
+async def test_an_agent_that_outlives_its_run_generates_nothing_more_and_leaves_nothing_running(tokenizer, tmp_path):
+    """A synchronous agent cannot be stopped: past its timeout it sent its request anyway, the
+    fleet generated it in full and the gateway opened the ended session again (a record nobody
+    reads). Now the session is closed when the run ends: 409 ``session_ended``, nothing generated.
+    A command's children were left running (only the program was killed); now its whole process
+    group goes. A cancelled run left its session and sticky entry behind; now it closes them."""
+    marker = tmp_path / "grandchild_alive"
+    agents = tmp_path / "late_agents.py"
+    agents.write_text(
+        "import sys, time, openai\n\n"
+        "def late(run):\n"
+        "    time.sleep(1.0)  # past the run's timeout\n"
+        "    c = openai.OpenAI(base_url=run.base_url, api_key=run.api_key, max_retries=0)\n"
+        "    try:\n"
+        "        c.chat.completions.create(model=run.model, messages=run.sample['raw_prompt'], max_tokens=4)\n"
+        "        outcome = 'answered'\n"
+        "    except openai.APIStatusError as exc:\n"
+        "        outcome = f'{exc.status_code} {exc.body.get(\"code\")}'\n"
+        f"    open({str(tmp_path / 'outcome')!r}, 'w').write(outcome)\n\n"
+        "async def asks_then_waits(run):\n"
+        "    import asyncio\n"
+        "    c = openai.AsyncOpenAI(base_url=run.base_url, api_key=run.api_key)\n"
+        "    await c.chat.completions.create(model=run.model, messages=run.sample['raw_prompt'], max_tokens=4)\n"
+        "    await asyncio.sleep(60)\n"
+    )
+    child = tmp_path / "child.py"
+    child.write_text(f"import time\ntime.sleep(2.5)\nopen({str(marker)!r}, 'w')\n")
+    spawner = tmp_path / "spawner.py"
+    spawner.write_text(
+        "import subprocess, sys, time\n"
+        f"subprocess.Popen([sys.executable, {str(child)!r}])\n"
+        f"open({str(tmp_path / 'spawned')!r}, 'w')\n"
+        "time.sleep(60)\n"
+    )
+    fleet, rec, worker = await make(tokenizer, ["6 7 8 9"], {"agent": f"{agents}:late", "timeout_s": 0.3})
+    gateway_of = lambda: worker.loop_for("http_agent")._gateway.gateway  # noqa: E731
+    with pytest.raises(RuntimeError, match="made no chat request"):
+        await worker.run_sample(dict(SAMPLE))
+    for _ in range(100):
+        if (tmp_path / "outcome").exists():
+            break
+        await asyncio.sleep(0.05)
+    assert (tmp_path / "outcome").read_text() == "409 session_ended"
+    assert rec.calls == [] and len(gateway_of().trajectories) == 0
+    await worker.close()
+    await fleet.shutdown()
+
+    fleet, rec, worker = await make(tokenizer, ["6 7 8 9"], {"agent": f"{agents}:asks_then_waits"})
+    task = asyncio.ensure_future(worker.run_sample(dict(SAMPLE)))
+    while not rec.calls:
+        await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert len(gateway_of().trajectories) == 0 and fleet.client.get_status()["sticky_sessions"] == 0
+    await worker.close()
+    await fleet.shutdown()
+
+    fleet, _, worker = await make(tokenizer, ["6 7 8 9"], {"command": ["{python}", str(spawner)], "timeout_s": 1.5})
+    with pytest.raises(RuntimeError, match="made no chat request"):
+        await worker.run_sample(dict(SAMPLE))
+    assert (tmp_path / "spawned").exists()  # the program started its child before it was stopped
+    await asyncio.sleep(3.0)  # the child would have written its marker by now
+    assert not marker.exists()
+    await worker.close()
+    await fleet.shutdown()
