@@ -109,11 +109,14 @@ def _plan(args: argparse.Namespace) -> int:
         specs = []
         for v in variants:
             flags = cli.overrides_from_args(args, v.tp)
-            both = sorted(set(flags) & set(v.overrides))
+            # The same key, or one inside the other: a section given whole replaces what a flag set in it.
+            both = sorted(
+                f for f in flags for k in v.overrides if f == k or f.startswith(f"{k}.") or k.startswith(f"{f}.")
+            )
             if both:  # --vary would win without a word
                 raise ValueError(
-                    f"--vary {both[0]}: a flag given sets it too (--steps, --profile, --model-params-b or "
-                    "--response-lengths); set it one way"
+                    f"--vary {next(iter(v.overrides))}: a flag given sets {both[0]} too (--steps, --profile, "
+                    "--model-params-b or --response-lengths); set it one way"
                 )
             specs.append(cli.spec_from_args(args, fit_sim_to_model(_load(args.config, {**flags, **v.overrides})), v))
     except ValueError as exc:  # a bad flag or plan; a bad config is reported by _load

@@ -589,7 +589,7 @@ def test_the_command_refuses_flags_that_would_plan_something_else(capsys):
 def test_the_command_refuses_what_it_would_ignore_and_blames_the_right_source(tmp_path, capsys):
     """Model flags without a model priced nothing (the config's costs ran, without a word); a
     varied key the plan sets itself made identical plans and named one the fastest; a varied key
-    a flag also set overrode the flag silently; a bad profile or flag was reported as a bad config
+    a flag also set (or a section holding it) overrode the flag silently; a bad profile or flag was reported as a bad config
     file."""
     base = ["plan", "--gpus", "4", "--seeds", "0", "--modes", "sync", "--out", str(tmp_path / "out")]
     profile = tmp_path / "bad.yaml"
@@ -603,7 +603,14 @@ def test_the_command_refuses_what_it_would_ignore_and_blames_the_right_source(tm
         (["--vary", "rollout.num_replicas=1,8"], "--vary rollout.num_replicas: every plan sets it itself (from --gpus"),
         (["--vary", "trainer.seed=1,2"], "--vary trainer.seed: every plan sets it itself (from --seeds)"),
         (["--vary", "rollout.sim.time_scale=1,2"], "--vary rollout.sim.time_scale: every plan sets it itself"),
-        (["--steps", "2", "--vary", "trainer.total_steps=3,4"], "--vary trainer.total_steps: a flag given sets it too"),
+        (
+            ["--steps", "2", "--vary", "trainer.total_steps=3,4"],
+            "--vary trainer.total_steps: a flag given sets trainer.total_steps too",
+        ),
+        (  # a section given whole replaced the learner cost the model flag set in it
+            ["--model-params-b", "7", "--vary", "trainer.sim_learner={seconds_per_step: 0.5},{seconds_per_step: 1}"],
+            "--vary trainer.sim_learner: a flag given sets trainer.sim_learner.seconds_per_token too",
+        ),
         (["--profile", str(profile)], f"profile {profile}: 1 validation error for SimEngineConfig\nstep_base_ms"),
         (["--steps", "0"], "invalid config with the command line's trainer.total_steps:"),
     ]
