@@ -22,16 +22,16 @@ their range. The same spec gives the same numbers on any host: nothing here read
 from __future__ import annotations
 
 import gc
-import multiprocessing
 import statistics
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import as_completed
 from contextlib import contextmanager
 from typing import Optional
 
 from rollfleet.plan.result import ModeRun, PlanResult
 from rollfleet.plan.runtime import VirtualRuntime
 from rollfleet.plan.spec import MODES, PlanSpec
+from rollfleet.plan.workers import plan_pool
 from rollfleet.trainer import get_trainer_cls
 from rollfleet.utils import virtual_time
 
@@ -166,32 +166,18 @@ def run_plans(
         for i, (k, mode, share, seed) in enumerate(jobs):
             finished(i, _run_one(specs[k], mode, seed, share))
     else:
-        pool = ProcessPoolExecutor(min(workers, len(jobs)), mp_context=multiprocessing.get_context("spawn"))
-        try:
+        with plan_pool(min(workers, len(jobs))) as pool:
             order = start_order([(mode, seed) for _, mode, _, seed in jobs]) if longest_first else range(len(jobs))
             futures = {}
             for i in order:
                 k, mode, share, seed = jobs[i]
                 futures[pool.submit(_run_one, specs[k], mode, seed, share)] = i
-            for future in as_completed(futures):
+            for future in as_completed(futures):  # a failed run fails the plan at once (plan_pool)
                 finished(futures[future], future.result())
-        except BaseException:  # a failed run (or Ctrl-C) fails the plan at once: the runs going are stopped
-            _stop_workers(pool)
-            raise
-        finally:  # and the runs not started are dropped
-            pool.shutdown(wait=True, cancel_futures=True)
     return [
         PlanResult(spec, [r for (k, *_), r in zip(jobs, runs) if k == index and r is not None])
         for index, spec in enumerate(specs)
     ]
-
-
-def _stop_workers(pool: ProcessPoolExecutor) -> None:
-    """Terminate the pool's worker processes: ``shutdown`` only cancels what has not started, and
-    would wait minutes for the runs in progress of a plan that has already failed. (The executor
-    has no public way to do this before Python 3.14's ``terminate_workers``.)"""
-    for process in list((getattr(pool, "_processes", None) or {}).values()):
-        process.terminate()
 
 
 __all__ = [
