@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 from rollfleet.client.budget import StallCount, resumed_params, room_after, token_budget
 from rollfleet.client.llm_client import LLMServerClient, WeightsMoved
-from rollfleet.client.prompt import checked_prompt
+from rollfleet.client.prompt import checked_params, checked_prompt
 from rollfleet.types import SamplingParams, StopReason, TokenOutput
 
 
@@ -52,7 +52,7 @@ class FullyAsyncLLMServerClient(LLMServerClient):
         sampling_params: Optional[SamplingParams] = None,
         **kwargs: Any,
     ) -> TokenOutput:
-        params: SamplingParams = dict(sampling_params or {})
+        params: SamplingParams = dict(checked_params(sampling_params))
         prompt = checked_prompt(prompt_ids)
         key, budget = token_budget(params, self.config.response_length, room_after(self.config.max_model_len, prompt))
 

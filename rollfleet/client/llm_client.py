@@ -22,7 +22,7 @@ from typing import Any, AsyncIterator, Optional, Union
 
 from rollfleet.client.dispatch import DISPATCH_ORDERS, DispatchGate
 from rollfleet.client.fleet_view import FleetView
-from rollfleet.client.prompt import checked_prompt
+from rollfleet.client.prompt import checked_params, checked_prompt
 from rollfleet.client.retry import RetryPolicy, is_replica_failure, is_retryable, unwrap
 from rollfleet.client.streaming import stream_generate
 from rollfleet.config import RollfleetConfig, RolloutConfig
@@ -169,7 +169,7 @@ class LLMServerClient:
         **kwargs: Any,
     ) -> TokenOutput:
         """One attempt's worth of generation (re-routed on replica failure, never on bad input)."""
-        return await self._generate(request_id, checked_prompt(prompt_ids), sampling_params, kwargs)
+        return await self._generate(request_id, checked_prompt(prompt_ids), checked_params(sampling_params), kwargs)
 
     async def _generate(
         self,

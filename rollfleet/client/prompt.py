@@ -1,4 +1,4 @@
-"""The one check a client makes of a prompt before routing it.
+"""The checks a client makes of a request before routing it: its prompt and its parameters' type.
 
 A replica validates a prompt in full (each id an integer inside its vocabulary) and names the bad
 element. Routing reads the prompt first, though: its length, and a digest of its ids that places
@@ -32,4 +32,16 @@ def checked_prompt(prompt_ids: Any) -> list[int]:
     return ids
 
 
-__all__ = ["checked_prompt"]
+def checked_params(sampling_params: Any) -> dict[str, Any]:
+    """``sampling_params`` itself (None: a new empty dict), or ``InvalidRequest`` naming it when it
+    is no dict: a string or a list of pairs failed with a bare ``AttributeError`` or
+    ``ValueError``, or was taken as its pairs where the replica refuses it. Not a copy: a client
+    that fills in a budget copies it (the caller's dict is never changed)."""
+    if sampling_params is None:
+        return {}
+    if not isinstance(sampling_params, dict):
+        raise InvalidRequest("sampling_params", "a dict", sampling_params)
+    return sampling_params
+
+
+__all__ = ["checked_prompt", "checked_params"]

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Optional, Union, cast
 
 from rollfleet.client.budget import StallCount, resumed_params, room_after, token_budget
+from rollfleet.client.prompt import checked_params
 from rollfleet.client.retry import is_replica_failure, is_retryable, unwrap
 from rollfleet.errors import NoServerAvailable, RetriesExhausted
 from rollfleet.types import ReplicaResponse, SamplingParams, TokenDelta, TokenOutput
@@ -129,7 +130,7 @@ async def stream_generate(
 ) -> AsyncIterator[Union[TokenDelta, TokenOutput]]:
     """See the module docstring."""
     await client.fleet.ensure_started()
-    params: SamplingParams = dict(sampling_params or {})
+    params: SamplingParams = dict(checked_params(sampling_params))
     key, budget = token_budget(
         params, client.config.response_length, room_after(client.config.max_model_len, prompt_ids)
     )

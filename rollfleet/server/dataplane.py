@@ -137,7 +137,7 @@ class _Connection(asyncio.Protocol):
                 if transport is None or transport.is_closing():
                     return  # the client went away: closing the stream aborts the generation
                 if isinstance(item, TokenDelta):
-                    transport.write(wire.part_frame(call_id, item))
+                    transport.write(wire.part_frame(call_id, item, self._server.allow_pickle))
                 else:
                     frame = wire.response_frame(call_id, item, self._server.allow_pickle)
         except asyncio.CancelledError:

@@ -35,11 +35,13 @@ class InflightBook:
     @contextlib.contextmanager
     def entry(self, request_id: str, engine_id: str, tokens: int, client_id: Optional[str]) -> Iterator[None]:
         """Count one request in for the duration of the block, out however the block ends."""
+        # Every lookup before any count: a key that cannot be one (the replica refuses it first)
+        # must not leave counts behind.
+        mine = self._by_client.setdefault(client_id, [0, 0]) if client_id is not None else None
         ids = self._sessions.setdefault(request_id, set())
         ids.add(engine_id)
         self.requests += 1
         self.tokens += tokens
-        mine = self._by_client.setdefault(client_id, [0, 0]) if client_id is not None else None
         if mine is not None:
             mine[0] += 1
             mine[1] += tokens

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Optional, 
 
 from rollfleet.config import RolloutConfig
 from rollfleet.engines import Engine, EngineLimits, build_engine
-from rollfleet.errors import NotSupported, ReplicaUnavailable
+from rollfleet.errors import InvalidRequest, NotSupported, ReplicaUnavailable
 from rollfleet.health import ReplicaState
 from rollfleet.server.attempts import Attempt, aborted_before_start, stamp_versions
 from rollfleet.server.inflight import InflightBook
@@ -183,6 +183,10 @@ class Replica(ReplicaTurns):
         limits = self._limits
         assert limits is not None and self._gate is not None
         try:
+            if not isinstance(request_id, str):
+                raise InvalidRequest("request_id", "a string", request_id)
+            if client_id is not None and not isinstance(client_id, str):
+                raise InvalidRequest("client_id", "a string (or none)", client_id)
             prompt = validate_prompt(prompt_ids, limits.vocab_size, limits.max_model_len)
             params = validate_sampling_params(
                 sampling_params,

@@ -48,7 +48,7 @@ def _check_keys(params: SamplingParams) -> SamplingParams:
         return params
     if not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra):
         raise InvalidRequest(f"sampling_params.{PASSTHROUGH_KEY}", "a dict of engine-specific keys", extra)
-    refuse_non_finite(extra, f"sampling_params.{PASSTHROUGH_KEY}")  # merged, nothing checks their values
+    refuse_unencodable(extra, f"sampling_params.{PASSTHROUGH_KEY}")  # merged, nothing checks their values
     clash = sorted(k for k in extra if k in params)
     if clash:
         raise InvalidRequest(
@@ -81,16 +81,36 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def refuse_non_finite(value: Any, path: str) -> None:
-    """Refuse a NaN or infinity anywhere in a nested parameter (a mapping or a list), naming its
-    path: JSON cannot carry one (orjson writes null, read as "not given"), and an engine given one
-    through Ray would use it."""
-    items = value.items() if isinstance(value, dict) else enumerate(value)
-    for key, item in items:
-        if isinstance(item, float) and not math.isfinite(item):
-            raise InvalidRequest(f"{path}.{key}", "a finite number", item)
-        if isinstance(item, (dict, list, tuple)):
-            refuse_non_finite(item, f"{path}.{key}")
+#: The integers JSON carries between the fleet's processes and to the engines (orjson's limit;
+#: vLLM's own API bounds ``seed`` alike).
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def refuse_unencodable(value: Any, path: str) -> None:
+    """Refuse what JSON cannot carry as it is, anywhere in a parameter (nested mappings and lists
+    too), naming its path: a NaN or an infinity (orjson writes null, read as "not given", and an
+    engine given one through Ray would use it) and an integer past 64 bits (orjson refuses it: a
+    bare ``TypeError`` in an engine's encoder, or one request failing a data-plane connection)."""
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise InvalidRequest(path, "a finite number", value)
+    elif isinstance(value, int) and not isinstance(value, bool):
+        if not INT64_MIN <= value <= INT64_MAX:
+            raise InvalidRequest(path, "an integer within 64 bits (-2**63 to 2**63 - 1)", value)
+    elif isinstance(value, (dict, list, tuple)):
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            refuse_unencodable(item, f"{path}.{key}")
+
+
+def refuse_unencodable_params(params: Any) -> None:
+    """:func:`refuse_unencodable` of every sampling parameter; ``params`` must be a dict (or None)."""
+    if params is None:
+        return
+    if not isinstance(params, dict):
+        raise InvalidRequest("sampling_params", "a dict", params)
+    for key, value in params.items():
+        refuse_unencodable(value, f"sampling_params.{key}")
 
 
 def _logit_bias(given: Any, vocab_size: int) -> dict[str, float]:
@@ -220,7 +240,8 @@ def validate_sampling_params(
         raise InvalidRequest(
             "sampling_params.min_new_tokens", "equal to min_tokens when both are given", params["min_new_tokens"]
         )
-    _check_range(params, "seed", None, None, integer=True)
+    for key in ("seed", "sampling_seed"):  # sampling_seed: the sim engine's name, vLLM's seed
+        _check_range(params, key, None, None, integer=True)
     if params.get("top_k") is not None:
         top_k = params["top_k"]
         if not _is_int(top_k) or (top_k < 1 and top_k not in (0, -1)):
@@ -250,9 +271,9 @@ def validate_sampling_params(
         raise InvalidRequest("sampling_params.cache_salt", "a non-empty string", salt)
     if params.get("logit_bias") is not None:
         params["logit_bias"] = _logit_bias(params["logit_bias"], vocab_size)
-    for key, value in params.items():  # passthrough, structured_outputs...: the same on every data plane
-        if isinstance(value, (dict, list, tuple)):
-            refuse_non_finite(value, f"sampling_params.{key}")
+    # Every value, nested ones too (passthrough, structured_outputs...), as the data plane's JSON
+    # carries it: the same request is refused alike through Ray and over the data plane.
+    refuse_unencodable_params(params)
     return params
 
 
@@ -260,7 +281,8 @@ __all__ = [
     "validate_prompt",
     "validate_sampling_params",
     "validate_profile_options",
-    "refuse_non_finite",
+    "refuse_unencodable",
+    "refuse_unencodable_params",
     "SAMPLING_KEYS",
     "PASSTHROUGH_KEY",
 ]

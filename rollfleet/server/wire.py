@@ -41,7 +41,7 @@ from typing import Any, Iterator, Optional
 import orjson
 
 from rollfleet import errors as _errors_module
-from rollfleet.server.validation import refuse_non_finite
+from rollfleet.server.validation import refuse_unencodable_params
 from rollfleet.types import LoadReport, ReplicaResponse, TokenDelta, TokenOutput
 
 #: rollfleet's own error types, by name: what an error frame may rebuild.
@@ -169,21 +169,19 @@ def generate_frame(
     stream: bool = False,
 ) -> bytes:
     """A GENERATE call, or with ``stream`` a STREAM call (its tokens come back in PART frames).
-    A sampling parameter that is no finite number is refused here, nested ones (``logit_bias``,
-    ``passthrough``) too: JSON has no NaN or infinity, and orjson would send it as null, which the
-    replica reads as "not given" (the same request through Ray kept its NaN)."""
-    for key, value in (sampling_params or {}).items():
-        if isinstance(value, float):
-            if not math.isfinite(value):
-                raise _errors_module.InvalidRequest(f"sampling_params.{key}", "a finite number", value)
-        elif isinstance(value, (dict, list, tuple)):
-            refuse_non_finite(value, f"sampling_params.{key}")
+    A sampling parameter JSON cannot carry as it is is refused here, nested ones (``logit_bias``,
+    ``passthrough``) too (:func:`~rollfleet.server.validation.refuse_unencodable`): orjson would
+    send a NaN as null, which the replica reads as "not given" (the same request through Ray kept
+    its NaN); ``sampling_params`` that is no dict is refused too, naming it."""
+    refuse_unencodable_params(sampling_params)
     op = STREAM if stream else GENERATE
     return pack([op, call_id, request_id, prompt_ids, sampling_params, kwargs], allow_pickle)
 
 
-def part_frame(call_id: int, delta: TokenDelta) -> bytes:
-    return pack([call_id, PART, [delta.token_ids, delta.log_probs, delta.token_versions]])
+def part_frame(call_id: int, delta: TokenDelta, allow_pickle: bool = False) -> bytes:
+    """A stream's new tokens; what JSON cannot carry is pickled only where the connection allows
+    it, as a response is (else ``NeedsPickle``: that call fails alone, its connection stays)."""
+    return pack([call_id, PART, [delta.token_ids, delta.log_probs, delta.token_versions]], allow_pickle)
 
 
 def decode_part(body: list[Any]) -> TokenDelta:

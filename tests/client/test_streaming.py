@@ -475,7 +475,8 @@ async def test_a_stream_cut_short_resumes_on_weights_no_older_than_the_tokens_it
 @pytest.mark.parametrize("policy", ["least_tokens", "prefix_affinity"])
 async def test_a_prompt_routing_cannot_read_is_refused_naming_the_field(streamed, client_cls, policy):
     """None, a number or nested lists used to fail in routing with a bare TypeError (a length, or
-    a digest of the ids), before the replica's check that names the field; nothing is counted."""
+    a digest of the ids), before the replica's check that names the field; nothing is counted.
+    Sampling parameters that are no dict likewise."""
     config = RolloutConfig(response_length=8, routing={"policy": policy})
     client = client_cls(config, servers={"a": _OnVersion("a", 0)})
     cases = [(None, "prompt_ids"), (7, "prompt_ids")]
@@ -488,6 +489,14 @@ async def test_a_prompt_routing_cannot_read_is_refused_naming_the_field(streamed
             else:
                 await client.generate("s", prompt_ids=bad, sampling_params={"max_tokens": 2})
         assert caught.value.field == field
+    # sampling_params that is no dict: a bare ValueError (dict() of a string) or taken as its pairs
+    for bad_params in ("abc", [("max_tokens", 2)]):
+        with pytest.raises(InvalidRequest) as caught:
+            if streamed:
+                await collect(client.generate_stream("s", prompt_ids=[1, 2], sampling_params=bad_params))
+            else:
+                await client.generate("s", prompt_ids=[1, 2], sampling_params=bad_params)
+        assert caught.value.field == "sampling_params"
     assert client.balancer.get_total_inflight() == 0
     # a sequence that is not a list is one still
     _, final, _ = await collect(client.generate_stream("s", prompt_ids=(1, 2), sampling_params={"max_tokens": 2}))

@@ -408,6 +408,47 @@ async def test_a_sampling_parameter_json_cannot_carry_is_refused_naming_it_not_s
         assert r._counters["requests"] == 0
 
 
+async def test_sampling_params_that_are_no_dict_are_refused_naming_them_before_anything_is_sent():
+    """``generate_frame`` read ``.items()`` of whatever it was given: a bare AttributeError."""
+    async with served_replica() as (r, handle):
+        for bad in ("abc", [("max_tokens", 4)]):
+            with pytest.raises(InvalidRequest) as err:
+                await handle.generate.remote("d", [1, 2], bad)
+            assert err.value.field == "sampling_params"
+        with pytest.raises(InvalidRequest) as err:  # an integer JSON cannot carry
+            await handle.generate.remote("d", [1, 2], {"max_tokens": 3, "seed": 2**64})
+        assert err.value.field == "sampling_params.seed"
+        assert r._counters["requests"] == 0
+
+
+async def test_a_stream_part_json_cannot_carry_fails_its_call_alone_with_pickle_off(monkeypatch):
+    """PART frames were packed with pickle allowed whatever the connection's setting: a delta
+    holding a numpy float went as a PICKLE frame, the client (pickle off) refused it and closed
+    the shared connection, failing every other call on it."""
+    import numpy as np
+
+    from rollfleet.types import TokenDelta
+
+    async with served_replica() as (r, handle):
+        real = r.engine.generate_stream
+
+        async def numpy_deltas(engine_id, prompt, params, **kw):
+            if engine_id.startswith("np-"):
+                yield TokenDelta([1], [np.float32(-0.5)], [None])
+            async for item in real(engine_id, prompt, params, **kw):
+                yield item
+
+        monkeypatch.setattr(r.engine, "generate_stream", numpy_deltas)
+        other = asyncio.ensure_future(handle.generate.remote("other", [1, 2], {"max_tokens": 40, "ignore_eos": True}))
+        with pytest.raises(Exception, match="NeedsPickle"):
+            async for _ in handle.stream_generate("np", [1, 2, 3], {"max_tokens": 8}):
+                pass
+        assert len((await other).token_ids) == 40  # the call beside it, on the same connection
+        assert len((await handle.generate.remote("after", [1, 2], {"max_tokens": 3})).token_ids) >= 1
+        assert r._data_plane.num_connections == 1
+        assert await until(lambda: r._book.requests == 0)
+
+
 async def test_a_stream_call_with_arguments_it_cannot_take_is_answered_with_an_error():
     """A STREAM frame whose kwargs were not a dict failed before the call's error handling: no
     answer ever came (the caller would hang) and the call stayed listed on the connection."""

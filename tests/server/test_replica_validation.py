@@ -75,6 +75,15 @@ BAD = [
     ([1], {"priority": "high"}, "sampling_params.priority", "an integer"),
     ([1], {"priority": 2.7}, "sampling_params.priority", "an integer"),
     ([1], {"cache_salt": 5}, "sampling_params.cache_salt", "a non-empty string"),
+    # integers JSON cannot carry (orjson: a bare TypeError in an engine's encoder), any key
+    ([1], {"seed": 2**70}, "sampling_params.seed", "64 bits"),
+    ([1], {"priority": -(2**64)}, "sampling_params.priority", "64 bits"),
+    ([1], {"top_k": 2**64}, "sampling_params.top_k", "64 bits"),
+    # sampling_seed (vLLM's seed, by its sim-engine name) was never checked; scalars of keys with no
+    # check of their own passed NaN and infinity through Ray (the data plane refused them)
+    ([1], {"sampling_seed": "abc"}, "sampling_params.sampling_seed", "an integer"),
+    ([1], {"prompt_logprobs": float("nan")}, "sampling_params.prompt_logprobs", "finite"),
+    ([1], {"truncate_prompt_tokens": float("inf")}, "sampling_params.truncate_prompt_tokens", "finite"),
 ]
 
 
@@ -117,6 +126,24 @@ async def test_bad_input_names_field_and_limit(prompt, params, field, limit):
     out = await r.generate("good", [1, 2, 3], {"max_tokens": 4, "ignore_eos": True})
     assert len(out.token_ids) == 4
     assert (await r.load()).inflight == 0
+    await r.shutdown()
+
+
+async def test_a_client_id_that_is_no_string_is_refused_and_counts_nothing():
+    """``client_id`` came unchecked: a list failed with a bare TypeError after the request was
+    counted in flight, and the count stayed (every router read the phantom load for good)."""
+    r = await replica()
+    for bad in (["c1"], {"c": 1}, 7):
+        with pytest.raises(InvalidRequest) as err:
+            await r.generate_with_load("bad", [1, 2, 3], {"max_tokens": 4}, client_id=bad)
+        assert err.value.field == "client_id"
+    with pytest.raises(InvalidRequest) as err:
+        await r.generate_with_load(["not", "an", "id"], [1, 2, 3], {"max_tokens": 4})
+    assert err.value.field == "request_id"
+    load = await r.load()
+    assert load.inflight == 0 and r._book.requests == 0 and r._book.tokens == 0
+    out = await r.generate_with_load("good", [1, 2, 3], {"max_tokens": 4, "ignore_eos": True}, client_id="c1")
+    assert len(out.output.token_ids) == 4 and out.load.inflight == 0
     await r.shutdown()
 
 
