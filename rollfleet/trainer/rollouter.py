@@ -62,8 +62,12 @@ class Rollouter:
         self.inflight: dict[int, int] = {}
         self.regenerated = 0
         self.errors = 0
+        #: The run stops when this many groups fail in a row, or one prompt fails this many times:
+        #: a prompt that always fails (too long, a tool that always breaks), its tries interleaved
+        #: with other groups' successes, was re-issued for the whole run and never trained.
         self.max_consecutive_errors = 3
         self._consecutive_errors = 0
+        self._failures: dict[int, int] = {}  # task_index -> failed tries (until one is delivered)
         self.generated_tokens = 0
 
     def start(self) -> None:
@@ -147,16 +151,21 @@ class Rollouter:
             await self.buffer.put(group)
             delivered = True
             self._consecutive_errors = 0
+            self._failures.pop(index, None)
         except asyncio.CancelledError:
             stopped = True  # the run ends or fails: the prompt stays in flight for the final checkpoint
             raise
         except Exception as exc:
             self.errors += 1
             self._consecutive_errors += 1
+            tries = self._failures[index] = self._failures.get(index, 0) + 1
             self._reissue.append(index)  # a checkpoint keeps it, even when the run stops now
             if self._consecutive_errors >= self.max_consecutive_errors:
                 logger.error("rollout failed %d times in a row; stopping: %r", self._consecutive_errors, exc)
                 await self.buffer.fail(exc)
+            elif tries >= self.max_consecutive_errors:
+                logger.error("the rollout of prompt %s failed %d times; stopping: %r", index, tries, exc)
+                await self.buffer.fail(RuntimeError(f"the rollout of prompt {index} failed {tries} times: {exc!r}"))
             else:
                 logger.warning("rollout of prompt %s failed (%r); it will be re-issued", index, exc)
         finally:

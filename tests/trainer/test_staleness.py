@@ -173,6 +173,40 @@ async def test_the_step_metrics_count_the_rollouts_that_failed():
     assert len(groups) == 2 and metrics["rollout/errors"] == 1
 
 
+async def test_a_prompt_that_always_fails_stops_the_run_though_other_groups_succeed_between():
+    """The run stopped only after 3 failures in a row: a prompt that always fails, its tries
+    interleaved with other prompts' successes, was re-issued for the whole run (50 steps, 50
+    failed tries, never trained). Now its third failure stops the run, naming it."""
+
+    class AlwaysFailsOn3(InstantAgents):
+        async def generate_sequences_single(self, sample: dict) -> Any:
+            if sample["task_index"] == 3:
+                raise ValueError("prompt too long")
+            return await super().generate_sequences_single(sample)
+
+    class Reissuing(Prompts):
+        def sample_at(self, index: int) -> dict:
+            return {"task_index": index}
+
+    clock = Clock()
+    buffer = GroupBuffer(capacity=8, max_off_policy_steps=1, strategy="drop", groups_per_version=4, version=clock)
+    rollouter = Rollouter(
+        AlwaysFailsOn3(), Reissuing(), buffer, n=2, max_inflight_groups=8, partial_rollout=True, version=clock
+    )
+    rollouter.start()
+    try:
+        with pytest.raises(
+            RuntimeError, match=r"the rollout of prompt 3 failed 3 times: ValueError\('prompt too long'\)"
+        ):
+            for _ in range(50):
+                await asyncio.wait_for(buffer.take(4), 5)
+                clock.version += 1
+                await buffer.version_changed()
+    finally:
+        await rollouter.stop()
+    assert rollouter.errors == 3 and 3 in rollouter.inflight_task_indices()  # a checkpoint keeps it
+
+
 def test_mask_strategy_takes_stale_tokens_and_exhausted_partials_out_of_the_loss():
     import torch
 
