@@ -53,6 +53,9 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.replicas is not None:
         overrides["rollout.num_replicas"] = args.replicas
     if args.time_scale is not None:  # wall-clock pacing: a virtual fleet runs unscaled whatever it says
+        if args.virtual:
+            print("rollfleet simulate: --time-scale paces against the wall clock; --virtual has none", file=sys.stderr)
+            return 2
         overrides["rollout.sim.time_scale"] = args.time_scale
     config = _load(args.config, overrides)  # unseeded, a virtual run's policy is seeded by run_simulation
     if config.rollout.name != "sim":
@@ -231,7 +234,7 @@ def _train(args: argparse.Namespace) -> int:
     try:
         train = TrainConfig.model_validate(config.trainer.model_dump())  # validated by _load already
         check_train(config, train.task)
-        writable_dir(os.path.join(train.output_dir, train.run_name), "trainer.output_dir")
+        writable_dir(os.path.join(train.output_dir, train.run_name), "trainer.output_dir / trainer.run_name")
         if config.rollout.name == "sim":
             from rollfleet.models.vocab import fit_sim_to_model
 

@@ -33,11 +33,6 @@ def check_train(config: RollfleetConfig, task: str) -> None:
     rollout = config.rollout
     if rollout.num_replicas < 1:  # nothing in training grows the fleet: every request would wait, then fail
         raise ValueError(f"rollout.num_replicas must be >= 1 to train, got {rollout.num_replicas}")
-    if task == "synthetic" and rollout.max_model_len is not None and rollout.max_model_len <= rollout.prompt_length:
-        raise ValueError(  # its prompts are prompt_length long: every response would be empty, trained on as such
-            f"rollout.max_model_len ({rollout.max_model_len}) must be > rollout.prompt_length "
-            f"({rollout.prompt_length}) to train on the synthetic task: its prompts leave no room for a response"
-        )
     agent = config.agent
     try:
         load_agent_loop_config(agent.agent_loop_config_path)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Optional
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from rollfleet.config.base import _Section
 
@@ -111,6 +111,44 @@ class SimEngineConfig(_Section):
         return self
 
 
+#: Server flags rollfleet sets from a typed field (the field to set instead): given again in
+#: ``extra_args`` they came last and won, so a server ran at a tensor parallelism placement had not
+#: reserved for, or a context the fleet's request checks did not know.
+VLLM_OWNED_FLAGS: dict[str, str] = {
+    "--model": "rollout.model",
+    "--served-model-name": "rollout.model",
+    "--max-model-len": "rollout.max_model_len",
+    "--tensor-parallel-size": "rollout.vllm.tensor_parallel_size",
+    "-tp": "rollout.vllm.tensor_parallel_size",
+    "--max-num-seqs": "rollout.vllm.max_num_seqs",
+    "--seed": "rollout.seed",
+    "--dtype": "rollout.vllm.dtype",
+    "--gpu-memory-utilization": "rollout.vllm.gpu_memory_utilization",
+    "--host": "rollout.vllm.listen",
+    "--port": "rollout.vllm.listen",
+    "--uds": "rollout.vllm.listen",
+}
+SGLANG_OWNED_FLAGS: dict[str, str] = {
+    "--model-path": "rollout.model",
+    "--tp-size": "rollout.sglang.tp_size",
+    "--tp": "rollout.sglang.tp_size",
+    "--mem-fraction-static": "rollout.sglang.mem_fraction_static",
+    "--context-length": "rollout.max_model_len",
+    "--random-seed": "rollout.seed",
+    "--host": "rollout.sglang (the replica picks its address)",
+    "--port": "rollout.sglang (the replica picks its port)",
+}
+
+
+def refuse_owned_flags(args: list[str], where: str, owned: dict[str, str]) -> list[str]:
+    """``args`` unless one of them is a flag rollfleet sets itself (``--flag`` or ``--flag=v``)."""
+    for arg in args:
+        flag = arg.split("=", 1)[0]
+        if flag in owned:
+            raise ValueError(f"{where}: {flag} is set by rollfleet from {owned[flag]}; set that instead")
+    return args
+
+
 class VLLMEngineConfig(_Section):
     """How a replica launches and talks to a vLLM OpenAI server on its node."""
 
@@ -139,6 +177,11 @@ class VLLMEngineConfig(_Section):
     extra_args: list[str] = Field(default_factory=list, description="Extra CLI args for the server.")
     extra_env: dict[str, str] = Field(default_factory=dict)
 
+    @field_validator("extra_args")
+    @classmethod
+    def _no_typed_flags(cls, args: list[str]) -> list[str]:
+        return refuse_owned_flags(args, "rollout.vllm.extra_args", VLLM_OWNED_FLAGS)
+
 
 class SGLangEngineConfig(_Section):
     """How a replica launches or reaches an SGLang server."""
@@ -151,6 +194,12 @@ class SGLangEngineConfig(_Section):
     startup_timeout_s: float = Field(600.0, gt=0)
     request_timeout_s: float = Field(600.0, gt=0)
     extra_args: list[str] = Field(default_factory=list)
+
+    @field_validator("extra_args")
+    @classmethod
+    def _no_typed_flags(cls, args: list[str]) -> list[str]:
+        return refuse_owned_flags(args, "rollout.sglang.extra_args", SGLANG_OWNED_FLAGS)
+
     vocab_size: Optional[int] = Field(
         None,
         ge=1,

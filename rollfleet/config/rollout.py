@@ -105,6 +105,17 @@ class RolloutConfig(_Section):
         return self
 
     @model_validator(mode="after")
+    def _one_attached_server(self) -> "RolloutConfig":
+        """An SGLang server given by address is one replica: several replicas on it counted its load
+        twice, and each one's pause or abort (SGLang's act on the whole server) stopped the others'."""
+        if self.name == "sglang" and self.sglang.base_url is not None and self.num_replicas > 1:
+            raise ValueError(
+                f"rollout.sglang.base_url names one running server: rollout.num_replicas must be 1 with it, "
+                f"got {self.num_replicas}"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _ports(self) -> "RolloutConfig":
         if self.data_plane_ports is not None:
             low, high = self.data_plane_ports
@@ -140,6 +151,15 @@ class RolloutConfig(_Section):
         assert self.max_model_len is not None  # set just above when it was not given
         if self.max_model_len < 2:
             raise ValueError("rollout.max_model_len must be >= 2")
+        if self.max_model_len <= self.prompt_length:
+            # a prompt of prompt_length tokens leaves no room to generate: every replica refused it
+            # mid-run, naming prompt_ids, not the config. (Below prompt_length + response_length is
+            # allowed: a multi-turn trajectory's budget is then cut where the context ends.)
+            given = "rollout.sim.max_model_len" if sim_given else "rollout.max_model_len"
+            raise ValueError(
+                f"{given} ({self.max_model_len}) must be > rollout.prompt_length ({self.prompt_length}): "
+                "a prompt of that length leaves no token to generate"
+            )
         # Kept equal whatever the engine (a plan renames a dumped vllm config's engine to sim),
         # unless this engine is not the sim and the sim section gives its own.
         own = self.name != "sim" and "max_model_len" in self.sim.model_fields_set

@@ -63,6 +63,9 @@ def ensure_ray(config: RayConfig) -> bool:
         "configure_logging": False,
     }
     if config.address:
+        sized = [k for k in ("num_cpus", "num_gpus") if getattr(config, k) is not None]
+        if sized:  # a joined cluster's resources are its nodes' (Ray refuses them with an address)
+            logger.warning("ray.%s sizes an embedded cluster only: not used when joining ray.address", sized[0])
         ray.init(address=config.address, runtime_env=job_runtime_env(config) or None, **kwargs)
         logger.info("joined the Ray cluster at %s", config.address)
     else:

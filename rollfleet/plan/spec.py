@@ -91,12 +91,6 @@ class PlanSpec:
             )
         assert rollout.max_model_len is not None  # filled in by RolloutConfig
         sim.check_holds_a_sequence(rollout.max_model_len)
-        synthetic = "task" not in self.config.trainer.model_fields_set or self.train.task == "synthetic"
-        if synthetic and rollout.max_model_len <= rollout.prompt_length:  # else every prompt is refused
-            raise ValueError(
-                f"rollout.max_model_len ({rollout.max_model_len}) must exceed rollout.prompt_length "
-                f"({rollout.prompt_length}): the plan's prompts are that long, leaving no room for a response"
-            )
 
     @property
     def train(self) -> TrainConfig:

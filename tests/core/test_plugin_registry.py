@@ -5,6 +5,7 @@ rule, the unknown-name error, lazy entries, the decorator form, third-party engi
 from __future__ import annotations
 
 import pickle
+import re
 import subprocess
 import sys
 import textwrap
@@ -322,7 +323,8 @@ def test_rollfleet_train_refuses_an_output_dir_it_cannot_write_before_starting_r
     path.write_text(f"rollout:\n  name: sim\ntrainer:\n  output_dir: {tmp_path / 'afile'}\n")
     assert main(["train", "--config", str(path)]) == 2
     assert (
-        f"rollfleet train: trainer.output_dir: {tmp_path / 'afile'} is a file, not a folder" in capsys.readouterr().err
+        f"rollfleet train: trainer.output_dir / trainer.run_name: {tmp_path / 'afile'} is a file, not a folder"
+        in capsys.readouterr().err
     )
 
 
@@ -393,10 +395,12 @@ def test_the_sim_engine_refuses_an_eos_outside_its_vocabulary_and_a_kv_cache_wit
         ValidationError, match=r"rollout.sim.eos_token_id \(100\) must be < rollout.sim.vocab_size \(16\)"
     ):
         SimEngineConfig(vocab_size=16, eos_token_id=100)
-    rollout = RolloutConfig(name="sim", max_model_len=256, sim={"kv_capacity_tokens": 250})
+    rollout = RolloutConfig(name="sim", prompt_length=128, max_model_len=256, sim={"kv_capacity_tokens": 250})
     with pytest.raises(ValueError, match=r"kv_capacity_tokens \(250, 240 in whole blocks of 16\) holds less than one"):
         SimEngine.from_config(rollout, replica_index=0)
-    SimEngine.from_config(RolloutConfig(name="sim", max_model_len=256, sim={"kv_capacity_tokens": 256}), 0)
+    SimEngine.from_config(
+        RolloutConfig(name="sim", prompt_length=128, max_model_len=256, sim={"kv_capacity_tokens": 256}), 0
+    )
 
 
 def test_fitting_the_sim_engine_to_a_model_keeps_its_vocabulary_valid_and_refuses_a_conflicting_setting(tmp_path):
@@ -462,9 +466,50 @@ def test_a_derived_max_model_len_follows_the_lengths_and_a_given_one_stays():
     assert derived.max_model_len == 1024
     derived.response_length = 10**6
     assert derived.max_model_len == 10**6 + 24
-    given = RolloutConfig(prompt_length=24, response_length=1000, max_model_len=300)
-    given.response_length = 5000
-    assert given.max_model_len == 300
+    given = RolloutConfig(prompt_length=24, response_length=1000, max_model_len=3000)
+    given.response_length = 2000
+    assert given.max_model_len == 3000
+
+
+def test_settings_a_run_would_trip_over_later_are_refused_naming_them():
+    """Each was accepted: a max_model_len no longer than prompt_length (every full-length prompt
+    refused mid-run, naming prompt_ids), several replicas on
+    one attached SGLang server (its load counted twice, one's pause stopping the other), and a
+    server flag in extra_args that rollfleet sets from a field (the last one given won: a server
+    at another tensor parallelism than placement reserved, another context than the checks knew)."""
+    from rollfleet.config import load_config
+
+    cases = [
+        ({"rollout.max_model_len": 100}, "rollout.max_model_len (100) must be > rollout.prompt_length (512)"),
+        (
+            {"rollout.name": "sim", "rollout.sim.max_model_len": 512},
+            "rollout.sim.max_model_len (512) must be > rollout.prompt_length (512)",
+        ),
+        (
+            {"rollout.name": "sglang", "rollout.sglang.base_url": "http://127.0.0.1:30000"},
+            "rollout.num_replicas must be 1 with it, got 2",
+        ),
+        (
+            {"rollout.vllm.extra_args": ["--enforce-eager", "--tensor-parallel-size", "2"]},
+            "rollout.vllm.extra_args: --tensor-parallel-size is set by rollfleet from rollout.vllm.tensor_parallel_size",
+        ),
+        (
+            {"rollout.vllm.extra_args": ["--max-model-len=4096"]},
+            "rollout.vllm.extra_args: --max-model-len is set by rollfleet from rollout.max_model_len",
+        ),
+        (
+            {"rollout.sglang.extra_args": ["--context-length", "4096"]},
+            "rollout.sglang.extra_args: --context-length is set by rollfleet from rollout.max_model_len",
+        ),
+    ]
+    for overrides, message in cases:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            load_config(None, overrides)
+    attached = load_config(
+        None, {"rollout.name": "sglang", "rollout.sglang.base_url": "http://127.0.0.1:30000", "rollout.num_replicas": 1}
+    )
+    assert attached.rollout.num_replicas == 1
+    assert load_config(None, {"rollout.vllm.extra_args": ["--enable-chunked-prefill"]}).rollout.vllm.extra_args
 
 
 def test_the_sim_engines_own_max_model_len_is_honoured_and_a_conflict_refused():
@@ -516,10 +561,10 @@ def test_an_assignment_a_validator_refuses_leaves_the_section_as_it_was():
     with pytest.raises(ValidationError, match="differs from rollout.max_model_len"):
         own.max_model_len = 300
     assert (own.max_model_len, "max_model_len" in own.model_fields_set) == (4096, False)
-    other = RolloutConfig(name="vllm", max_model_len=300, sim={"max_model_len": 4096})
+    other = RolloutConfig(name="vllm", max_model_len=600, sim={"max_model_len": 4096})
     with pytest.raises(ValidationError):
         other.name = "sim"
-    assert (other.name, other.max_model_len) == ("vllm", 300)
+    assert (other.name, other.max_model_len) == ("vllm", 600)
     other.prompt_length = 100  # a good assignment still lands
     assert other.prompt_length == 100
 

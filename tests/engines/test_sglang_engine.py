@@ -35,7 +35,7 @@ PROMPT = [11, 12, 13]
 def make_config(url: str, **sglang) -> RolloutConfig:
     section = {"base_url": url, "vocab_size": VOCAB, "startup_timeout_s": 5.0, "request_timeout_s": 10.0}
     section.update(sglang)
-    return RolloutConfig(name="sglang", model="fake/model", sglang=section)
+    return RolloutConfig(name="sglang", model="fake/model", num_replicas=1, sglang=section)
 
 
 @pytest.fixture(scope="module")

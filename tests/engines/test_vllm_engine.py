@@ -75,7 +75,7 @@ def test_omp_threads_bind():
 
 @pytest.mark.unit
 def test_from_config_and_body():
-    cfg = RolloutConfig(name="vllm", model="tiny", num_replicas=2, max_model_len=64, seed=7)
+    cfg = RolloutConfig(name="vllm", model="tiny", num_replicas=2, prompt_length=32, max_model_len=64, seed=7)
     eng = VLLMEngine.from_config(cfg, 1)
     # each replica's server its own seed: one for all drew the same noise for the same batches
     assert eng.max_model_len == 64 and eng.seed == 8 and eng.replica_index == 1

@@ -147,7 +147,7 @@ async def test_no_replica_is_503_and_timeout_is_504():
     retry = {"max_attempts": 2, "initial_backoff_s": 0.001}
     if "no_server_wait_s" in RetryConfig.model_fields:  # how long the client waits for a routable replica
         retry["no_server_wait_s"] = 0.05
-    rollout = RolloutConfig(name="sim", max_model_len=512, retry=retry)
+    rollout = RolloutConfig(name="sim", prompt_length=256, max_model_len=512, retry=retry)
     server, http = await _serve(LLMServerClient(rollout, servers={}))
     try:
         resp = await http.post("/v1/completions/tokens", json={"model": MODEL, "prompt_token_ids": [1, 2]})
