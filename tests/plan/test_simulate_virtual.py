@@ -60,6 +60,8 @@ def test_a_virtual_simulation_of_a_config_without_a_routing_seed_repeats_too():
         (["--weight-updates", "-1"], "weight_updates must be >= 0, got -1"),  # was taken as none
         (["--replicas", "0"], "rollout.num_replicas must be >= 1, got 0"),  # waited 300 s, then a traceback
         (["--sessions", "3", "--weight-updates", "3"], "weight_updates must be < sessions (3)"),  # fired fewer
+        # wall-clock pacing, taken and ignored in virtual time
+        (["--time-scale", "2"], "--time-scale paces against the wall clock; --virtual has none"),
     ],
 )
 def test_the_command_refuses_a_simulation_of_nothing_naming_the_flag(flags, says, capsys):
