@@ -109,7 +109,11 @@ class ReplicaTurns:
         ``window`` (wall-clock start and end).
         """
         started = time.time()
-        if mode == "keep" and "keep" in self.engine.update_modes and self._state != ReplicaState.SYNCING:
+        # keep only on a replica left to serve: a vLLM keep commit ends by resuming the server's
+        # scheduler, which would set generating what a paused one still held while its owner (a
+        # colocated learner) had the devices; a paused or asleep one loads as abort does, and stays so.
+        serving = not self._owner_hold and self._state not in (ReplicaState.SYNCING, ReplicaState.SLEEPING)
+        if mode == "keep" and "keep" in self.engine.update_modes and serving:
             await self.engine.commit_weights(version, "keep")
             self._keep_epoch += 1
             self._set_version(version)

@@ -290,3 +290,38 @@ async def test_the_owners_pause_while_the_engine_resumes_holds():
     await r.resume()
     assert len((await held).token_ids) >= 1
     await r.shutdown()
+
+
+async def test_a_keep_commit_on_a_replica_its_owner_paused_loads_as_abort_and_leaves_it_paused():
+    """A keep commit went to the engine whatever the owner had said: vLLM's keep commit ends by
+    resuming the server's scheduler, which set generating what the paused server still held while
+    a colocated learner had the devices. Paused or asleep by its owner, a replica now loads the
+    abort way (nothing runs there to keep) and stays held; serving, it keeps."""
+    r = await replica()
+    modes: list[str] = []
+    commit, resume = r.engine.commit_weights, r.engine.resume
+    resumed: list[bool] = []
+
+    async def recording(version, mode="abort"):
+        modes.append(mode)
+        await commit(version, mode)
+
+    async def counting() -> None:
+        resumed.append(True)
+        await resume()
+
+    r.engine.commit_weights = recording  # type: ignore[method-assign]
+    r.engine.resume = counting  # type: ignore[method-assign]
+    await r.pause()
+    await r.stage_weights(None, 2)
+    result = await r.commit_weights(2, "keep")
+    assert result["mode"] == "abort" and modes == ["abort"] and not resumed
+    assert r._state.value == "paused" and r._version == 2
+    held = asyncio.ensure_future(r.generate("held", [1, 2, 3], {"max_tokens": 2}))
+    await asyncio.sleep(0.2)
+    assert not held.done()  # still held at the gate
+    await r.resume()
+    assert len((await held).token_ids) >= 1
+    await r.stage_weights(None, 3)
+    assert (await r.commit_weights(3, "keep"))["mode"] == "keep" and modes[-1] == "keep"  # serving: kept
+    await r.shutdown()
