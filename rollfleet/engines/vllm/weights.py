@@ -245,7 +245,7 @@ class VLLMWeights:
         """start, update per file, finish (labelling ``label``); once more as a whole if a step
         failed; then the engine is dead (never resumed half-loaded)."""
         timeout = max(self.control_timeout_s, 2 * SLOW_CONTROL_S)
-        error: Optional[ReplicaUnavailable] = None
+        errors: list[ReplicaUnavailable] = []
         for attempt in (1, 2):
             try:
                 await self._rl_call("/start_weight_update", None, timeout)
@@ -258,11 +258,13 @@ class VLLMWeights:
                 raise
             except ReplicaUnavailable as e:
                 logger.warning("%s: weight update %s failed (try %d of 2): %s", self.replica_label, label, attempt, e)
-                error = e
-        reason = (f"commit_weights: loading weights {label} failed twice ({error}); the model is half-loaded "
-                  "and the server must not run again: restart it")  # fmt: skip
+                errors.append(e)
+        # Both causes: the first is what went wrong; the second is often only its echo (vLLM keeps
+        # an update it did not finish active, so the retry's start is refused as "already active").
+        reason = (f"commit_weights: loading weights {label} failed twice (first: {errors[0]}; then: {errors[-1]}); "
+                  "the model is half-loaded and the server must not run again: restart it")  # fmt: skip
         self._link.mark_dead(reason)
-        raise EngineDead(self.replica_label, reason)
+        raise EngineDead(self.replica_label, reason) from errors[0]
 
     async def _rl_call(self, path: str, body: Optional[dict[str, Any]], timeout: float) -> None:
         await self._control("POST", path, op="commit_weights", json=body, timeout=timeout, headers=FRESH_CONNECTION)
