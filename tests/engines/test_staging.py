@@ -40,6 +40,19 @@ def test_a_version_only_a_dead_replica_links_is_written_again_and_its_memory_fre
     assert not tmp_path.joinpath("fleet-x").exists()  # nothing pinned on tmpfs
 
 
+def test_a_half_written_file_of_a_replica_killed_while_writing_is_removed_by_the_next_stage(tmp_path):
+    """Killed mid-write (a stage timed out and its replica was restarted), a replica never removed
+    its temporary file: up to a whole model's copy held in tmpfs until the node rebooted."""
+    folder = tmp_path / "fleet-x"
+    folder.mkdir()
+    killed = folder / f".v5.{dead_pid()}-abcdef12.a1b2c3.tmp"
+    writing = folder / f".v5.{os.getpid()}-12345678.d4e5f6.tmp"  # a live process's write in progress
+    killed.write_bytes(b"x" * 1024)
+    writing.write_bytes(b"y")
+    StageDir(tmp_path, "fleet-x").stage({"w": torch.ones(2)}, 5)
+    assert not killed.exists() and writing.exists()
+
+
 def test_a_state_dict_given_as_pairs_is_written_whole_on_a_retry_and_an_empty_one_is_refused(tmp_path, monkeypatch):
     """The first try used up an iterable of pairs; the retry (the shared file vanished meanwhile,
     its last user released it) wrote a file of no tensors, and the load of nothing succeeded."""

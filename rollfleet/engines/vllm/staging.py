@@ -84,6 +84,7 @@ class StageDir:
         self.path.mkdir(parents=True, exist_ok=True)
         shared, mine = self.shared(version), self.link(version)
         self._sweep_dead(version)  # a file only dead replicas link is not this update's
+        self._sweep_dead_writes()
         written, started = 0, time.monotonic()
         for _ in range(3):  # the shared name can vanish between our check and our link (its last user released it)
             if not shared.exists():
@@ -131,6 +132,20 @@ class StageDir:
             if pid.isdigit() and not _alive(int(pid)):
                 (self.path / name).unlink(missing_ok=True)
         self._drop_unused(self.shared(version))
+
+    def _sweep_dead_writes(self) -> None:
+        """Remove half-written files (``.v<N>.<pid>-<id>.<id>.tmp``) of processes that are gone: a
+        replica killed while it wrote (its stage timed out, it was restarted) never reached its
+        ``finally``, and tmpfs held up to a whole model's copy until the node rebooted."""
+        try:
+            names = [n for n in os.listdir(self.path) if n.startswith(".v") and n.endswith(".tmp")]
+        except FileNotFoundError:
+            return
+        for name in names:
+            parts = name.split(".")
+            pid = parts[2].split("-", 1)[0] if len(parts) > 2 else ""
+            if pid.isdigit() and not _alive(int(pid)):
+                (self.path / name).unlink(missing_ok=True)
 
     def linked(self) -> list[int]:
         """The versions this engine holds a link to."""
