@@ -44,6 +44,12 @@ class EngineLimits:
     max_model_len: int
 
 
+#: An output's ``extra_fields`` key: an engine that cannot label its tokens' weights and knows a
+#: weight load may have happened under the request (it outlived a pause) says so, and the replica
+#: labels the tokens unknown instead of with the version the request started on.
+VERSIONS_UNKNOWN = "versions_unknown"
+
+
 @dataclass(slots=True)
 class EngineHealth:
     healthy: bool

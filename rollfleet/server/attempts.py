@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from rollfleet.engines.base import VERSIONS_UNKNOWN
 from rollfleet.types import SamplingParams, TokenOutput
 
 
@@ -57,9 +58,14 @@ def stamp_versions(
                 known.add(version)
             first = min(known) if known else version
             last = max(known) if known else version
-    elif attempt.epoch == epoch_now or (output.stop_reason == "aborted" and attempt.keep_epoch == keep_epoch_now):
+    elif attempt.epoch == epoch_now or (
+        output.stop_reason == "aborted"
+        and attempt.keep_epoch == keep_epoch_now
+        and not output.extra_fields.get(VERSIONS_UNKNOWN)
+    ):
         # No weight change during the attempt (an aborted attempt stopped before an abort-mode
-        # change; a keep-mode one goes on across it, so an attempt aborted after one is not so).
+        # change; a keep-mode one goes on across it, so an attempt aborted after one is not so;
+        # nor is one the engine says outlived the pause before a load).
         first = last = version
         output.token_versions = [version] * len(output.token_ids) if version is not None else None
     else:

@@ -30,7 +30,7 @@ from typing import Any, AsyncIterator, ClassVar, Coroutine, Mapping, Optional
 
 import httpx
 
-from rollfleet.engines.base import Engine, EngineHealth, EngineLimits, EngineLoad
+from rollfleet.engines.base import VERSIONS_UNKNOWN, Engine, EngineHealth, EngineLimits, EngineLoad
 from rollfleet.engines.http.inflight import Inflight, InflightTable
 from rollfleet.engines.http.link import Endpoint, ServerLink
 from rollfleet.engines.http.metrics import named_stats, parse_metrics
@@ -216,7 +216,7 @@ class HTTPEngine(Engine):
         self, request_id: str, prompt_ids: list[int], sampling_params: SamplingParams, **kwargs: Any
     ) -> TokenOutput:
         async with self._admitted(request_id, prompt_ids, sampling_params, kwargs) as (call, body, budget):
-            return self._counted(await self._generate(call, body, prompt_ids, budget))
+            return self._counted(await self._generate(call, body, prompt_ids, budget), call)
 
     @contextlib.asynccontextmanager
     async def _admitted(
@@ -242,8 +242,13 @@ class HTTPEngine(Engine):
             self._table.remove(call)
             self._load_cache = None
 
-    def _counted(self, out: TokenOutput) -> TokenOutput:
+    def _counted(self, out: TokenOutput, call: Optional[Inflight] = None) -> TokenOutput:
         self._counts["num_aborted" if out.stop_reason == "aborted" else "num_finished"] += 1
+        if call is not None and call.outlived_pause and out.token_versions is None:
+            # Unlabelled by the server and still running when a pause gave up on it: a commit may
+            # have loaded new weights under it. Told so, the replica labels its tokens unknown
+            # rather than the version before (server.attempts.stamp_versions).
+            out.extra_fields[VERSIONS_UNKNOWN] = True
         return out
 
     async def _generate(
@@ -293,12 +298,15 @@ class HTTPEngine(Engine):
         await self._abort(calls, everything=True)
         return len(calls)
 
-    async def _abort(self, calls: list[Inflight], everything: bool, told: bool = False) -> None:
+    async def _abort(self, calls: list[Inflight], everything: bool, told: bool = False) -> list[Inflight]:
+        """Abort ``calls``; return those still out when the wait for them gave up."""
+
         async def send(out: list[Inflight], first: bool) -> None:
             await self._send_abort([c.wire_id for c in out], everything and first)
 
-        if calls:
-            await self._table.drain(calls, send, self.is_alive, send_first=not told)
+        if not calls:
+            return []
+        return await self._table.drain(calls, send, self.is_alive, send_first=not told)
 
     async def _send_abort(self, wire_ids: list[str], everything: bool = False) -> None:
         posts = [
@@ -332,7 +340,8 @@ class HTTPEngine(Engine):
         self._table.hold("pause")
         sent = self._table.sent()  # nothing new is sent once the gate is closed
         told = await self._pause_server()
-        await self._abort(sent, everything=True, told=told)
+        for call in await self._abort(sent, everything=True, told=told):
+            call.outlived_pause = True  # a load may follow: its tokens' weights are unknown
 
     async def resume(self) -> None:
         await self._resume_server()

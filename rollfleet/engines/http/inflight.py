@@ -38,6 +38,9 @@ class Inflight:
     wire_id: str  # the id the server knows it by (unique among the calls in flight)
     tokens: int  # prompt + token budget: what the call may occupy
     sent: bool = False  # past the gate and on its way to (or at) the server
+    #: Still out when a pause gave up waiting for it: it may run on weights loaded after the pause,
+    #: so which weights sampled its tokens is unknown (unless the server labels them).
+    outlived_pause: bool = False
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -119,8 +122,9 @@ class InflightTable:
         alive: Callable[[], bool],
         *,
         send_first: bool = True,
-    ) -> None:
-        """Abort ``calls`` and wait (bounded) until the sent ones are back.
+    ) -> list[Inflight]:
+        """Abort ``calls`` and wait (bounded) until the sent ones are back; return those still out
+        when the wait gave up (none, normally).
 
         Held calls return ``aborted`` at the gate. ``send_abort(still_out, first)`` tells the
         server; with ``send_first=False`` the server has already been told (a pause) and only the
@@ -133,10 +137,10 @@ class InflightTable:
         while True:
             out = [c for c in calls if c.sent and not c.done.is_set()]
             if not out or not alive():
-                return
+                return out
             if time.monotonic() >= deadline:
                 logger.warning("%d aborted requests still out after %.1fs", len(out), DRAIN_TIMEOUT_S)
-                return
+                return out
             if send_first or not first:
                 await send_abort(out, first)
             first = False

@@ -72,7 +72,7 @@ class StreamingGenerate(_Base):
                 async for delta in self._read(call, body, reader, prompt_ids):
                     yield delta
                 try:
-                    out = self._counted(self._parse_output(reader.body(), budget))
+                    out = self._counted(self._parse_output(reader.body(), budget), call)
                 except InvalidRequest:
                     raise
                 except (ValueError, LookupError, TypeError) as e:
