@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Mapping, Optional
 
 from rollfleet.agent_loop.chat import ChatRenderer
-from rollfleet.client.budget import token_budget
+from rollfleet.client.budget import MIN_KEYS, token_budget
 from rollfleet.config import AgentConfig, GatewayConfig, RolloutConfig
 from rollfleet.errors import InvalidRequest
 from rollfleet.types import BUDGET_KEYS, SamplingParams, TokenOutput
@@ -164,9 +164,14 @@ class AgentLoopBase(ABC):
     @staticmethod
     def turn_params(sampling_params: SamplingParams, max_tokens: int) -> SamplingParams:
         """One turn's sampling parameters: the sample's, with ``max_tokens`` the turn's room (the
-        trajectory's budget keys dropped: a ``max_new_tokens`` kept beside it would differ)."""
+        trajectory's budget keys dropped: a ``max_new_tokens`` kept beside it would differ) and a
+        minimum (``min_tokens``) no higher than that room."""
         params = {k: v for k, v in sampling_params.items() if k not in BUDGET_KEYS}
         params["max_tokens"] = max_tokens
+        for key in MIN_KEYS:  # a minimum over the turn's room was refused (min_tokens <= max_tokens):
+            floor = params.get(key)  # the trajectory failed, and its batch with it
+            if isinstance(floor, int) and not isinstance(floor, bool) and floor > max_tokens:
+                params[key] = max_tokens
         return params
 
     def room_for(self, context_len: int, budget_left: int) -> int:

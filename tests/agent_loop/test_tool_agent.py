@@ -425,3 +425,67 @@ async def test_sync_tools_that_hang_hold_up_no_other_tool_call(tokenizer):
     finally:
         release.set()
         await fleet.shutdown()
+
+
+async def test_a_minimum_over_a_later_turns_room_is_lowered_to_it_not_refused(tokenizer):
+    """A sample's ``min_tokens`` went unchanged to every turn: once a turn's room fell below it, the
+    replica refused the request (min_tokens <= max_tokens) and the trajectory failed, its batch
+    with it. A turn now asks for at most its room."""
+    from rollfleet.client import LLMServerClient
+
+    call = '<tool_call>\n{"name": "lookup", "arguments": {"key": "k"}}\n</tool_call>'
+    config = sim_config(tokenizer, rollout={"prompt_length": 1024, "response_length": 200}, agent={"num_workers": 1})
+    fleet = await LocalFleet(config, client_cls=LLMServerClient).start()
+    fleet.script(ScriptedTurns.from_texts(tokenizer, [call, call, call, "The answer is 5"]))
+    rec = Recorder(fleet.client)
+    worker = AgentLoopWorker(config, client=rec, tokenizer=tokenizer, tools=[add, lookup])
+    out = await worker.run_sample(
+        {"raw_prompt": QUESTION, "agent_name": "tool_agent", "sampling_params": {"min_tokens": 190}}
+    )
+    assert len(rec.calls) >= 2 and len(out.response_ids) > 0
+    for _, _, params, _ in rec.calls:
+        assert params["min_tokens"] == min(190, params["max_tokens"])
+    assert rec.calls[1][2]["max_tokens"] < 190  # a later turn's room, under the sample's minimum
+    await fleet.shutdown()
+
+
+async def test_a_tool_instance_whose_create_outlived_its_call_is_released_when_the_trajectory_ends(tokenizer):
+    """The create() of a slow sandbox ran past ``tool_timeout_s`` (kept running, shielded); at the
+    trajectory's end it was cancelled and never released: a sandbox it had begun to allocate leaked."""
+    from rollfleet.client import LLMServerClient
+
+    live: set[str] = set()
+
+    class Sandbox(BaseTool):
+        def __init__(self) -> None:
+            super().__init__(
+                {
+                    "type": "function",
+                    "function": {"name": "sb", "description": "d", "parameters": {"type": "object", "properties": {}}},
+                }
+            )
+
+        async def create(self, instance_id: str, **kwargs: Any) -> str:
+            live.add(instance_id)  # allocated, then slow to become ready
+            await asyncio.sleep(0.3)
+            return instance_id
+
+        async def execute(self, instance_id: str, parameters: dict[str, Any]) -> str:
+            return "ok"
+
+        async def release(self, instance_id: str) -> None:
+            live.discard(instance_id)
+
+    call = '<tool_call>\n{"name": "sb", "arguments": {}}\n</tool_call>'
+    config = sim_config(
+        tokenizer,
+        rollout={"prompt_length": 1024, "response_length": 400},
+        agent={"num_workers": 1, "multi_turn": {"tool_timeout_s": 0.1}},
+    )
+    fleet = await LocalFleet(config, client_cls=LLMServerClient).start()
+    fleet.script(ScriptedTurns.from_texts(tokenizer, [call, "done"]))
+    worker = AgentLoopWorker(config, client=fleet.client, tokenizer=tokenizer, tools=[Sandbox()])
+    out = await worker.run_sample({"raw_prompt": QUESTION, "agent_name": "tool_agent"})
+    assert out.extra_fields["tool_errors"] == {"timeout": 1}
+    assert live == set()  # released by the time the trajectory is back
+    await fleet.shutdown()

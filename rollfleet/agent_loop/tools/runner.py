@@ -133,14 +133,29 @@ class ToolSession:
         teardown lost its network) held the trajectory, and a batch cancelled around it, forever."""
         releases = []
         for name, task in list(self._instances.items()):
-            if not task.done():  # a create() that outlived its timeout: stop waiting for it
-                task.cancel()
+            if not task.done():  # a create() that outlived its call's timeout: released once it is done
+                releases.append(self._release_once_created(name, task))
                 continue
             if task.cancelled() or task.exception() is not None:
                 continue  # nothing was created
             releases.append(self._release(name, task.result()))
         self._instances.clear()
         await asyncio.gather(*releases)
+
+    async def _release_once_created(self, name: str, task: "asyncio.Future[str]") -> None:
+        """A create() still running: waited for (within ``tool_timeout_s``) and its instance
+        released. Cancelled, it was never released: a sandbox it had started allocating leaked.
+        Past the wait it is cancelled and its instance id (known ahead) released all the same."""
+        timeout = self.config.tool_timeout_s
+        try:
+            instance_id = await asyncio.wait_for(asyncio.shield(task), timeout)
+        except asyncio.TimeoutError:
+            task.cancel()
+            instance_id = f"{self.trajectory_id}:{name}"
+            logger.warning("creating tool %s instance %s took over tool_timeout_s=%ss", name, instance_id, timeout)
+        except Exception:
+            return  # the create failed: nothing was created
+        await self._release(name, instance_id)
 
     async def _release(self, name: str, instance_id: str) -> None:
         timeout = self.config.tool_timeout_s
