@@ -183,6 +183,7 @@ async def main_async(args: argparse.Namespace) -> None:
                 "name": "vllm",
                 "model": "tiny",
                 "num_replicas": 1,
+                "prompt_length": 64,
                 "max_model_len": 512,
                 "response_length": args.max_tokens,
                 "data_plane": args.data_plane,

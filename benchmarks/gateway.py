@@ -226,6 +226,7 @@ async def main_async(args: argparse.Namespace, console: Console) -> list[Result]
                 "name": "sim",
                 "model": MODEL,
                 "num_replicas": args.replicas,
+                "prompt_length": 64,
                 "max_model_len": 512,
                 "response_length": MAX_TOKENS,
                 "sim": {"time_scale": 1e5},

@@ -123,6 +123,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, list[Run]]:
                 "name": "vllm",
                 "model": "tiny",
                 "num_replicas": 2,
+                "prompt_length": 32,
                 "max_model_len": args.max_tokens + 64,
                 "response_length": args.max_tokens,
                 "vllm": {"extra_args": ["--hf-overrides", f'{{"max_position_embeddings": {args.max_tokens + 64}}}']},

@@ -75,6 +75,10 @@ class ReplicaRecord:
     answered_at: float = field(default_factory=time.monotonic)
     probing: bool = False
     restarts: int = 0
+    #: When its last restart brought it back (the loop's clock), and how many times in a row it
+    #: died soon after one (within ``health.max_restart_backoff_s``): such restarts back off too.
+    restarted_at: Optional[float] = None
+    quick_deaths: int = 0
     load: Optional[LoadReport] = None
     detail: str = ""
     #: Where it runs: Ray node, that node's IP, accelerator ids (None: no devices reserved).

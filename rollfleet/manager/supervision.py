@@ -249,12 +249,20 @@ class HealthSupervisor:
             raise TimeoutError(f"{rid}: start took over health.start_timeout_s={limit:g}s") from None
 
     def _schedule_restart(self, record: ReplicaRecord) -> None:
-        if not self.config.health.auto_restart or record.replica_id in self._restart_tasks or self._closed:
-            return
         rid = record.replica_id
+        running = self._restart_tasks.get(rid)
+        # A restart that has brought it back but not yet left the table (its task ends a loop
+        # iteration or two later) is no restart in progress: it died again, it is restarted again.
+        if not self.config.health.auto_restart or (running is not None and not running.done()) or self._closed:
+            return
         task = asyncio.get_running_loop().create_task(self._restart(rid))
         self._restart_tasks[rid] = task
-        task.add_done_callback(lambda _t: self._restart_tasks.pop(rid, None))
+
+        def forget(done: "asyncio.Task[None]") -> None:
+            if self._restart_tasks.get(rid) is done:  # not a newer restart's entry
+                del self._restart_tasks[rid]
+
+        task.add_done_callback(forget)
 
     async def _restart(self, rid: str) -> None:
         """Bring ``rid`` back: a new actor on the current weights. A failed try is retried with
@@ -269,11 +277,14 @@ class HealthSupervisor:
         await self._stop_handle(record.handle, timeout_s=STOP_TIMEOUT_DEAD_S)
         record.restarts += 1
         self._set_state(record, HealthState.RESTARTING, f"restart #{record.restarts}")
+        if not await self._after_a_quick_death(record):
+            return
         lost_placements = 0
         tries = 0
         while self._restart_wanted(record):
             try:
                 await self._start_in_time(rid)
+                record.restarted_at = asyncio.get_running_loop().time()
                 return
             except InsufficientResources as exc:  # no room now: wait, visibly, and try again
                 if not self._restart_wanted(record):
@@ -290,13 +301,7 @@ class HealthSupervisor:
                     continue
                 tries += 1
                 if health.max_restart_attempts is not None and tries >= health.max_restart_attempts:
-                    logger.error("replica %s: giving up after %d restart tries: %r", rid, tries, exc)
-                    self._set_state(
-                        record, HealthState.DEAD, f"gave up after {tries} restart tries: {exc!r}", force=True
-                    )
-                    if self._placer is not None and rid != self._learner_host:
-                        self._placer.release(rid)  # nothing revisits it: its devices go back to the cluster
-                        record.placement, record.devices, record.released = None, None, True
+                    self._give_up(record, f"gave up after {tries} restart tries: {exc!r}")
                     return
                 delay = min(health.max_restart_backoff_s, health.restart_backoff_s * 2 ** (tries - 1))
                 logger.warning("replica %s: restart try %d failed (%r); next try in %.1fs", rid, tries, exc, delay)
@@ -307,6 +312,45 @@ class HealthSupervisor:
                     force=True,
                 )
                 await asyncio.sleep(delay)
+
+    async def _after_a_quick_death(self, record: ReplicaRecord) -> bool:
+        """Back off before restarting a replica that died soon after its last restart (it started,
+        then crashed on its first batch: out of memory, a bad checkpoint, a faulty device). Each
+        such restart used to start at once and count as a success, so it restarted forever with
+        no wait and no limit; now the waits double as a failed start's do, and
+        ``health.max_restart_attempts`` quick deaths in a row give it up. Returns whether to go on."""
+        health = self.config.health
+        now = asyncio.get_running_loop().time()
+        lived = None if record.restarted_at is None else now - record.restarted_at
+        if lived is None or lived >= health.max_restart_backoff_s:
+            record.quick_deaths = 0
+            return True
+        if record.node_id and record.node_id in await self._dead_nodes():
+            return True  # its node died, not it: placed elsewhere at once (its count stays)
+        record.quick_deaths += 1
+        if health.max_restart_attempts is not None and record.quick_deaths >= health.max_restart_attempts:
+            self._give_up(record, f"gave up: died within {lived:.1f}s of {record.quick_deaths} restarts in a row")
+            return False
+        delay = min(health.max_restart_backoff_s, health.restart_backoff_s * 2 ** (record.quick_deaths - 1))
+        logger.warning("replica %s died %.1fs after its restart; next start in %.1fs", record.replica_id, lived, delay)
+        self._set_state(
+            record,
+            HealthState.RESTARTING,  # not pending: it waits for no devices
+            f"died {lived:.1f}s after restart #{record.restarts - 1} ({record.quick_deaths} in a row); "
+            f"next start in {delay:.1f}s",
+            force=True,
+        )
+        await asyncio.sleep(delay)
+        return self._restart_wanted(record)
+
+    def _give_up(self, record: ReplicaRecord, why: str) -> None:
+        """Leave ``record`` dead for good, saying why; its devices go back to the cluster."""
+        rid = record.replica_id
+        logger.error("replica %s: %s", rid, why)
+        self._set_state(record, HealthState.DEAD, why, force=True)
+        if self._placer is not None and rid != self._learner_host:
+            self._placer.release(rid)  # nothing revisits it: its devices go back to the cluster
+            record.placement, record.devices, record.released = None, None, True
 
     def _restart_wanted(self, record: ReplicaRecord) -> bool:
         """Whether ``record``'s restart goes on: still a member, not being removed, the fleet not

@@ -25,7 +25,13 @@ def _start(tmp_path, name: str) -> tuple[subprocess.Popen, str]:
     config.write_text(
         yaml.safe_dump(
             {
-                "rollout": {"name": "sim", "num_replicas": 1, "max_model_len": 256, "response_length": 16},
+                "rollout": {
+                    "name": "sim",
+                    "num_replicas": 1,
+                    "prompt_length": 128,
+                    "max_model_len": 256,
+                    "response_length": 16,
+                },
                 "ray": {"num_cpus": 1},
                 "gateway": {"port": 0, "prometheus_file": str(tmp_path / f"{name}-prometheus.yml")},
             }

@@ -55,6 +55,7 @@ class Faults:
         self.hung: set[str] = set()  # control calls never return (a SIGSTOPped process)
         self.hung_methods: set[str] = set(HOOKED)  # which calls hang on a hung replica
         self.failed_starts: dict[str, int] = {}  # replica id -> starts that fail before one succeeds
+        self.crash_after_start: set[str] = set()  # every actor of these dies right after it starts
         self.starts: dict[str, int] = {}
 
 
@@ -70,7 +71,10 @@ def fleet(cfg: RolloutConfig, faults: Faults) -> tuple[FleetController, dict[str
             if faults.failed_starts.get(replica_id, 0) > 0:
                 faults.failed_starts[replica_id] -= 1
                 raise RuntimeError(f"{replica_id}: engine failed to start (injected)")
-            return await boot(*args, **kwargs)
+            started = await boot(*args, **kwargs)
+            if replica_id in faults.crash_after_start:
+                faults.dead_actors.append(replica)  # its first probe finds it dead
+            return started
 
         replica.start = start  # type: ignore[method-assign]
         for name in HOOKED:
@@ -307,6 +311,36 @@ async def test_a_restart_gives_up_after_max_restart_attempts_and_says_so():
 
     await wait_until(gave_up, "replica-0 given up after 2 tries")
     assert faults.starts["replica-0"] == 3
+    await controller.shutdown()
+
+
+async def test_a_replica_that_dies_right_after_each_start_backs_off_and_is_given_up():
+    """It started, then crashed at once (out of memory on its first batch, a bad checkpoint): each
+    restart counted as a success, so it was restarted at once, for ever, with no backoff and no
+    limit. Quick deaths now back off as failed starts do, and count against max_restart_attempts."""
+    faults = Faults()
+    controller, replicas = fleet(config(restart_backoff_s=0.1, max_restart_attempts=3), faults)
+    await controller.launch(2)
+    faults.crash_after_start.add("replica-1")
+    faults.dead_actors.append(replicas["replica-1"])  # the first crash
+
+    async def backing_off() -> bool:
+        return (
+            "after restart #1 (1 in a row); next start in 0.1s"
+            in (await controller.status()).replicas["replica-1"].detail
+        )
+
+    await wait_until(backing_off, "replica-1 backing off after dying right after its restart")
+
+    async def gave_up() -> bool:
+        r = (await controller.status()).replicas["replica-1"]
+        return r.state == "dead" and "of 3 restarts in a row" in r.detail
+
+    await wait_until(gave_up, "replica-1 given up after dying right after 3 restarts")
+    assert faults.starts["replica-1"] == 4  # the first start, then three restarts, each dead at once
+    await asyncio.sleep(0.5)
+    assert faults.starts["replica-1"] == 4  # and no more
+    assert "replica-0" in (await controller.snapshot()).routable_ids()
     await controller.shutdown()
 
 

@@ -51,7 +51,13 @@ def test_an_embedded_fleet_listens_on_loopback_only(tmp_path):
     config.write_text(
         yaml.safe_dump(
             {
-                "rollout": {"name": "sim", "num_replicas": 2, "max_model_len": 256, "response_length": 16},
+                "rollout": {
+                    "name": "sim",
+                    "num_replicas": 2,
+                    "prompt_length": 128,
+                    "max_model_len": 256,
+                    "response_length": 16,
+                },
                 "ray": {"num_cpus": 2},
                 "gateway": {"port": 0},
             }
