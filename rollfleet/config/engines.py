@@ -194,15 +194,14 @@ class SGLangEngineConfig(_Section):
     startup_timeout_s: float = Field(600.0, gt=0)
     request_timeout_s: float = Field(600.0, gt=0)
     extra_args: list[str] = Field(default_factory=list)
-
-    @field_validator("extra_args")
-    @classmethod
-    def _no_typed_flags(cls, args: list[str]) -> list[str]:
-        return refuse_owned_flags(args, "rollout.sglang.extra_args", SGLANG_OWNED_FLAGS)
-
     vocab_size: Optional[int] = Field(
         None,
         ge=1,
         description="Vocabulary size for input validation. SGLang's HTTP API does not report it; when "
         "None it is read from the model's config.json (local folder or Hugging Face cache).",
     )
+
+    @field_validator("extra_args")
+    @classmethod
+    def _no_typed_flags(cls, args: list[str]) -> list[str]:
+        return refuse_owned_flags(args, "rollout.sglang.extra_args", SGLANG_OWNED_FLAGS)

@@ -18,7 +18,9 @@ Memory is bounded: ``gateway.max_sessions`` sessions (least recently used evicte
 (the oldest dropped first: a caller that sends every conversation under one id, OpenAI's ``user``
 field, would otherwise grow one session for ever, touched too often to expire); every eviction is
 counted. A branch itself is bounded by the context, each turn extending the last, and holds it
-once: a turn keeps only the ids it added (:class:`Turn`). Ended sessions leave a tombstone so that a late reward or trajectory request is told "ended", not "unknown".
+once: a turn keeps only the ids it added (:class:`Turn`). Ended sessions leave a tombstone so that
+a late reward or trajectory request is told "ended", not "unknown"; a closed one
+(:meth:`TrajectoryStore.close`) also refuses new chat requests.
 """
 
 from __future__ import annotations

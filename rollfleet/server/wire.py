@@ -169,10 +169,10 @@ def generate_frame(
     stream: bool = False,
 ) -> bytes:
     """A GENERATE call, or with ``stream`` a STREAM call (its tokens come back in PART frames).
-    A sampling parameter JSON cannot carry as it is is refused here, nested ones (``logit_bias``,
-    ``passthrough``) too (:func:`~rollfleet.server.validation.refuse_unencodable`): orjson would
-    send a NaN as null, which the replica reads as "not given" (the same request through Ray kept
-    its NaN); ``sampling_params`` that is no dict is refused too, naming it."""
+    A sampling parameter that JSON cannot carry unchanged is refused here, nested ones
+    (``logit_bias``, ``passthrough``) too (:func:`~rollfleet.server.validation.refuse_unencodable`):
+    orjson would send a NaN as null, which the replica reads as "not given" (the same request
+    through Ray kept its NaN); ``sampling_params`` that is no dict is refused too, naming it."""
     refuse_unencodable_params(sampling_params)
     op = STREAM if stream else GENERATE
     return pack([op, call_id, request_id, prompt_ids, sampling_params, kwargs], allow_pickle)
