@@ -25,6 +25,7 @@ a late reward or trajectory request is told "ended", not "unknown"; a closed one
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections import OrderedDict
@@ -95,9 +96,7 @@ class Turn:
 
     def choosing(self, chosen: int) -> "Turn":
         """A copy marking ``chosen`` (a fork's; its prompt is shared, never changed)."""
-        twin = Turn.__new__(Turn)
-        for name in Turn.__slots__:
-            setattr(twin, name, getattr(self, name))
+        twin = copy.copy(self)
         twin.chosen = chosen
         return twin
 

@@ -303,7 +303,7 @@ class HealthSupervisor:
                 if health.max_restart_attempts is not None and tries >= health.max_restart_attempts:
                     self._give_up(record, f"gave up after {tries} restart tries: {exc!r}")
                     return
-                delay = min(health.max_restart_backoff_s, health.restart_backoff_s * 2 ** (tries - 1))
+                delay = self._restart_backoff_s(tries)
                 logger.warning("replica %s: restart try %d failed (%r); next try in %.1fs", rid, tries, exc, delay)
                 self._set_state(
                     record,
@@ -314,11 +314,10 @@ class HealthSupervisor:
                 await asyncio.sleep(delay)
 
     async def _after_a_quick_death(self, record: ReplicaRecord) -> bool:
-        """Back off before restarting a replica that died soon after its last restart (it started,
-        then crashed on its first batch: out of memory, a bad checkpoint, a faulty device). Each
-        such restart used to start at once and count as a success, so it restarted forever with
-        no wait and no limit; now the waits double as a failed start's do, and
-        ``health.max_restart_attempts`` quick deaths in a row give it up. Returns whether to go on."""
+        """Back off before restarting a replica that died soon after its last restart (out of
+        memory on its first batch, a bad checkpoint): such restarts went on at once, for ever. The
+        waits double as a failed start's, and ``max_restart_attempts`` in a row give it up.
+        Returns whether to go on."""
         health = self.config.health
         now = asyncio.get_running_loop().time()
         lived = None if record.restarted_at is None else now - record.restarted_at
@@ -331,7 +330,7 @@ class HealthSupervisor:
         if health.max_restart_attempts is not None and record.quick_deaths >= health.max_restart_attempts:
             self._give_up(record, f"gave up: died within {lived:.1f}s of {record.quick_deaths} restarts in a row")
             return False
-        delay = min(health.max_restart_backoff_s, health.restart_backoff_s * 2 ** (record.quick_deaths - 1))
+        delay = self._restart_backoff_s(record.quick_deaths)
         logger.warning("replica %s died %.1fs after its restart; next start in %.1fs", record.replica_id, lived, delay)
         self._set_state(
             record,
@@ -342,6 +341,11 @@ class HealthSupervisor:
         )
         await asyncio.sleep(delay)
         return self._restart_wanted(record)
+
+    def _restart_backoff_s(self, failures: int) -> float:
+        """The wait after ``failures`` in a row (failed starts, or quick deaths), doubling to its cap."""
+        health = self.config.health
+        return min(health.max_restart_backoff_s, health.restart_backoff_s * 2 ** (failures - 1))
 
     def _give_up(self, record: ReplicaRecord, why: str) -> None:
         """Leave ``record`` dead for good, saying why; its devices go back to the cluster."""

@@ -111,6 +111,26 @@ class Prompts:
         return {"task_index": self.index - 1}
 
 
+class ReissuingPrompts(Prompts):
+    """Prompts, a failed one of which is taken again by its index."""
+
+    def sample_at(self, index: int) -> dict:
+        return {"task_index": index}
+
+
+def reissuing_rollouter(agents: Any, *, groups_per_version: int, max_inflight_groups: int) -> tuple:
+    """A drop-strategy buffer (bound 1) and a rollouter of ``agents`` over re-issuable prompts."""
+    clock = Clock()
+    buffer = GroupBuffer(
+        capacity=8, max_off_policy_steps=1, strategy="drop", groups_per_version=groups_per_version, version=clock
+    )
+    rollouter = Rollouter(
+        agents, ReissuingPrompts(), buffer, n=2, max_inflight_groups=max_inflight_groups, partial_rollout=True,
+        version=clock,
+    )  # fmt: skip
+    return clock, buffer, rollouter
+
+
 @pytest.mark.parametrize("strategy", ["drop", "wait", "mask"])
 async def test_every_strategy_keeps_the_rollouter_within_the_bound_ahead_of_the_learner(strategy: str):
     """A rollouter that outpaces its learner starts no group that could only be trained past the
@@ -153,15 +173,7 @@ async def test_the_step_metrics_count_the_rollouts_that_failed():
                 raise RuntimeError("this trajectory failed")
             return await super().generate_sequences_single(sample)
 
-    class Reissuing(Prompts):
-        def sample_at(self, index: int) -> dict:
-            return {"task_index": index}
-
-    clock = Clock()
-    buffer = GroupBuffer(capacity=8, max_off_policy_steps=1, strategy="drop", groups_per_version=2, version=clock)
-    rollouter = Rollouter(
-        FailsOnce(), Reissuing(), buffer, n=2, max_inflight_groups=4, partial_rollout=True, version=clock
-    )
+    clock, buffer, rollouter = reissuing_rollouter(FailsOnce(), groups_per_version=2, max_inflight_groups=4)
     trainer = SeparateAsyncTrainer.__new__(SeparateAsyncTrainer)  # its sampling hook alone, no fleet
     trainer.buffer, trainer.rollouter = buffer, rollouter
     trainer.train = SimpleNamespace(train_batch_size=2)
@@ -184,15 +196,7 @@ async def test_a_prompt_that_always_fails_stops_the_run_though_other_groups_succ
                 raise ValueError("prompt too long")
             return await super().generate_sequences_single(sample)
 
-    class Reissuing(Prompts):
-        def sample_at(self, index: int) -> dict:
-            return {"task_index": index}
-
-    clock = Clock()
-    buffer = GroupBuffer(capacity=8, max_off_policy_steps=1, strategy="drop", groups_per_version=4, version=clock)
-    rollouter = Rollouter(
-        AlwaysFailsOn3(), Reissuing(), buffer, n=2, max_inflight_groups=8, partial_rollout=True, version=clock
-    )
+    clock, buffer, rollouter = reissuing_rollouter(AlwaysFailsOn3(), groups_per_version=4, max_inflight_groups=8)
     rollouter.start()
     try:
         with pytest.raises(
